@@ -1,0 +1,72 @@
+"""The ``longtrain`` command: ``doctor`` (what can run here and why not)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Each module that has backends exposes ``backend_status() -> list[tuple[str, str | None]]``:
+# (backend name, None when available else the reason it is not).
+BACKEND_MODULES: tuple[tuple[str, str], ...] = (
+    ("blockdiag_cp", "longtrain.blockdiag_cp.backends"),
+    ("dsa", "longtrain.dsa.ops"),
+    ("prewarm", "longtrain.prewarm"),
+)
+
+
+def _table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    line = "  ".join("-" * w for w in widths)
+    out = ["  ".join(str(h).ljust(w) for h, w in zip(header, widths)), line]
+    out += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(out)
+
+
+def doctor_rows() -> list[tuple[str, str, str, str]]:
+    """``(module, backend, "yes"/"no", reason)`` for every backend of every module."""
+    rows: list[tuple[str, str, str, str]] = []
+    for label, module_name in BACKEND_MODULES:
+        module = importlib.import_module(module_name)
+        for backend, reason in module.backend_status():
+            rows.append((label, backend, "no" if reason else "yes", reason or ""))
+    return rows
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    import torch
+
+    from longtrain import __version__, _optional
+
+    print(f"longtrain {__version__} | torch {torch.__version__} | python {sys.version.split()[0]}")
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        print(f"device: {props.name} (SM{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB)")
+    else:
+        print("device: CPU only (no CUDA device visible)")
+    print()
+    print("optional packages")
+    pkg_rows = [(name, "yes" if ok else "no", reason) for name, ok, reason in _optional.package_table()]
+    print(_table(pkg_rows, ("package", "available", "reason")))
+    print()
+    print("backends")
+    print(_table(doctor_rows(), ("module", "backend", "available", "reason")))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="longtrain", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("doctor", help="show which backends of every module can run here, and why not")
+    p.set_defaults(func=cmd_doctor)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
