@@ -1,0 +1,252 @@
+"""Runtime knobs and the per-step state of block-diagonal context parallelism.
+
+Two process-wide knobs choose how ``cp_blockdiag_sdpa`` works: the varlen attention backend
+(``auto``, ``flash``, ``te``, ``cudnn``, ``flex``, ``reference`` or ``dense``) and the K/V exchange
+(``allgather``, ``halo`` or ``a2a``). ``configure_cp_varlen`` sets them; the batch builder snapshots them
+into every step state.
+
+The step state lives in a :class:`_ThreadSharedVar`, not a ``ContextVar``: autograd runs
+activation-checkpoint recompute on its own worker thread, where a ``ContextVar`` would read its default
+and the recomputed attention would silently run local-only.
+
+This module imports nothing else from the package at import time (``kernels`` is imported lazily by
+``configure_cp_varlen``), so every other module can import it without cycles.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "ATTN_BACKEND_AUTO",
+    "ATTN_BACKEND_CUDNN",
+    "ATTN_BACKEND_DEFAULT",
+    "ATTN_BACKEND_DENSE",
+    "ATTN_BACKEND_FLASH",
+    "ATTN_BACKEND_FLEX",
+    "ATTN_BACKEND_REFERENCE",
+    "ATTN_BACKEND_SYNONYMS",
+    "ATTN_BACKEND_TE",
+    "ATTN_BACKEND_VALUES",
+    "KV_EXCHANGE_A2A",
+    "KV_EXCHANGE_ALLGATHER",
+    "KV_EXCHANGE_DEFAULT",
+    "KV_EXCHANGE_HALO",
+    "KV_EXCHANGE_SYNONYMS",
+    "KV_EXCHANGE_VALUES",
+    "VARLEN_ATTN_BACKENDS",
+    "BlockdiagCpModelState",
+    "configure_cp_varlen",
+    "cp_attn_fire_count",
+    "cp_varlen_runtime_config",
+    "current_blockdiag_cp_state",
+    "normalize_attn_backend",
+    "normalize_kv_exchange",
+    "reset_cp_attn_fire_count",
+]
+
+ATTN_BACKEND_AUTO = "auto"
+ATTN_BACKEND_FLASH = "flash"
+ATTN_BACKEND_TE = "te"
+ATTN_BACKEND_CUDNN = "cudnn"
+ATTN_BACKEND_FLEX = "flex"
+ATTN_BACKEND_REFERENCE = "reference"
+ATTN_BACKEND_DENSE = "dense"
+
+KV_EXCHANGE_ALLGATHER = "allgather"
+KV_EXCHANGE_HALO = "halo"
+KV_EXCHANGE_A2A = "a2a"
+
+# Canonical name -> accepted spellings (after cleaning: stripped, lower-cased, '-' -> '_'). Every canonical
+# name is a synonym of itself. The key order is the canonical order used by docs and config schemas.
+ATTN_BACKEND_SYNONYMS: dict[str, tuple[str, ...]] = {
+    ATTN_BACKEND_AUTO: ("auto", "default", "fastest"),
+    ATTN_BACKEND_FLASH: ("flash", "flash_attn", "flash_attention", "flash_attention_2", "fa2", "fa"),
+    ATTN_BACKEND_TE: ("te", "transformer_engine", "transformerengine"),
+    ATTN_BACKEND_CUDNN: ("cudnn", "cudnn_sdpa", "cudnn_attention", "cudnn_frontend"),
+    ATTN_BACKEND_FLEX: ("flex", "flex_attention", "flexattention"),
+    ATTN_BACKEND_REFERENCE: ("reference", "ref", "torch_reference", "torch_ref", "per_document_sdpa"),
+    ATTN_BACKEND_DENSE: ("dense", "sdpa", "torch_sdpa", "masked_sdpa"),
+}
+KV_EXCHANGE_SYNONYMS: dict[str, tuple[str, ...]] = {
+    KV_EXCHANGE_ALLGATHER: ("allgather", "all_gather"),
+    KV_EXCHANGE_HALO: ("halo", "neighbor", "neighbour", "needed", "needed_only"),
+    KV_EXCHANGE_A2A: ("a2a", "a2av", "all_to_all", "alltoall", "all_to_all_v", "needed_a2a"),
+}
+
+ATTN_BACKEND_VALUES: tuple[str, ...] = tuple(ATTN_BACKEND_SYNONYMS)
+KV_EXCHANGE_VALUES: tuple[str, ...] = tuple(KV_EXCHANGE_SYNONYMS)
+# The backends that run a varlen kernel (everything but "dense"; "auto" resolves to one of them or dense).
+VARLEN_ATTN_BACKENDS: tuple[str, ...] = (
+    ATTN_BACKEND_FLASH,
+    ATTN_BACKEND_TE,
+    ATTN_BACKEND_CUDNN,
+    ATTN_BACKEND_FLEX,
+    ATTN_BACKEND_REFERENCE,
+)
+
+# Deliberate deviation from the kernel page's "flash": "auto" picks the fastest backend available for the
+# call's dtype and device (flash on a GPU with bf16, the per-document torch reference on CPU).
+ATTN_BACKEND_DEFAULT = ATTN_BACKEND_AUTO
+KV_EXCHANGE_DEFAULT = KV_EXCHANGE_ALLGATHER
+
+_ATTN_BACKEND_BY_SYNONYM = {syn: canon for canon, syns in ATTN_BACKEND_SYNONYMS.items() for syn in syns}
+_KV_EXCHANGE_BY_SYNONYM = {syn: canon for canon, syns in KV_EXCHANGE_SYNONYMS.items() for syn in syns}
+_DEFAULT_SPELLINGS = ("", "auto", "default")
+
+
+def _clean(value: object) -> str:
+    return str(value).strip().lower().replace("-", "_")
+
+
+def _normalize(value: object, by_synonym: dict[str, str], values: tuple[str, ...], default: str, what: str) -> str:
+    if value is None:
+        return default
+    cleaned = _clean(value)
+    if cleaned in _DEFAULT_SPELLINGS:
+        return default
+    canon = by_synonym.get(cleaned)
+    if canon is None:
+        synonyms = ", ".join(sorted(set(by_synonym) - set(values)))
+        raise ValueError(
+            f"Unsupported block-diagonal CP {what} {value!r}; expected one of {', '.join(values)} "
+            f"(or a synonym: {synonyms})"
+        )
+    return canon
+
+
+def normalize_attn_backend(value: object) -> str:
+    """Canonical attention-backend name for ``value`` (a synonym, any case, '-' or '_').
+
+    ``None``, ``""``, ``"auto"`` and ``"default"`` give :data:`ATTN_BACKEND_DEFAULT` (``"auto"``).
+    Raises ``ValueError`` listing the valid names for anything else.
+    """
+    return _normalize(value, _ATTN_BACKEND_BY_SYNONYM, ATTN_BACKEND_VALUES, ATTN_BACKEND_DEFAULT, "attention backend")
+
+
+def normalize_kv_exchange(value: object) -> str:
+    """Canonical K/V-exchange name for ``value``; ``None``/``""``/``"auto"``/``"default"`` give ``"allgather"``.
+
+    Raises ``ValueError`` listing the valid names for anything else.
+    """
+    return _normalize(value, _KV_EXCHANGE_BY_SYNONYM, KV_EXCHANGE_VALUES, KV_EXCHANGE_DEFAULT, "kv_exchange")
+
+
+_ATTN_BACKEND: str = ATTN_BACKEND_DEFAULT
+_KV_EXCHANGE: str = KV_EXCHANGE_DEFAULT
+
+
+def cp_varlen_runtime_config() -> dict[str, str]:
+    """The current knobs as ``{"attn_backend": ..., "kv_exchange": ...}`` (canonical names)."""
+    return {"attn_backend": _ATTN_BACKEND, "kv_exchange": _KV_EXCHANGE}
+
+
+def configure_cp_varlen(
+    *, attn_backend: str | None = ATTN_BACKEND_DEFAULT, kv_exchange: str | None = KV_EXCHANGE_DEFAULT
+) -> dict[str, str]:
+    """Set the process-wide attention backend and K/V exchange used by the next CP steps.
+
+    Both values are normalised before anything changes, so an invalid value leaves the knobs untouched.
+    Returns the previous settings: ``configure_cp_varlen(**previous)`` restores them exactly. A step
+    already built keeps the snapshot taken when its batch was sharded.
+    """
+    global _ATTN_BACKEND, _KV_EXCHANGE
+    backend = _require_provided(normalize_attn_backend(attn_backend))
+    exchange = normalize_kv_exchange(kv_exchange)
+    previous = cp_varlen_runtime_config()
+    if (backend, exchange) != (_ATTN_BACKEND, _KV_EXCHANGE):
+        _ATTN_BACKEND, _KV_EXCHANGE = backend, exchange
+        # Re-arm the kernels' one-time "varlen engaged" log so the new configuration announces itself.
+        kernels = importlib.import_module(f"{__package__}.kernels")
+        if hasattr(kernels, "_CP_FLASH_ENGAGED"):
+            kernels._CP_FLASH_ENGAGED = False
+    return previous
+
+
+def _require_provided(backend: str) -> str:
+    """``backend`` if the installed kernels module provides it, else a ``ValueError`` naming the ones it does."""
+    if backend in (ATTN_BACKEND_AUTO, ATTN_BACKEND_DENSE):
+        return backend
+    provided = importlib.import_module(f"{__package__}.backends").VARLEN_BACKENDS
+    if backend not in provided:
+        raise ValueError(
+            f"block-diagonal CP attention backend {backend!r} is a known name but longtrain.blockdiag_cp.backends "
+            f"does not provide it; choose one of {', '.join((ATTN_BACKEND_AUTO, *provided, ATTN_BACKEND_DENSE))}"
+        )
+    return backend
+
+
+@dataclass(frozen=True)
+class BlockdiagCpModelState:
+    """The typed view of a CP step that model layers (e.g. linear-attention CP paths) read.
+
+    ``group``: the CP process group. ``packed_cu_seqlens``: ``[n_runs+1] int64`` document-run boundaries of the
+    flattened padded row on the compute device (the padding tail is its own run). ``packed_cu_seqlens_cpu``:
+    the same on the host, copied once per step.
+    """
+
+    group: Any
+    packed_cu_seqlens: torch.Tensor
+    packed_cu_seqlens_cpu: torch.Tensor
+
+
+class _ThreadSharedVar:
+    """A ContextVar-like slot holding one value for the whole process, visible from every thread.
+
+    ``set`` returns the previous value as the token and ``reset(token)`` restores it, so nesting works.
+    Not safe for concurrent writers: steps run one after another and backward only reads.
+    """
+
+    __slots__ = ("_name", "_value")
+
+    def __init__(self, name: str):
+        self._name = name
+        self._value: Any = None
+
+    def get(self) -> Any:
+        return self._value
+
+    def set(self, value: Any) -> Any:
+        token = self._value
+        self._value = value
+        return token
+
+    def reset(self, token: Any) -> None:
+        self._value = token
+
+    def __repr__(self) -> str:
+        return f"_ThreadSharedVar({self._name!r}, set={self._value is not None})"
+
+
+_CP_BLOCKDIAG_STATE = _ThreadSharedVar("cp_blockdiag_state")
+_CP_ATTN_FIRE_COUNT = [0]
+# The last step state whose context exited after CP attention ran with grad enabled; used to turn an
+# activation-checkpoint recompute that runs after the context exited into a clear error (see runtime).
+_CP_LAST_EXITED_STATE = _ThreadSharedVar("cp_blockdiag_last_exited_state")
+
+
+def current_blockdiag_cp_state() -> BlockdiagCpModelState | None:
+    """The active step's :class:`BlockdiagCpModelState`, or None outside a CP context.
+
+    Also None for a hand-built step state that carries no ``model_state``.
+    """
+    state = _CP_BLOCKDIAG_STATE.get()
+    if state is None:
+        return None
+    model_state = state.get("model_state")
+    return model_state if isinstance(model_state, BlockdiagCpModelState) else None
+
+
+def reset_cp_attn_fire_count() -> None:
+    """Zero the counter of CP-path attention calls (forward and recompute)."""
+    _CP_ATTN_FIRE_COUNT[0] = 0
+
+
+def cp_attn_fire_count() -> int:
+    """How many times ``cp_blockdiag_sdpa`` took the CP path since the last reset (lets a recipe fail loud
+    when CP is on but attention never went through it)."""
+    return _CP_ATTN_FIRE_COUNT[0]
