@@ -21,12 +21,13 @@ from typing import Any
 import torch
 
 from longtrain.dsa import reference
+from longtrain.dsa.cudnn_dsa import _MAX_TOPK as MAX_TOPK
+from longtrain.dsa.cudnn_dsa import _validate_topk
 from longtrain.dsa.metadata import CudnnDsaPackedMetadata, check_dsa_metadata, prepare_dsa_metadata
 
 __all__ = ["BACKENDS", "MAX_TOPK", "backend_status", "indexer_topk", "resolve_backend", "sparse_mla_attention"]
 
 BACKENDS = ("auto", "triton", "cudnn", "torch")
-MAX_TOPK = 2048
 _INT32_LIMIT = 2**31 - 1
 #: Elements of the largest intermediate one chunk of the torch backend may materialise.
 _TORCH_CHUNK_ELEMENTS = 1 << 25
@@ -113,13 +114,6 @@ def _check_same_device(device: torch.device, **tensors: torch.Tensor | None) -> 
     for name, tensor in tensors.items():
         if tensor is not None and tensor.device != device:
             raise ValueError(f"{name} is on {tensor.device} but q is on {device}; move every input to one device.")
-
-
-def _validate_topk(index_topk: int) -> None:
-    if isinstance(index_topk, bool) or not isinstance(index_topk, int):
-        raise TypeError(f"index_topk must be a Python int, got {type(index_topk).__name__}.")
-    if not 1 <= index_topk <= MAX_TOPK:
-        raise ValueError(f"index_topk must be in [1, {MAX_TOPK}], got {index_topk}.")
 
 
 def indexer_topk(
@@ -354,6 +348,7 @@ def sparse_mla_attention(
     if chosen == "cudnn":
         from longtrain.dsa import cudnn_dsa
 
+        cudnn_dsa._require_available()
         if attn_sink is not None or d_v != 512:
             raise ValueError(
                 f"backend='cudnn' supports d_v=512 without attn_sink (GLM-5.2), got d_v={d_v}, "
@@ -379,9 +374,27 @@ def sparse_mla_attention(
     return _SparseMLATorch.apply(q, kv, indices, float(softmax_scale), d_v, topk_length, attn_sink)
 
 
-def _sparse_rows_per_chunk(q: torch.Tensor, indices: torch.Tensor) -> int:
+def _row_chunks(q: torch.Tensor, indices: torch.Tensor) -> list[slice]:
+    """Row slices whose gathered keys ``[R, K, D_qk]`` and logits ``[R, H, K]`` fit the chunk budget."""
     per_row = indices.shape[1] * (q.shape[2] + 2 * q.shape[1])
-    return max(1, _TORCH_CHUNK_ELEMENTS // per_row)
+    rows = max(1, _TORCH_CHUNK_ELEMENTS // per_row)
+    return [slice(first, first + rows) for first in range(0, q.shape[0], rows)]
+
+
+def _reference_rows(
+    part: slice,
+    q_part: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    d_v: int,
+    topk_length: torch.Tensor | None,
+    attn_sink: torch.Tensor | None,
+) -> torch.Tensor:
+    lengths = None if topk_length is None else topk_length[part]
+    return reference.sparse_mla_reference(
+        q_part, kv, indices[part], softmax_scale, d_v=d_v, topk_length=lengths, attn_sink=attn_sink
+    )[0]
 
 
 def sparse_mla_torch_fwd(
@@ -395,19 +408,9 @@ def sparse_mla_torch_fwd(
 ) -> torch.Tensor:
     """Forward of the torch backend: the reference on row chunks (no graph kept)."""
     out = q.new_empty((q.shape[0], q.shape[1], d_v))
-    rows = _sparse_rows_per_chunk(q, indices)
     with torch.no_grad():
-        for first in range(0, q.shape[0], rows):
-            part = slice(first, first + rows)
-            out[part] = reference.sparse_mla_reference(
-                q[part],
-                kv,
-                indices[part],
-                softmax_scale,
-                d_v=d_v,
-                topk_length=None if topk_length is None else topk_length[part],
-                attn_sink=attn_sink,
-            )[0]
+        for part in _row_chunks(q, indices):
+            out[part] = _reference_rows(part, q[part], kv, indices, softmax_scale, d_v, topk_length, attn_sink)
     return out
 
 
@@ -426,22 +429,12 @@ def sparse_mla_torch_bwd(
     grad_q = torch.zeros_like(q) if needs[0] else None
     grad_kv = torch.zeros_like(kv) if needs[1] else None
     grad_sink = torch.zeros_like(attn_sink) if needs[2] and attn_sink is not None else None
-    rows = _sparse_rows_per_chunk(q, indices)
-    for first in range(0, q.shape[0], rows):
-        part = slice(first, first + rows)
+    for part in _row_chunks(q, indices):
         with torch.enable_grad():
             q_part = q[part].detach().requires_grad_(needs[0])
             kv_leaf = kv.detach().requires_grad_(needs[1])
             sink_leaf = None if attn_sink is None else attn_sink.detach().requires_grad_(grad_sink is not None)
-            out = reference.sparse_mla_reference(
-                q_part,
-                kv_leaf,
-                indices[part],
-                softmax_scale,
-                d_v=d_v,
-                topk_length=None if topk_length is None else topk_length[part],
-                attn_sink=sink_leaf,
-            )[0]
+            out = _reference_rows(part, q_part, kv_leaf, indices, softmax_scale, d_v, topk_length, sink_leaf)
             inputs = [
                 t for t, need in ((q_part, needs[0]), (kv_leaf, needs[1]), (sink_leaf, grad_sink is not None)) if need
             ]
