@@ -1,0 +1,94 @@
+"""Autotune warmup for longtrain's own DeepSeek Sparse Attention Triton kernels."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from longtrain.prewarm._common import _log, _log_failure, _note_shapes, _note_skip, _pkg, _release, _rng_neutral, _skip
+
+DSA_SHAPE_KEYS = ("num_heads", "d_qk", "d_v", "topk", "index_heads", "index_dim", "dtype")
+DSAShape = tuple[int, int, int, int, int, int, torch.dtype]
+
+
+def _dsa_shape_key(shape: Any, name: str) -> DSAShape:
+    if not isinstance(shape, dict):
+        raise TypeError(f"{name}.dsa_autotune_shape() must return a dict, got {type(shape).__name__}")
+    missing = [k for k in DSA_SHAPE_KEYS if k not in shape]
+    extra = sorted(set(shape) - set(DSA_SHAPE_KEYS))
+    if missing or extra:
+        raise ValueError(
+            f"{name}.dsa_autotune_shape() must return exactly the keys {list(DSA_SHAPE_KEYS)}; "
+            f"missing {missing}, unexpected {extra}"
+        )
+    dtype = shape["dtype"]
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{name}.dsa_autotune_shape()['dtype'] must be a torch.dtype, got {dtype!r}")
+    ints = []
+    for k in DSA_SHAPE_KEYS[:-1]:
+        value = shape[k]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}.dsa_autotune_shape()[{k!r}] must be a positive int, got {value!r}")
+        ints.append(value)
+    return (*ints, dtype)  # type: ignore[return-value]
+
+
+def _collect_dsa_autotune_shapes(model_parts: list[torch.nn.Module]) -> dict[DSAShape, str]:
+    """``(num_heads, d_qk, d_v, topk, index_heads, index_dim, dtype) -> first module name`` for every module
+    exposing a callable ``dsa_autotune_shape()`` (the DSA layer does), deduplicated, in discovery order.
+
+    A malformed shape dict raises ``TypeError``/``ValueError`` naming the module (the caller logs it).
+    """
+    shapes: dict[DSAShape, str] = {}
+    for part in model_parts:
+        for name, module in part.named_modules():
+            fn = getattr(module, "dsa_autotune_shape", None)
+            if not callable(fn):
+                continue
+            shapes.setdefault(_dsa_shape_key(fn(), name or "<root>"), name)
+    return shapes
+
+
+def _prewarm_dsa_autotune(model_parts: list[torch.nn.Module], device: torch.device | int | str | None) -> bool:
+    """Warm the autotune caches of longtrain's DSA Triton kernels: ``longtrain.dsa.triton.warmup(**shape,
+    device=device)`` once per unique shape. Needs CUDA and triton; skipped (with a logged reason) when
+    ``longtrain.dsa.triton.warmup`` is unavailable. One failing shape is logged and the next still runs.
+
+    Returns:
+        True if the warmup ran for at least one shape.
+    """
+    pkg = _pkg()
+    dev = pkg._resolve_cuda_device(device, "DSA autotune")
+    if dev is None:
+        return False
+    shapes = pkg._collect_dsa_autotune_shapes(model_parts)
+    if not shapes:
+        _log().warning("DSA autotune prewarm enabled but no module exposes dsa_autotune_shape().")
+        _note_skip("no module exposes dsa_autotune_shape()")
+        return False
+    ok_triton, _ = pkg.safe_import("triton")
+    if not ok_triton:
+        _skip("Skipping DSA autotune prewarm: triton is not importable.")
+        return False
+    ok, warmup = pkg.safe_import_from("longtrain.dsa.triton", "warmup")
+    if not ok or not callable(warmup):
+        _skip("Skipping DSA autotune prewarm: longtrain.dsa.triton.warmup is not available.")
+        return False
+    _note_shapes(
+        [" ".join(f"{k}={v}" for k, v in zip(DSA_SHAPE_KEYS, key)) + f" ({n or '<root>'})" for key, n in shapes.items()]
+    )
+    ran = False
+    with _rng_neutral(dev):
+        for key, name in shapes.items():
+            kwargs = dict(zip(DSA_SHAPE_KEYS, key))
+            _log().info("Prewarming DSA Triton kernels | module=%s %s", name, kwargs)
+            try:
+                warmup(**kwargs, device=dev)
+                ran = True
+            except Exception:
+                _log_failure("DSA autotune prewarm failed for %s; continuing.", name)
+            finally:
+                _release(dev)
+    _log().info("Finished DSA autotune prewarm.")
+    return ran
