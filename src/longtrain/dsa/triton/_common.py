@@ -1,0 +1,168 @@
+"""Configs, availability and small helpers shared by the Triton DSA kernels (imports no Triton)."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "IndexerConfig",
+    "KernelConfig",
+    "SparseMLAConfig",
+    "availability",
+    "dot_precision",
+    "interpreting",
+    "next_pow2",
+]
+
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1, n))))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs get exact fp32 products (tests); half-precision inputs use the tensor cores as they are."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check_pow2(name: str, value: int, low: int, high: int) -> None:
+    if not isinstance(value, int) or value < low or value > high or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two in [{low}, {high}], got {value!r}")
+
+
+@dataclass(kw_only=True)
+class KernelConfig:
+    """One launch configuration of a sparse MLA kernel (forward or backward)."""
+
+    block_k: int = 64
+    """Top-k slots gathered per inner step (a power of two >= 16)."""
+    block_h: int = 64
+    """Query heads per program; capped at the head count rounded up to a power of two (>= 16)."""
+    num_warps: int = 8
+    """Warps per program."""
+    num_stages: int = 2
+    """Software-pipelining depth of the gathered KV loads."""
+
+    def __post_init__(self) -> None:
+        _check_pow2("block_k", self.block_k, 16, 256)
+        _check_pow2("block_h", self.block_h, 16, 128)
+        _check_pow2("num_warps", self.num_warps, 1, 16)
+        if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 6:
+            raise ValueError(f"num_stages must be an int in [1, 6], got {self.num_stages!r}")
+
+
+@dataclass(kw_only=True)
+class SparseMLAConfig:
+    """Forced launch configurations for :func:`sparse_mla_triton` (``None`` = autotuned / default)."""
+
+    fwd: KernelConfig | None = None
+    """Forward kernel configuration."""
+    bwd: KernelConfig | None = None
+    """Backward (dq + dkv) kernel configuration."""
+
+    def __post_init__(self) -> None:
+        for name in ("fwd", "bwd"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, KernelConfig):
+                raise TypeError(f"SparseMLAConfig.{name} must be a KernelConfig or None, got {type(value).__name__}")
+
+
+@dataclass(kw_only=True)
+class IndexerConfig:
+    """Launch configuration of the fused indexer top-k (scoring and selection kernels)."""
+
+    block_m: int = 64
+    """Query rows per scoring program."""
+    block_n: int = 128
+    """Keys per scoring program."""
+    num_warps: int = 8
+    """Warps per scoring program."""
+    num_stages: int = 3
+    """Pipelining depth of the per-head query loads in the scoring kernel."""
+    select_block: int = 2048
+    """Scores read per step of the per-row radix selection."""
+    select_warps: int = 8
+    """Warps per selection program (one program per query row)."""
+    scratch_elements: int | None = None
+    """Cap on the int32 score scratch (rows x key width); ``None`` = ``max(T_q * K, block_m * T_k)``."""
+
+    def __post_init__(self) -> None:
+        _check_pow2("block_m", self.block_m, 16, 256)
+        _check_pow2("block_n", self.block_n, 16, 512)
+        _check_pow2("num_warps", self.num_warps, 1, 16)
+        _check_pow2("select_block", self.select_block, 256, 16384)
+        _check_pow2("select_warps", self.select_warps, 1, 16)
+        if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 6:
+            raise ValueError(f"num_stages must be an int in [1, 6], got {self.num_stages!r}")
+        if self.scratch_elements is not None and (
+            not isinstance(self.scratch_elements, int) or self.scratch_elements < 1
+        ):
+            raise ValueError(f"scratch_elements must be a positive int or None, got {self.scratch_elements!r}")
+
+
+def availability(device: torch.device | str | None = None) -> tuple[bool, str]:
+    """``(True, "")`` when the Triton kernels can run on ``device``, else ``(False, reason)``.
+
+    CUDA devices need triton and compute capability 8.0+; CPU tensors run only under ``TRITON_INTERPRET=1``.
+    """
+    from longtrain import _optional
+
+    ok, reason = _optional.triton()
+    if not ok:
+        return False, reason
+    dev = torch.device(device) if device is not None else None
+    if dev is None:
+        if interpreting():
+            return True, ""
+        dev = torch.device("cuda")
+    if dev.type == "cpu":
+        if interpreting():
+            return True, ""
+        return False, "CPU tensors need TRITON_INTERPRET=1 (the Triton interpreter); use a CUDA device for speed"
+    if dev.type != "cuda":
+        return False, f"the Triton DSA kernels run on CUDA (or CPU under TRITON_INTERPRET=1), not on {dev.type}"
+    ok, reason = _optional.cuda_sm(8, 0)
+    if not ok:
+        return False, reason
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        return False, f"CUDA device {dev.index} does not exist ({torch.cuda.device_count()} visible)"
+    major, _ = torch.cuda.get_device_capability(dev)
+    if major < 8:
+        return False, f"needs CUDA SM80+, {dev} is SM{major}x"
+    return True, ""
+
+
+def require_available(device: torch.device) -> None:
+    ok, reason = availability(device)
+    if not ok:
+        raise RuntimeError(f"the Triton DSA kernels cannot run on {device}: {reason}")
+
+
+def check_float(name: str, tensor: torch.Tensor, shape_hint: str) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {shape_hint}, got {type(tensor).__name__}")
+    if tensor.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name} must be bf16, fp16 or fp32 {shape_hint}, got {tensor.dtype}")
+
+
+def check_int(name: str, tensor: torch.Tensor, shape_hint: str) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {shape_hint}, got {type(tensor).__name__}")
+    if tensor.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64 {shape_hint}, got {tensor.dtype}")
+
+
+def check_same_device(device: torch.device, **tensors: torch.Tensor | None) -> None:
+    for name, tensor in tensors.items():
+        if tensor is not None and tensor.device != device:
+            raise ValueError(f"{name} is on {tensor.device} but the inputs are on {device}; move it there")

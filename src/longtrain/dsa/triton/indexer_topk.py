@@ -1,0 +1,269 @@
+"""Fused lightning-indexer top-k: scores and an exact per-row radix select, never the ``[T_q, T_k]`` fp32 matrix.
+
+Query rows are processed in chunks. For a chunk:
+
+1. ``indexer_topk_fwd_kernel_scores`` tiles (query rows x keys), loops over the indexer heads with one
+   ``tl.dot`` over ``D_I`` per head, applies ``relu`` and the head weight in the epilogue and writes each
+   eligible score as an order-preserving 32-bit key into a row-relative scratch (``[rows, T_k]`` int32,
+   column ``j`` = key ``starts[t] + j``). Rows whose whole window fits in ``K`` are skipped (they select
+   everything) and tiles without an eligible pair exit at once.
+2. ``indexer_topk_fwd_kernel_select`` (one program per row) finds the K-th largest key by a 4-pass, 8-bit
+   radix select over the row's scratch, then emits, in ascending key order, every key above the threshold
+   and the first ties at it (ties go to the smaller index), followed by ``-1``.
+
+The scratch holds at most ``max(T_q * K, block_m * T_k)`` int32 (the size of the output, O(T_q K)).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from longtrain.dsa.triton._common import (
+    IndexerConfig,
+    check_float,
+    check_int,
+    check_same_device,
+    dot_precision,
+    interpreting,
+    next_pow2,
+    require_available,
+)
+
+__all__ = [
+    "MAX_TOPK",
+    "indexer_topk_fwd",
+    "indexer_topk_fwd_kernel_scores",
+    "indexer_topk_fwd_kernel_select",
+    "indexer_topk_triton",
+]
+
+MAX_TOPK = 2048
+
+
+@triton.jit(do_not_specialize=["row_begin", "row_end", "T_k", "topk", "scratch_stride"])
+def indexer_topk_fwd_kernel_scores(
+    q_ptr, k_ptr, w_ptr, starts_ptr, lens_ptr, scratch_ptr,
+    row_begin, row_end, T_k, topk, scratch_stride,
+    H_I: tl.constexpr, D_I: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    n_kb = tl.cdiv(T_k, BLOCK_N)
+    # Key blocks vary fastest: programs running together share their query rows in L2.
+    qb = pid // n_kb
+    kb = pid % n_kb
+    rows = row_begin + qb * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < row_end
+    st = tl.load(starts_ptr + rows, mask=row_ok, other=0)
+    ln = tl.load(lens_ptr + rows, mask=row_ok, other=0)
+    # Only rows with more eligible keys than K need scores.
+    need = row_ok & (ln > topk)
+    k_lo = kb * BLOCK_N
+    overlap = need & (st < k_lo + BLOCK_N) & (st + ln > k_lo)
+    if tl.max(overlap.to(tl.int32), 0) > 0:
+        offs_n = k_lo + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        if BLOCK_D == D_I:
+            k_mask = (offs_n < T_k)[:, None]
+            q_mask = row_ok[:, None]
+        else:
+            k_mask = (offs_n < T_k)[:, None] & (offs_d < D_I)[None, :]
+            q_mask = row_ok[:, None] & (offs_d < D_I)[None, :]
+        keys = tl.load(k_ptr + offs_n.to(tl.int64)[:, None] * D_I + offs_d[None, :], mask=k_mask, other=0.0)
+        keys_t = tl.trans(keys)
+        q_rows = q_ptr + rows.to(tl.int64)[:, None] * (H_I * D_I) + offs_d[None, :]
+        w_rows = w_ptr + rows.to(tl.int64) * H_I
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for h in range(H_I):
+            q_h = tl.load(q_rows + h * D_I, mask=q_mask, other=0.0)
+            w_h = tl.load(w_rows + h, mask=row_ok, other=0.0)
+            logits = tl.dot(q_h, keys_t, input_precision=DOT_PREC)
+            acc += tl.maximum(logits, 0.0) * w_h[:, None]
+        # Order-preserving map float -> uint32 (stored as int32): flip the sign bit of non-negative values,
+        # every bit of negative ones. -0.0 is folded into +0.0 first so equal scores get equal keys.
+        acc = tl.where(acc == 0.0, 0.0, acc)
+        bits = acc.to(tl.int32, bitcast=True)
+        key = bits ^ ((bits >> 31) | -2147483648)
+        cols = offs_n[None, :] - st[:, None]
+        eligible = need[:, None] & (cols >= 0) & (cols < ln[:, None])
+        out_rows = scratch_ptr + (rows - row_begin).to(tl.int64)[:, None] * scratch_stride
+        tl.store(out_rows + cols, key, mask=eligible)
+
+
+@triton.jit(do_not_specialize=["row_begin", "topk", "scratch_stride"])
+def indexer_topk_fwd_kernel_select(
+    scratch_ptr, starts_ptr, lens_ptr, out_ptr, row_begin, topk, scratch_stride, BLOCK: tl.constexpr,
+):  # fmt: skip
+    r = row_begin + tl.program_id(0)
+    st = tl.load(starts_ptr + r)
+    ln = tl.maximum(tl.load(lens_ptr + r), 0)
+    out_row = out_ptr + r.to(tl.int64) * topk
+    offs = tl.arange(0, BLOCK)
+    if ln <= topk:
+        # Every eligible key is selected: the ascending window, then -1.
+        for j0 in range(0, topk, BLOCK):
+            j = j0 + offs
+            tl.store(out_row + j, tl.where(j < ln, st + j, -1), mask=j < topk)
+    else:
+        row = scratch_ptr + (r - row_begin).to(tl.int64) * scratch_stride
+        bins = tl.arange(0, 256)
+        prefix = tl.full([], 0, tl.uint32)
+        prefix_mask = tl.full([], 0, tl.uint32)
+        remaining = topk
+        for p in tl.static_range(4):
+            shift: tl.constexpr = 24 - 8 * p
+            hist = tl.zeros([256], tl.int32)
+            n_matched = 0
+            n_seen = 0
+            for j0 in range(0, ln, BLOCK):
+                j = j0 + offs
+                x = tl.load(row + j, mask=j < ln, other=0).to(tl.uint32, bitcast=True)
+                match = (j < ln) & ((x & prefix_mask) == prefix)
+                digit = ((x >> shift) & 0xFF).to(tl.int32)
+                # Unmatched lanes are counted in bin 0 and taken out again below (no masked histogram needed).
+                hist += tl.histogram(tl.where(match, digit, 0), 256)
+                n_matched += tl.sum(match.to(tl.int32), 0)
+                n_seen += BLOCK
+            hist -= tl.where(bins == 0, n_seen - n_matched, 0)
+            at_or_above = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
+            digit_sel = tl.max(tl.where(at_or_above >= remaining, bins, -1), 0)
+            remaining -= tl.sum(tl.where(bins > digit_sel, hist, 0), 0)
+            prefix = prefix | (digit_sel.to(tl.uint32) << shift)
+            prefix_mask = prefix_mask | (tl.full([], 0xFF, tl.uint32) << shift)
+        # prefix is now the exact K-th largest key; `remaining` ties at it are taken, lowest index first.
+        n_out = 0
+        n_tie = 0
+        for j0 in range(0, ln, BLOCK):
+            j = j0 + offs
+            in_row = j < ln
+            x = tl.load(row + j, mask=in_row, other=0).to(tl.uint32, bitcast=True)
+            above = in_row & (x > prefix)
+            tie = (in_row & (x == prefix)).to(tl.int32)
+            tie_rank = n_tie + tl.cumsum(tie, 0) - tie
+            sel = (above | ((tie > 0) & (tie_rank < remaining))).to(tl.int32)
+            pos = n_out + tl.cumsum(sel, 0) - sel
+            tl.store(out_row + pos, st + j, mask=(sel > 0) & (pos < topk))
+            n_out += tl.sum(sel, 0)
+            n_tie += tl.sum(tie, 0)
+
+
+def _chunk_rows(num_queries: int, num_keys: int, topk: int, cfg: IndexerConfig) -> int:
+    budget = cfg.scratch_elements if cfg.scratch_elements is not None else max(num_queries * topk, 1)
+    rows = max(cfg.block_m, (budget // max(1, num_keys)) // cfg.block_m * cfg.block_m)
+    return min(rows, triton.cdiv(num_queries, cfg.block_m) * cfg.block_m)
+
+
+def indexer_topk_fwd(
+    index_q: torch.Tensor,
+    index_k: torch.Tensor,
+    head_weights: torch.Tensor,
+    starts: torch.Tensor,
+    causal_lengths: torch.Tensor,
+    index_topk: int,
+    cfg: IndexerConfig,
+) -> torch.Tensor:
+    """Launch scoring + selection per row chunk on validated contiguous inputs; returns ``[T_q, K] int32``."""
+    num_queries, num_heads, head_dim = index_q.shape
+    num_keys = index_k.shape[0]
+    out = torch.empty((num_queries, index_topk), dtype=torch.int32, device=index_q.device)
+    if num_queries == 0:
+        return out
+    chunk = _chunk_rows(num_queries, num_keys, index_topk, cfg)
+    scratch = torch.empty((chunk, max(num_keys, 1)), dtype=torch.int32, device=index_q.device)
+    n_kb = triton.cdiv(max(num_keys, 1), cfg.block_n)
+    for row0 in range(0, num_queries, chunk):
+        row1 = min(num_queries, row0 + chunk)
+        if num_keys > index_topk:
+            grid = (triton.cdiv(row1 - row0, cfg.block_m) * n_kb,)
+            indexer_topk_fwd_kernel_scores[grid](
+                index_q, index_k, head_weights, starts, causal_lengths, scratch,
+                row0, row1, num_keys, index_topk, scratch.stride(0),
+                H_I=num_heads, D_I=head_dim, BLOCK_D=next_pow2(head_dim), DOT_PREC=dot_precision(index_q.dtype),
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )  # fmt: skip
+        indexer_topk_fwd_kernel_select[(row1 - row0,)](
+            scratch, starts, causal_lengths, out, row0, index_topk, scratch.stride(0),
+            BLOCK=cfg.select_block, num_warps=cfg.select_warps,
+        )  # fmt: skip
+    return out
+
+
+def indexer_topk_triton(
+    index_q: torch.Tensor,
+    index_k: torch.Tensor,
+    head_weights: torch.Tensor,
+    starts: torch.Tensor,
+    causal_lengths: torch.Tensor,
+    index_topk: int,
+    *,
+    config: IndexerConfig | None = None,
+) -> torch.Tensor:
+    """Lightning-indexer top-k in canonical form (Triton), without a ``[T_q, T_k]`` score matrix.
+
+    Scores ``I[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s])`` (fp32 accumulation) over each row's eligible
+    keys ``[starts[t], starts[t] + causal_lengths[t])``; row ``t`` selects the ``min(K, causal_lengths[t])``
+    largest (equal scores: the smaller key index first).
+
+    Args:
+        index_q: ``[T_q, H_I, D_I]`` bf16/fp16/fp32.
+        index_k: ``[T_k, D_I]`` (or ``[T_k, 1, D_I]``), same dtype.
+        head_weights: ``[T_q, H_I]`` float, read in fp32 (scales already folded in).
+        starts: ``[T_q]`` int global key row where each row's window starts.
+        causal_lengths: ``[T_q]`` int window lengths (0 = padding row).
+        index_topk: ``K`` in ``[1, 2048]``.
+        config: launch configuration (``None`` = defaults).
+
+    Returns:
+        ``[T_q, K] int32``: per row the selected global key rows in strictly ascending order, then ``-1``.
+    """
+    check_float("index_q", index_q, "[T_q, H_I, D_I]")
+    check_float("index_k", index_k, "[T_k, D_I]")
+    if index_q.dim() != 3:
+        raise ValueError(f"index_q must be [T_q, H_I, D_I], got shape {tuple(index_q.shape)}")
+    if index_k.dim() == 3 and index_k.shape[1] == 1:
+        index_k = index_k[:, 0]
+    if index_k.dim() != 2 or index_k.shape[1] != index_q.shape[2]:
+        raise ValueError(
+            f"index_k must be [T_k, D_I={index_q.shape[2]}] (or [T_k, 1, D_I]), got shape {tuple(index_k.shape)}"
+        )
+    if index_k.dtype != index_q.dtype:
+        raise TypeError(f"index_q and index_k must share a dtype, got {index_q.dtype} and {index_k.dtype}")
+    num_queries, num_heads, head_dim = index_q.shape
+    if head_dim < 16 or head_dim > 256:
+        raise ValueError(f"D_I must be in [16, 256] (128 for GLM-5.2), got {head_dim}")
+    if num_heads < 1:
+        raise ValueError("index_q needs at least one indexer head")
+    if not isinstance(head_weights, torch.Tensor) or not head_weights.dtype.is_floating_point:
+        raise TypeError(f"head_weights must be a float tensor [T_q, H_I], got {getattr(head_weights, 'dtype', None)}")
+    if head_weights.shape != (num_queries, num_heads):
+        raise ValueError(f"head_weights must be [T_q={num_queries}, H_I={num_heads}], got {tuple(head_weights.shape)}")
+    for name, tensor in (("starts", starts), ("causal_lengths", causal_lengths)):
+        check_int(name, tensor, f"[T_q={num_queries}]")
+        if tensor.shape != (num_queries,):
+            raise ValueError(f"{name} must be [T_q={num_queries}], got shape {tuple(tensor.shape)}")
+    if isinstance(index_topk, bool) or not isinstance(index_topk, int) or not 1 <= index_topk <= MAX_TOPK:
+        raise ValueError(f"index_topk must be an int in [1, {MAX_TOPK}], got {index_topk!r}")
+    if config is None:
+        config = IndexerConfig(block_m=16, block_n=16, num_warps=4, num_stages=1) if interpreting() else IndexerConfig()
+    elif not isinstance(config, IndexerConfig):
+        raise TypeError(f"config must be an IndexerConfig or None, got {type(config).__name__}")
+    check_same_device(
+        index_q.device, index_k=index_k, head_weights=head_weights, starts=starts, causal_lengths=causal_lengths
+    )
+    require_available(index_q.device)
+    # Windows are clipped to the key rows that exist, so a bad window can never read or emit past T_k.
+    num_keys = index_k.shape[0]
+    starts64 = starts.to(torch.int64)
+    lengths = torch.minimum(causal_lengths.to(torch.int64), num_keys - starts64).clamp_min(0)
+    lengths = torch.where(starts64 < 0, 0, lengths)
+    return indexer_topk_fwd(
+        index_q.contiguous(),
+        index_k.contiguous(),
+        head_weights.to(torch.float32).contiguous(),
+        starts64.clamp(0, max(num_keys - 1, 0)).to(torch.int32).contiguous(),
+        lengths.to(torch.int32).contiguous(),
+        index_topk,
+        config,
+    )

@@ -1,0 +1,377 @@
+"""Sparse MLA backward: dq per (query row, head block), dkv scatter-accumulated in fp32.
+
+Three kernels:
+
+- ``sparse_mla_bwd_kernel_preprocess``: per row, ``delta = rowsum(out * dout)``, the sink-inclusive
+  log-sum-exp in base 2 and each row's share of ``dsink``.
+- ``sparse_mla_bwd_kernel_dqdkv``: the forward's loop again (same program layout); per ``BLOCK_K`` slots it
+  recomputes ``P``, forms ``dS = P * (dO V^T - delta)``, accumulates ``dq += dS K`` in registers and adds
+  ``dkv[idx] += P^T dO + dS^T Q`` (already summed over the block's heads) with fp32 atomics. The value part of
+  ``dkv`` is produced in column chunks of at most 128 so the per-block tile stays small next to dq.
+- deterministic mode instead stores each (row, slot) contribution into a scratch buffer (row chunks),
+  sorts the slots by key and ``sparse_mla_bwd_kernel_dkv_reduce`` sums each key's contributions in a fixed
+  order: bitwise reproducible, slower.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from longtrain.dsa.triton._common import KernelConfig, dot_precision, interpreting, next_pow2
+from longtrain.dsa.triton.sparse_mla_fwd import LOG2E, _row_col_mask, fwd_block_h
+
+__all__ = [
+    "sparse_mla_bwd",
+    "sparse_mla_bwd_kernel_dkv_reduce",
+    "sparse_mla_bwd_kernel_dqdkv",
+    "sparse_mla_bwd_kernel_preprocess",
+]
+
+_BWD_CANDIDATES = ((64, 8, 1), (32, 8, 2), (32, 8, 1), (32, 4, 1))
+# fp32 elements of the deterministic mode's per-slot contribution scratch (rows are processed in chunks).
+_DETERMINISTIC_SCRATCH = 1 << 27
+
+
+@triton.jit
+def sparse_mla_bwd_kernel_preprocess(
+    out_ptr, dout_ptr, lse_ptr, sink_ptr, delta_ptr, lse2_ptr, dsink_ptr,
+    H: tl.constexpr, D_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_SINK: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_v = tl.arange(0, BLOCK_DV)
+    mask_h = offs_h < H
+    mask = mask_h[:, None] & (offs_v < D_V)[None, :]
+    rows = t * (H * D_V) + offs_h[:, None] * D_V + offs_v[None, :]
+    o = tl.load(out_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(dout_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, 1)
+    lse = tl.load(lse_ptr + t * H + offs_h, mask=mask_h, other=float("-inf"))
+    # Rows without keys carry lse = -inf; +inf makes every later exp2(s - lse) exactly 0.
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    if HAS_SINK:
+        sink2 = tl.load(sink_ptr + offs_h, mask=mask_h, other=float("-inf")) * 1.4426950408889634
+        top = tl.maximum(lse2, sink2)
+        top_safe = tl.where((top == float("inf")) | (top == float("-inf")), 0.0, top)
+        total = top_safe + tl.math.log2(tl.math.exp2(lse2 - top_safe) + tl.math.exp2(sink2 - top_safe))
+        lse2 = tl.where(lse2 == float("inf"), float("inf"), total)
+        tl.store(dsink_ptr + t * H + offs_h, -tl.math.exp2(sink2 - lse2) * delta, mask=mask_h)
+    tl.store(delta_ptr + t * H + offs_h, delta, mask=mask_h)
+    tl.store(lse2_ptr + t * H + offs_h, lse2, mask=mask_h)
+
+
+@triton.jit
+def _load_chunk(base, row_mask, c: tl.constexpr, VC: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    offs = c * VC + tl.arange(0, VC)
+    if BLOCK_D == D:
+        return tl.load(base + offs[None, :], mask=row_mask[:, None], other=0.0)
+    else:
+        return tl.load(base + offs[None, :], mask=row_mask[:, None] & (offs < D)[None, :], other=0.0)
+
+
+@triton.jit
+def _dkv_out(dkv_ptr, rows, valid, value, col0: tl.constexpr, W: tl.constexpr, D: tl.constexpr,
+             D_QK: tl.constexpr, DETERMINISTIC: tl.constexpr):  # fmt: skip
+    """Add (atomics) or store (deterministic scratch) a ``[BLOCK_K, W]`` dkv piece at columns ``col0 + [0, W)``."""
+    offs = col0 + tl.arange(0, W)
+    ptrs = dkv_ptr + rows[:, None] * D_QK + offs[None, :]
+    if col0 + W <= D:
+        mask = valid[:, None]
+    else:
+        mask = valid[:, None] & (offs < D)[None, :]
+    if DETERMINISTIC:
+        tl.store(ptrs, value, mask=mask)
+    else:
+        tl.atomic_add(ptrs, value, mask=mask, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["row_offset", "T_k", "K_slots"])
+def sparse_mla_bwd_kernel_dqdkv(
+    q_ptr, kv_ptr, dout_ptr, idx_ptr, len_ptr, lse2_ptr, delta_ptr, dq_ptr, dkv_ptr,
+    row_offset, T_k, K_slots, sm_scale, qk_scale,
+    H: tl.constexpr, D_V: tl.constexpr, D_R: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr, NUM_VC: tl.constexpr,
+    HAS_LEN: tl.constexpr, DETERMINISTIC: tl.constexpr, COMPUTE_DKV: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    D_QK: tl.constexpr = D_V + D_R
+    VC: tl.constexpr = BLOCK_DV // NUM_VC
+    NUM_HB: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H
+    pid = tl.program_id(0)
+    t_local = (pid // NUM_HB).to(tl.int64)
+    t = row_offset + t_local
+    hb = pid % NUM_HB
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    offs_r = tl.arange(0, BLOCK_DR)
+
+    q_rows = q_ptr + t * (H * D_QK) + offs_h[:, None] * D_QK
+    do_rows = dout_ptr + t * (H * D_V) + offs_h[:, None] * D_V
+    # Q and dO stay resident, in up to four column chunks of the value width plus the rope tail.
+    q0 = _load_chunk(q_rows, mask_h, 0, VC, D_V, BLOCK_DV)
+    do0 = _load_chunk(do_rows, mask_h, 0, VC, D_V, BLOCK_DV)
+    dq0 = tl.zeros([BLOCK_H, VC], tl.float32)
+    if NUM_VC >= 2:
+        q1 = _load_chunk(q_rows, mask_h, 1, VC, D_V, BLOCK_DV)
+        do1 = _load_chunk(do_rows, mask_h, 1, VC, D_V, BLOCK_DV)
+        dq1 = tl.zeros([BLOCK_H, VC], tl.float32)
+    if NUM_VC >= 4:
+        q2 = _load_chunk(q_rows, mask_h, 2, VC, D_V, BLOCK_DV)
+        do2 = _load_chunk(do_rows, mask_h, 2, VC, D_V, BLOCK_DV)
+        q3 = _load_chunk(q_rows, mask_h, 3, VC, D_V, BLOCK_DV)
+        do3 = _load_chunk(do_rows, mask_h, 3, VC, D_V, BLOCK_DV)
+        dq2 = tl.zeros([BLOCK_H, VC], tl.float32)
+        dq3 = tl.zeros([BLOCK_H, VC], tl.float32)
+    if D_R > 0:
+        q_r = tl.load(q_rows + D_V + offs_r[None, :], mask=_row_col_mask(mask_h, offs_r, D_R, BLOCK_DR), other=0.0)
+        dq_r = tl.zeros([BLOCK_H, BLOCK_DR], tl.float32)
+
+    lse2 = tl.load(lse2_ptr + t * H + offs_h, mask=mask_h, other=float("inf"))
+    delta = tl.load(delta_ptr + t * H + offs_h, mask=mask_h, other=0.0)
+
+    if HAS_LEN:
+        n_slots = tl.minimum(tl.maximum(tl.load(len_ptr + t).to(tl.int32), 0), K_slots)
+    else:
+        n_slots = K_slots
+    idx_row = idx_ptr + t * K_slots
+    for k0 in range(0, n_slots, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        in_len = offs_k < n_slots
+        idx = tl.load(idx_row + offs_k, mask=in_len, other=-1)
+        valid = in_len & (idx >= 0) & (idx < T_k)
+        keys = tl.where(valid, idx, 0).to(tl.int64)
+        kv_rows = kv_ptr + keys * D_QK
+
+        kv0 = _load_chunk(kv_rows[:, None], valid, 0, VC, D_V, BLOCK_DV)
+        s = tl.dot(q0, tl.trans(kv0), input_precision=DOT_PREC)
+        dp = tl.dot(do0, tl.trans(kv0), input_precision=DOT_PREC)
+        if NUM_VC >= 2:
+            kv1 = _load_chunk(kv_rows[:, None], valid, 1, VC, D_V, BLOCK_DV)
+            s = tl.dot(q1, tl.trans(kv1), s, input_precision=DOT_PREC)
+            dp = tl.dot(do1, tl.trans(kv1), dp, input_precision=DOT_PREC)
+        if NUM_VC >= 4:
+            kv2 = _load_chunk(kv_rows[:, None], valid, 2, VC, D_V, BLOCK_DV)
+            kv3 = _load_chunk(kv_rows[:, None], valid, 3, VC, D_V, BLOCK_DV)
+            s = tl.dot(q2, tl.trans(kv2), s, input_precision=DOT_PREC)
+            dp = tl.dot(do2, tl.trans(kv2), dp, input_precision=DOT_PREC)
+            s = tl.dot(q3, tl.trans(kv3), s, input_precision=DOT_PREC)
+            dp = tl.dot(do3, tl.trans(kv3), dp, input_precision=DOT_PREC)
+        if D_R > 0:
+            kv_r = tl.load(
+                kv_rows[:, None] + D_V + offs_r[None, :], mask=_row_col_mask(valid, offs_r, D_R, BLOCK_DR), other=0.0
+            )
+            s = tl.dot(q_r, tl.trans(kv_r), s, input_precision=DOT_PREC)
+
+        p = tl.math.exp2(s * qk_scale - lse2[:, None])
+        p = tl.where(valid[None, :], p, 0.0)
+        ds = p * (dp - delta[:, None]) * sm_scale
+        ds_c = ds.to(kv0.dtype)
+        dq0 = tl.dot(ds_c, kv0, dq0, input_precision=DOT_PREC)
+        if NUM_VC >= 2:
+            dq1 = tl.dot(ds_c, kv1, dq1, input_precision=DOT_PREC)
+        if NUM_VC >= 4:
+            dq2 = tl.dot(ds_c, kv2, dq2, input_precision=DOT_PREC)
+            dq3 = tl.dot(ds_c, kv3, dq3, input_precision=DOT_PREC)
+        if D_R > 0:
+            dq_r = tl.dot(ds_c, kv_r, dq_r, input_precision=DOT_PREC)
+
+        if COMPUTE_DKV:
+            # dkv rows: the shared atomic target, or this row's slots in the deterministic scratch.
+            if DETERMINISTIC:
+                out_rows = t_local * K_slots + offs_k.to(tl.int64)
+            else:
+                out_rows = keys
+            p_t = tl.trans(p.to(kv0.dtype))
+            ds_t = tl.trans(ds_c)
+            piece = tl.dot(p_t, do0, input_precision=DOT_PREC)
+            piece = tl.dot(ds_t, q0, piece, input_precision=DOT_PREC)
+            _dkv_out(dkv_ptr, out_rows, valid, piece, 0, VC, D_V, D_QK, DETERMINISTIC)
+            if NUM_VC >= 2:
+                piece = tl.dot(p_t, do1, input_precision=DOT_PREC)
+                piece = tl.dot(ds_t, q1, piece, input_precision=DOT_PREC)
+                _dkv_out(dkv_ptr, out_rows, valid, piece, VC, VC, D_V, D_QK, DETERMINISTIC)
+            if NUM_VC >= 4:
+                piece = tl.dot(p_t, do2, input_precision=DOT_PREC)
+                piece = tl.dot(ds_t, q2, piece, input_precision=DOT_PREC)
+                _dkv_out(dkv_ptr, out_rows, valid, piece, 2 * VC, VC, D_V, D_QK, DETERMINISTIC)
+                piece = tl.dot(p_t, do3, input_precision=DOT_PREC)
+                piece = tl.dot(ds_t, q3, piece, input_precision=DOT_PREC)
+                _dkv_out(dkv_ptr, out_rows, valid, piece, 3 * VC, VC, D_V, D_QK, DETERMINISTIC)
+            if D_R > 0:
+                piece = tl.dot(ds_t, q_r, input_precision=DOT_PREC)
+                _dkv_out(dkv_ptr + D_V, out_rows, valid, piece, 0, BLOCK_DR, D_R, D_QK, DETERMINISTIC)
+
+    dq_rows = dq_ptr + t * (H * D_QK) + offs_h[:, None] * D_QK
+    _store_chunk(dq_rows, mask_h, dq0, 0, VC, D_V, BLOCK_DV)
+    if NUM_VC >= 2:
+        _store_chunk(dq_rows, mask_h, dq1, 1, VC, D_V, BLOCK_DV)
+    if NUM_VC >= 4:
+        _store_chunk(dq_rows, mask_h, dq2, 2, VC, D_V, BLOCK_DV)
+        _store_chunk(dq_rows, mask_h, dq3, 3, VC, D_V, BLOCK_DV)
+    if D_R > 0:
+        tl.store(
+            dq_rows + D_V + offs_r[None, :],
+            dq_r.to(dq_ptr.dtype.element_ty),
+            mask=_row_col_mask(mask_h, offs_r, D_R, BLOCK_DR),
+        )
+
+
+@triton.jit
+def _store_chunk(base, row_mask, value, c: tl.constexpr, VC: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    offs = c * VC + tl.arange(0, VC)
+    tl.store(base + offs[None, :], value.to(base.dtype.element_ty), mask=_row_col_mask(row_mask, offs, D, BLOCK_D))
+
+
+@triton.jit(do_not_specialize=["n_items"])
+def sparse_mla_bwd_kernel_dkv_reduce(
+    contrib_ptr, sorted_keys_ptr, order_ptr, seg_end_ptr, dkv_ptr, n_items,
+    D_QK: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """One program per sorted slot; the first slot of each key's run sums the run in order into ``dkv``."""
+    i = tl.program_id(0)
+    key = tl.load(sorted_keys_ptr + i)
+    prev = tl.load(sorted_keys_ptr + tl.maximum(i - 1, 0))
+    if (key >= 0) & ((i == 0) | (prev != key)):
+        end = tl.load(seg_end_ptr + i)
+        for c0 in tl.static_range(0, D_QK, BLOCK_D):
+            offs = c0 + tl.arange(0, BLOCK_D)
+            cmask = offs < D_QK
+            acc = tl.load(dkv_ptr + key.to(tl.int64) * D_QK + offs, mask=cmask, other=0.0)
+            for j in range(i, end):
+                src = tl.load(order_ptr + j)
+                acc += tl.load(contrib_ptr + src * D_QK + offs, mask=cmask, other=0.0)
+            tl.store(dkv_ptr + key.to(tl.int64) * D_QK + offs, acc, mask=cmask)
+
+
+_AUTOTUNED: dict[str, object] = {}
+
+
+def _autotuned_bwd():
+    kernel = _AUTOTUNED.get("bwd")
+    if kernel is None:
+        configs = [triton.Config({"BLOCK_K": bk}, num_warps=w, num_stages=s) for bk, w, s in _BWD_CANDIDATES]
+        kernel = triton.autotune(
+            configs=configs, key=["H", "D_V", "D_R", "BLOCK_H", "COMPUTE_DKV"], reset_to_zero=["dkv_ptr"]
+        )(sparse_mla_bwd_kernel_dqdkv)
+        _AUTOTUNED["bwd"] = kernel
+    return kernel
+
+
+def _num_value_chunks(block_dv: int) -> int:
+    return max(1, min(4, block_dv // 128))
+
+
+def sparse_mla_bwd(
+    q: torch.Tensor,
+    kv2d: torch.Tensor,
+    out: torch.Tensor,
+    dout: torch.Tensor,
+    lse: torch.Tensor,
+    idx: torch.Tensor,
+    softmax_scale: float,
+    d_v: int,
+    topk_length: torch.Tensor | None,
+    attn_sink: torch.Tensor | None,
+    *,
+    deterministic: bool,
+    compute_dkv: bool,
+    config: KernelConfig | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Gradients of :func:`sparse_mla_fwd`.
+
+    Returns:
+        ``(dq [T, H, D_qk]`` in ``q.dtype``, ``dkv [T_k, D_qk]`` in ``kv.dtype`` or None,
+        ``dsink [H] fp32`` or None).
+    """
+    num_tokens, num_heads, d_qk = q.shape
+    num_keys = kv2d.shape[0]
+    k_slots = idx.shape[1]
+    d_r = d_qk - d_v
+    dev = q.device
+    dq = torch.empty_like(q)
+    dkv_acc = torch.zeros((num_keys, d_qk), dtype=torch.float32, device=dev) if compute_dkv else None
+    dsink = None
+    if num_tokens == 0:
+        return (
+            dq,
+            (dkv_acc.to(kv2d.dtype) if compute_dkv else None),
+            (torch.zeros_like(attn_sink) if attn_sink is not None else None),
+        )
+
+    dout = dout.contiguous()
+    delta = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=dev)
+    lse2 = torch.empty_like(delta)
+    dsink_rows = torch.empty_like(delta) if attn_sink is not None else delta
+    block_h_all = max(16, next_pow2(num_heads))
+    sparse_mla_bwd_kernel_preprocess[(num_tokens,)](
+        out, dout, lse, attn_sink if attn_sink is not None else lse, delta, lse2, dsink_rows,
+        H=num_heads, D_V=d_v, BLOCK_H=block_h_all, BLOCK_DV=next_pow2(d_v), HAS_SINK=attn_sink is not None,
+        num_warps=4 if block_h_all * next_pow2(d_v) <= 8192 else 8,
+    )  # fmt: skip
+    if attn_sink is not None:
+        dsink = dsink_rows.sum(0)
+
+    block_h = fwd_block_h(num_heads, config.block_h if config is not None else 64)
+    n_hb = triton.cdiv(num_heads, block_h)
+    block_dv = next_pow2(d_v)
+    meta = dict(
+        H=num_heads,
+        D_V=d_v,
+        D_R=d_r,
+        BLOCK_H=block_h,
+        BLOCK_DV=block_dv,
+        BLOCK_DR=next_pow2(d_r) if d_r > 0 else 16,
+        NUM_VC=_num_value_chunks(block_dv),
+        HAS_LEN=topk_length is not None,
+        COMPUTE_DKV=compute_dkv,
+        DOT_PREC=dot_precision(q.dtype),
+    )
+    qk_scale = softmax_scale * LOG2E
+    len_arg = topk_length if topk_length is not None else idx
+    if config is None and interpreting():
+        config = KernelConfig(block_k=16, num_warps=4, num_stages=1)
+
+    def launch(rows: int, row_offset: int, target: torch.Tensor | None, det: bool) -> None:
+        args = (q, kv2d, dout, idx, len_arg, lse2, delta, dq, target if target is not None else dq,
+                row_offset, num_keys, k_slots, softmax_scale, qk_scale)  # fmt: skip
+        grid = (rows * n_hb,)
+        if config is not None:
+            sparse_mla_bwd_kernel_dqdkv[grid](
+                *args, **meta, DETERMINISTIC=det, BLOCK_K=config.block_k,
+                num_warps=config.num_warps, num_stages=config.num_stages,
+            )  # fmt: skip
+        else:
+            _autotuned_bwd()[grid](*args, **meta, DETERMINISTIC=det)
+
+    if not (compute_dkv and deterministic):
+        launch(num_tokens, 0, dkv_acc, False)
+    else:
+        _deterministic_dkv(launch, idx, topk_length, dkv_acc, num_tokens, k_slots, num_keys, d_qk)
+    dkv = dkv_acc.to(kv2d.dtype) if compute_dkv else None
+    return dq, dkv, dsink
+
+
+def _deterministic_dkv(launch, idx, topk_length, dkv_acc, num_tokens, k_slots, num_keys, d_qk) -> None:
+    """Row chunks: per-slot contributions into scratch, then a fixed-order per-key reduction (no atomics)."""
+    rows_per_chunk = max(1, min(num_tokens, _DETERMINISTIC_SCRATCH // max(1, k_slots * d_qk)))
+    contrib = torch.empty((rows_per_chunk * k_slots, d_qk), dtype=torch.float32, device=idx.device)
+    slots = torch.arange(k_slots, device=idx.device)
+    block_d = min(1024, next_pow2(d_qk))
+    for row0 in range(0, num_tokens, rows_per_chunk):
+        rows = min(rows_per_chunk, num_tokens - row0)
+        launch(rows, row0, contrib, True)
+        chunk_idx = idx[row0 : row0 + rows].to(torch.int64)
+        valid = (chunk_idx >= 0) & (chunk_idx < num_keys)
+        if topk_length is not None:
+            valid &= slots[None, :] < topk_length[row0 : row0 + rows].to(torch.int64)[:, None]
+        # Invalid slots sort last under a key past every real row and are skipped by the reduction.
+        keys = torch.where(valid, chunk_idx, num_keys).reshape(-1)
+        sorted_keys, order = torch.sort(keys, stable=True)
+        seg_end = torch.searchsorted(sorted_keys, sorted_keys, right=True)
+        sorted_keys = torch.where(sorted_keys < num_keys, sorted_keys, -1)
+        n_items = sorted_keys.numel()
+        sparse_mla_bwd_kernel_dkv_reduce[(n_items,)](
+            contrib, sorted_keys, order, seg_end, dkv_acc, n_items, D_QK=d_qk, BLOCK_D=block_d, num_warps=4
+        )

@@ -1,0 +1,186 @@
+"""Sparse MLA forward: one program per (query row, head block), gathered KV tiles shared by all its heads.
+
+Each program streams its row's top-k slots ``BLOCK_K`` at a time: the gathered latent rows
+``kv[idx, :D_V]`` (value, and the first part of the key) and ``kv[idx, D_V:]`` (the rope tail of the key)
+are loaded once and feed both ``Q K^T`` and ``P V`` for every head of the block, with an fp32 online
+softmax (base 2). Program ids run over head blocks fastest, then query rows, so programs that run together
+work on neighbouring queries whose index sets overlap and find their gathered rows in L2.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from longtrain.dsa.triton._common import KernelConfig, dot_precision, interpreting, next_pow2
+
+__all__ = ["fwd_block_h", "sparse_mla_fwd", "sparse_mla_fwd_kernel"]
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+# (block_k, num_warps, num_stages): candidates the autotuner tries for the (H, D) of a model, once.
+_FWD_CANDIDATES = ((64, 8, 2), (32, 8, 3), (64, 4, 2), (32, 4, 2))
+
+
+@triton.jit
+def _row_col_mask(row_mask, offs_c, N: tl.constexpr, BLOCK: tl.constexpr):
+    """``row_mask[:, None] & (offs_c < N)[None, :]``, without the column part when it is all true.
+
+    A mask that is constant along the contiguous dim keeps the 16-byte vector loads.
+    """
+    if BLOCK == N:
+        return row_mask[:, None]
+    else:
+        return row_mask[:, None] & (offs_c < N)[None, :]
+
+
+@triton.jit(do_not_specialize=["T_k", "K_slots"])
+def sparse_mla_fwd_kernel(
+    q_ptr, kv_ptr, idx_ptr, len_ptr, sink_ptr, out_ptr, lse_ptr,
+    T_k, K_slots, qk_scale,
+    H: tl.constexpr, D_V: tl.constexpr, D_R: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
+    HAS_LEN: tl.constexpr, HAS_SINK: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    D_QK: tl.constexpr = D_V + D_R
+    NUM_HB: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H
+    pid = tl.program_id(0)
+    t = (pid // NUM_HB).to(tl.int64)
+    hb = pid % NUM_HB
+
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_v = tl.arange(0, BLOCK_DV)
+    offs_r = tl.arange(0, BLOCK_DR)
+    mask_h = offs_h < H
+
+    q_rows = q_ptr + t * (H * D_QK) + offs_h[:, None] * D_QK
+    q_v = tl.load(q_rows + offs_v[None, :], mask=_row_col_mask(mask_h, offs_v, D_V, BLOCK_DV), other=0.0)
+    if D_R > 0:
+        q_r = tl.load(q_rows + D_V + offs_r[None, :], mask=_row_col_mask(mask_h, offs_r, D_R, BLOCK_DR), other=0.0)
+
+    if HAS_LEN:
+        n_slots = tl.minimum(tl.maximum(tl.load(len_ptr + t).to(tl.int32), 0), K_slots)
+    else:
+        n_slots = K_slots
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    idx_row = idx_ptr + t * K_slots
+    for k0 in range(0, n_slots, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        in_len = offs_k < n_slots
+        idx = tl.load(idx_row + offs_k, mask=in_len, other=-1)
+        valid = in_len & (idx >= 0) & (idx < T_k)
+        kv_rows = kv_ptr + tl.where(valid, idx, 0).to(tl.int64) * D_QK
+        kv_v = tl.load(kv_rows[:, None] + offs_v[None, :], mask=_row_col_mask(valid, offs_v, D_V, BLOCK_DV), other=0.0)
+        s = tl.dot(q_v, tl.trans(kv_v), input_precision=DOT_PREC)
+        if D_R > 0:
+            kv_r = tl.load(
+                kv_rows[:, None] + D_V + offs_r[None, :], mask=_row_col_mask(valid, offs_r, D_R, BLOCK_DR), other=0.0
+            )
+            s = tl.dot(q_r, tl.trans(kv_r), s, input_precision=DOT_PREC)
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no valid slot yet keeps m = -inf; shifting by 0 then gives p = alpha = 0, not NaN.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_use)
+        p = tl.math.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(kv_v.dtype), kv_v, acc, input_precision=DOT_PREC)
+        m_i = m_new
+
+    has_keys = l_i > 0.0
+    denom = l_i
+    if HAS_SINK:
+        # The sink is one more logit with a zero value: it only enlarges the denominator.
+        sink = tl.load(sink_ptr + offs_h, mask=mask_h, other=float("-inf")) * 1.4426950408889634
+        denom = l_i + tl.math.exp2(sink - tl.where(m_i == float("-inf"), 0.0, m_i))
+    inv = tl.where(has_keys, 1.0 / tl.where(has_keys, denom, 1.0), 0.0)
+    out = acc * inv[:, None]
+    lse = tl.where(has_keys, (m_i + tl.math.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+
+    out_rows = out_ptr + t * (H * D_V) + offs_h[:, None] * D_V
+    tl.store(
+        out_rows + offs_v[None, :], out.to(out_ptr.dtype.element_ty), mask=_row_col_mask(mask_h, offs_v, D_V, BLOCK_DV)
+    )
+    tl.store(lse_ptr + t * H + offs_h, lse, mask=mask_h)
+
+
+def fwd_block_h(num_heads: int, cfg_block_h: int = 64) -> int:
+    """Heads per program: all heads up to ``cfg_block_h`` (never fewer than 16, the smallest MMA tile)."""
+    return max(16, min(cfg_block_h, next_pow2(num_heads)))
+
+
+_AUTOTUNED: dict[str, object] = {}
+
+
+def _autotuned_fwd():
+    kernel = _AUTOTUNED.get("fwd")
+    if kernel is None:
+        configs = [triton.Config({"BLOCK_K": bk}, num_warps=w, num_stages=s) for bk, w, s in _FWD_CANDIDATES]
+        # Static model dims only: token counts never re-trigger tuning.
+        kernel = triton.autotune(configs=configs, key=["H", "D_V", "D_R", "BLOCK_H"])(sparse_mla_fwd_kernel)
+        _AUTOTUNED["fwd"] = kernel
+    return kernel
+
+
+def sparse_mla_fwd(
+    q: torch.Tensor,
+    kv2d: torch.Tensor,
+    idx: torch.Tensor,
+    softmax_scale: float,
+    d_v: int,
+    topk_length: torch.Tensor | None,
+    attn_sink: torch.Tensor | None,
+    config: KernelConfig | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel on validated, contiguous inputs.
+
+    Args:
+        q: ``[T, H, D_qk]``; kv2d: ``[T_k, D_qk]``; idx: ``[T, K] int32``; topk_length: ``[T]`` or None;
+        attn_sink: ``[H] fp32`` or None.
+
+    Returns:
+        ``(out [T, H, d_v]`` in ``q.dtype``, ``lse [T, H] fp32`` natural log, ``-inf`` on rows without keys).
+    """
+    num_tokens, num_heads, d_qk = q.shape
+    d_r = d_qk - d_v
+    out = torch.empty((num_tokens, num_heads, d_v), dtype=q.dtype, device=q.device)
+    lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=q.device)
+    if num_tokens == 0:
+        return out, lse
+    block_h = fwd_block_h(num_heads, config.block_h if config is not None else 64)
+    grid = (num_tokens * triton.cdiv(num_heads, block_h),)
+    dummy = idx
+    args = (
+        q, kv2d, idx,
+        topk_length if topk_length is not None else dummy,
+        attn_sink if attn_sink is not None else q,
+        out, lse,
+        kv2d.shape[0], idx.shape[1], softmax_scale * LOG2E,
+    )  # fmt: skip
+    meta = dict(
+        H=num_heads,
+        D_V=d_v,
+        D_R=d_r,
+        BLOCK_H=block_h,
+        BLOCK_DV=next_pow2(d_v),
+        BLOCK_DR=next_pow2(d_r) if d_r > 0 else 16,
+        HAS_LEN=topk_length is not None,
+        HAS_SINK=attn_sink is not None,
+        DOT_PREC=dot_precision(q.dtype),
+    )
+    if config is None and interpreting():
+        config = KernelConfig(block_k=16, num_warps=4, num_stages=1)
+    if config is not None:
+        sparse_mla_fwd_kernel[grid](
+            *args, **meta, BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages
+        )
+    else:
+        _autotuned_fwd()[grid](*args, **meta)
+    return out, lse

@@ -1,0 +1,106 @@
+"""Compile and autotune every Triton DSA kernel for a model's static dims before training step 1."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from longtrain.dsa.triton._common import require_available
+
+__all__ = ["causal_topk_indices", "warmup"]
+
+
+def causal_topk_indices(
+    num_tokens: int, topk: int, *, generator: torch.Generator | None = None, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random canonical index rows for one causal document: row ``t`` holds ``min(t+1, K)`` keys of ``[0, t]``.
+
+    Returns ``(indices [T, K] int32`` ascending then ``-1``, ``topk_length [T] int32)``.
+    """
+    scores = torch.rand((num_tokens, num_tokens), generator=generator)
+    scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), -1.0)
+    width = min(topk, num_tokens)
+    chosen = scores.topk(width, dim=1).indices
+    length = torch.clamp(torch.arange(num_tokens) + 1, max=topk)
+    chosen = torch.where(torch.arange(width)[None, :] < length[:, None], chosen, num_tokens).sort(dim=1).values
+    out = torch.full((num_tokens, topk), -1, dtype=torch.int32)
+    out[:, :width] = torch.where(chosen < num_tokens, chosen, -1).to(torch.int32)
+    return out.to(device), length.to(torch.int32).to(device)
+
+
+def warmup(
+    *,
+    num_heads: int,
+    d_qk: int,
+    d_v: int,
+    topk: int,
+    index_heads: int,
+    index_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    num_tokens: int = 512,
+    with_sink: bool = False,
+    with_topk_length: bool = True,
+) -> dict[str, Any]:
+    """Run the sparse MLA forward + backward and the indexer top-k once at ``num_tokens`` tokens.
+
+    Autotune keys are static model dims (heads, head dims, dtype), so this fills every autotune and
+    compilation cache the training step will hit; token counts never re-trigger tuning. The RNG state of
+    the caller is left untouched.
+
+    Returns:
+        ``{"kernels": [...], "seconds": float, "num_tokens": int, ...}`` describing what was warmed.
+    """
+    device = torch.device(device)
+    require_available(device)
+    from longtrain.dsa.triton.indexer_topk import indexer_topk_triton
+    from longtrain.dsa.triton.sparse_mla import sparse_mla_triton
+
+    start = time.perf_counter()
+    gen = torch.Generator().manual_seed(0)
+    num_tokens = max(1, int(num_tokens))
+    idx, length = causal_topk_indices(num_tokens, topk, generator=gen, device=device)
+    q = (torch.randn((num_tokens, num_heads, d_qk), generator=gen) * 0.5).to(device=device, dtype=dtype)
+    kv = (torch.randn((num_tokens, 1, d_qk), generator=gen) * 0.5).to(device=device, dtype=dtype)
+    q.requires_grad_(True)
+    kv.requires_grad_(True)
+    sink = torch.zeros(num_heads, device=device, requires_grad=True) if with_sink else None
+    out = sparse_mla_triton(
+        q, kv, idx, d_qk**-0.5, d_v=d_v, topk_length=length if with_topk_length else None, attn_sink=sink
+    )
+    grads = torch.autograd.grad(out, [t for t in (q, kv, sink) if t is not None], torch.ones_like(out))
+    iq = torch.randn((num_tokens, index_heads, index_dim), generator=gen).to(device=device, dtype=dtype)
+    ik = torch.randn((num_tokens, index_dim), generator=gen).to(device=device, dtype=dtype)
+    weights = torch.randn((num_tokens, index_heads), generator=gen).to(device)
+    starts = torch.zeros(num_tokens, dtype=torch.int32, device=device)
+    lengths = torch.arange(1, num_tokens + 1, dtype=torch.int32, device=device)
+    # A K below the row lengths makes the scoring and radix-select kernels run, not only the fast path.
+    selected = indexer_topk_triton(iq, ik, weights, starts, lengths, max(1, min(topk, num_tokens // 2)))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    finite = bool(torch.isfinite(out).all()) and all(bool(torch.isfinite(g).all()) for g in grads)
+    del q, kv, out, grads, iq, ik, selected
+    return {
+        "kernels": [
+            "sparse_mla_fwd_kernel",
+            "sparse_mla_bwd_kernel_preprocess",
+            "sparse_mla_bwd_kernel_dqdkv",
+            "indexer_topk_fwd_kernel_scores",
+            "indexer_topk_fwd_kernel_select",
+        ],
+        "shape": {
+            "num_heads": num_heads,
+            "d_qk": d_qk,
+            "d_v": d_v,
+            "topk": topk,
+            "index_heads": index_heads,
+            "index_dim": index_dim,
+            "dtype": str(dtype),
+        },
+        "num_tokens": num_tokens,
+        "device": str(device),
+        "finite": finite,
+        "seconds": time.perf_counter() - start,
+    }

@@ -1,0 +1,339 @@
+"""Triton DSA kernels under TRITON_INTERPRET=1 against the float64 references (tiny shapes, forced configs)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from longtrain.dsa.reference import indexer_scores, indexer_topk_reference, sparse_mla_reference
+from longtrain.dsa.triton import IndexerConfig, KernelConfig, SparseMLAConfig, availability
+
+pytestmark = pytest.mark.interpret
+
+# Small tiles so several slot blocks / key blocks / head blocks are exercised on tiny shapes.
+_CFG = KernelConfig(block_k=16, block_h=16, num_warps=4, num_stages=1)
+_ICFG = IndexerConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, select_block=256)
+
+
+def _mla_inputs(T, H, D, T_k, K, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, H, D, generator=g).to(dtype).requires_grad_(True)
+    kv = torch.randn(T_k, 1, D, generator=g).to(dtype).requires_grad_(True)
+    idx = torch.randint(0, T_k, (T, K), generator=g, dtype=torch.int32)
+    return q, kv, idx
+
+
+def _grads(out, inputs, dout):
+    return torch.autograd.grad(out, inputs, dout)
+
+
+def _check_against_reference(q, kv, idx, scale, *, d_v, topk_length=None, sink=None, config=_CFG, det=False):
+    from longtrain.dsa.triton import sparse_mla_triton
+
+    out = sparse_mla_triton(
+        q, kv, idx, scale, d_v=d_v, topk_length=topk_length, attn_sink=sink, config=config, deterministic=det
+    )
+    assert out.shape == (q.shape[0], q.shape[1], d_v) and out.dtype == q.dtype
+    assert torch.isfinite(out).all()
+    sink64 = sink.detach().double().requires_grad_(True) if sink is not None else None
+    q64 = q.detach().double().requires_grad_(True)
+    kv64 = kv.detach().double().requires_grad_(True)
+    ref, _ = sparse_mla_reference(q64, kv64, idx, scale, d_v=d_v, topk_length=topk_length, attn_sink=sink64)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    inputs = [q, kv] + ([sink] if sink is not None else [])
+    inputs64 = [q64, kv64] + ([sink64] if sink is not None else [])
+    grads = _grads(out, inputs, dout.to(out.dtype))
+    grads64 = _grads(ref, inputs64, dout)
+    # fp32 kernels against a float64 oracle: fp32 rounding of K-long dot products, far below 1e-4.
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
+    for name, got, want in zip(("dq", "dkv", "dsink"), grads, grads64):
+        assert torch.isfinite(got).all(), name
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    return out, grads
+
+
+@pytest.mark.parametrize(
+    "T,H,D,d_v,T_k,K,with_len,with_sink",
+    [
+        (5, 4, 48, 32, 23, 40, True, True),  # rope tail, ragged lengths, sink, 3 slot blocks
+        (4, 3, 32, 32, 9, 16, False, False),  # K = V (d_v == D_qk), odd head count
+        (3, 20, 32, 16, 7, 24, True, False),  # two head blocks of 16 (the second one partial)
+        (1, 1, 48, 48, 1, 5, False, True),  # T = T_k = 1, K not a multiple of 16
+    ],
+    ids=["rope-len-sink", "kv-equal-oddH", "two-head-blocks", "single"],
+)
+def test_sparse_mla_matches_reference(triton_interpret, T, H, D, d_v, T_k, K, with_len, with_sink):
+    q, kv, idx = _mla_inputs(T, H, D, T_k, K, seed=T * 100 + H)
+    g = torch.Generator().manual_seed(1)
+    idx[torch.rand(idx.shape, generator=g) < 0.2] = -1
+    length = torch.randint(0, K + 3, (T,), generator=g) if with_len else None
+    sink = torch.randn(H, generator=g).requires_grad_(True) if with_sink else None
+    _check_against_reference(q, kv, idx, 0.37, d_v=d_v, topk_length=length, sink=sink)
+
+
+def test_sparse_mla_empty_rows_give_exact_zeros(triton_interpret):
+    T, H, D, T_k, K = 5, 4, 48, 12, 20
+    q, kv, idx = _mla_inputs(T, H, D, T_k, K, seed=3)
+    idx[1] = -1  # every slot invalid
+    idx[3, :] = T_k + 5  # every slot out of range
+    length = torch.tensor([K, K, K, K, 0])  # row 4: zero length
+    idx[4] = torch.arange(K) % T_k  # its (ignored) slots point at real keys
+    # Keys used by the empty rows only must get exactly zero gradient: row 4's keys are shared, so test
+    # a key nobody valid selects.
+    idx[[0, 2]] = torch.where(idx[[0, 2]] == 11, 10, idx[[0, 2]])
+    sink = torch.full((H,), 0.5).requires_grad_(True)
+    out, (dq, dkv, dsink) = _check_against_reference(q, kv, idx, 0.2, d_v=32, topk_length=length, sink=sink)
+    for row in (1, 3, 4):
+        assert torch.equal(out[row], torch.zeros_like(out[row]))
+        assert torch.equal(dq[row], torch.zeros_like(dq[row]))
+    assert torch.equal(dkv[11], torch.zeros_like(dkv[11]))
+
+
+def test_sparse_mla_duplicates_and_invalid_slots(triton_interpret):
+    T, H, D, T_k, K = 4, 2, 32, 6, 32
+    q, kv, idx = _mla_inputs(T, H, D, T_k, K, seed=5)
+    idx[0] = 2  # one key 32 times
+    idx[1, ::2] = 4  # half the slots on one key, the other half random
+    idx[2, :8] = torch.tensor([-1, -7, T_k, 2**30, 0, 0, 5, -1], dtype=torch.int32)
+    _check_against_reference(q, kv, idx, 0.5, d_v=16)
+    # int64 indices beyond int32 stay invalid instead of wrapping into a real row.
+    big = idx.to(torch.int64)
+    big[3, :4] = torch.tensor([2**32 + 1, 2**40, -(2**33), 2**32 + 3])
+    _check_against_reference(q, kv, big, 0.5, d_v=16)
+
+
+def test_sparse_mla_deterministic_is_bitwise_reproducible(triton_interpret):
+    T, H, D, T_k, K = 6, 4, 48, 9, 32
+    q, kv, idx = _mla_inputs(T, H, D, T_k, K, seed=9)
+    idx[:, 5:9] = 3  # many contributions to one key, from every row
+    length = torch.tensor([32, 7, 0, 20, 32, 1])
+    _, grads_a = _check_against_reference(q, kv, idx, 0.3, d_v=32, topk_length=length, det=True)
+    _, grads_b = _check_against_reference(q, kv, idx, 0.3, d_v=32, topk_length=length, det=True)
+    assert torch.equal(grads_a[1], grads_b[1])
+
+
+def test_sparse_mla_fp16_flash_attention_rule(triton_interpret):
+    from longtrain.dsa.triton import sparse_mla_triton
+
+    T, H, D, T_k, K = 4, 4, 48, 20, 32
+    q, kv, idx = _mla_inputs(T, H, D, T_k, K, dtype=torch.float16, seed=11)
+    out = sparse_mla_triton(q, kv, idx, 0.25, d_v=32, config=_CFG)
+    ref64, _ = sparse_mla_reference(q.double(), kv.double(), idx, 0.25, d_v=32)
+    same_dtype, _ = sparse_mla_reference(q, kv, idx, 0.25, d_v=32)
+    # Flash-attention rule: at most twice the same-dtype reference's error plus one fp16 rounding step.
+    bound = 2 * (same_dtype.double() - ref64).abs().max() + ref64.abs().max() * 2.0**-11
+    assert (out.double() - ref64).abs().max() <= bound
+
+
+def test_sparse_mla_config_forms_and_kv_2d(triton_interpret):
+    from longtrain.dsa.triton import sparse_mla_triton
+
+    T, H, D, T_k, K = 3, 4, 32, 8, 16
+    q, kv, idx = _mla_inputs(T, H, D, T_k, K, seed=13)
+    a = sparse_mla_triton(q, kv, idx, 0.3, d_v=32, config=SparseMLAConfig(fwd=_CFG, bwd=_CFG))
+    b = sparse_mla_triton(q, kv[:, 0], idx[:, None, :], 0.3, d_v=32, config=KernelConfig(block_k=32, block_h=16))
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # two tilings of the same fp32 sums
+    c = sparse_mla_triton(q, kv, idx, 0.3, d_v=32)  # default (interpreter) config
+    torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        (dict(softmax_scale=float("nan")), TypeError, "softmax_scale"),
+        (dict(softmax_scale=-1.0), TypeError, "softmax_scale"),
+        (dict(d_v=40), ValueError, "d_v"),
+        (dict(d_v=64), ValueError, "d_v"),
+        (dict(kv_shape=(8, 2, 32)), ValueError, "one latent head"),
+        (dict(kv_dtype=torch.float16), TypeError, "share a dtype"),
+        (dict(idx_shape=(2, 16)), ValueError, "topk_indices"),
+        (dict(idx_dtype=torch.float32), TypeError, "topk_indices"),
+        (dict(topk_length=torch.zeros(5, dtype=torch.int32)), ValueError, "topk_length"),
+        (dict(attn_sink=torch.zeros(3)), ValueError, "attn_sink"),
+        (dict(config="fast"), TypeError, "config"),
+    ],
+    ids=lambda v: str(v)[:20],
+)
+def test_sparse_mla_validation(triton_interpret, kwargs, exc, match):
+    from longtrain.dsa.triton import sparse_mla_triton
+
+    q = torch.randn(3, 4, 32)
+    kv = torch.randn(kwargs.pop("kv_shape", (8, 1, 32)), dtype=kwargs.pop("kv_dtype", torch.float32))
+    idx = torch.zeros(kwargs.pop("idx_shape", (3, 16)), dtype=kwargs.pop("idx_dtype", torch.int32))
+    args = dict(softmax_scale=0.1, d_v=32)
+    args.update(kwargs)
+    scale = args.pop("softmax_scale")
+    with pytest.raises(exc, match=match):
+        sparse_mla_triton(q, kv, idx, scale, **args)
+
+
+def test_kernel_config_validation():
+    with pytest.raises(ValueError, match="block_k"):
+        KernelConfig(block_k=48)
+    with pytest.raises(ValueError, match="num_stages"):
+        KernelConfig(num_stages=0)
+    with pytest.raises(ValueError, match="select_block"):
+        IndexerConfig(select_block=100)
+    with pytest.raises(TypeError, match="fwd"):
+        SparseMLAConfig(fwd="x")
+
+
+# ---------------------------------------------------------------------------------------------- indexer
+
+
+def _doc_layout(doc_lengths, pad=0, key_offset=0):
+    """starts / causal_lengths of packed causal documents (+ ``pad`` empty rows), keys shifted by key_offset."""
+    starts, lengths, pos = [], [], key_offset
+    for n in doc_lengths:
+        starts += [pos] * n
+        lengths += list(range(1, n + 1))
+        pos += n
+    starts += [0] * pad
+    lengths += [0] * pad
+    return torch.tensor(starts, dtype=torch.int32), torch.tensor(lengths, dtype=torch.int32)
+
+
+def _indexer_inputs(T_q, T_k, H_I, D_I, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(T_q, H_I, D_I, generator=g).to(dtype)
+    k = torch.randn(T_k, D_I, generator=g).to(dtype)
+    w = torch.randn(T_q, H_I, generator=g)
+    return q, k, w
+
+
+def _assert_canonical_and_maximal(out, scores, starts, lengths, K, tol):
+    """Canonical form and a maximal-score selection (against float64 scores, up to ``tol`` for near-ties)."""
+    T_q = out.shape[0]
+    assert out.shape == (T_q, K) and out.dtype == torch.int32
+    for t in range(T_q):
+        n = min(K, int(lengths[t]))
+        row = out[t]
+        assert torch.all(row[n:] == -1), t
+        sel = row[:n].long()
+        assert torch.all(sel[1:] > sel[:-1]), t  # strictly ascending
+        lo, hi = int(starts[t]), int(starts[t]) + int(lengths[t])
+        assert torch.all((sel >= lo) & (sel < hi)), t
+        if n < int(lengths[t]):
+            window = scores[t, lo:hi]
+            chosen = torch.zeros(hi - lo, dtype=torch.bool)
+            chosen[sel - lo] = True
+            assert window[chosen].min() >= window[~chosen].max() - tol, t
+
+
+@pytest.mark.parametrize(
+    "docs,pad,H_I,D_I,K",
+    [
+        ((10, 17), 3, 2, 32, 5),  # two documents, padding rows, K below most windows
+        ((40,), 0, 3, 48, 16),  # D_I not a power of two, odd head count, several key blocks per row
+        ((6, 1, 4), 2, 1, 16, 8),  # every window <= K: the fast path only; a document of length 1
+    ],
+    ids=["two-docs-pad", "D48-H3", "all-fast-path"],
+)
+def test_indexer_matches_reference_exactly(triton_interpret, docs, pad, H_I, D_I, K):
+    from longtrain.dsa.triton import indexer_topk_triton
+
+    starts, lengths = _doc_layout(docs, pad)
+    T = starts.shape[0]
+    q, k, w = _indexer_inputs(T, T, H_I, D_I, seed=sum(docs))
+    out = indexer_topk_triton(q, k, w, starts, lengths, K, config=_ICFG)
+    ref = indexer_topk_reference(q.double(), k.double(), w.double(), starts, lengths, K)
+    # Continuous random scores have no near-ties at this size, so the selection is the reference's exactly.
+    assert torch.equal(out, ref)
+
+
+def test_indexer_ties_negative_weights_and_chunks(triton_interpret):
+    from longtrain.dsa.triton import indexer_topk_triton
+
+    # Keys live at an offset of a larger gathered key tensor (context-parallel layout).
+    starts, lengths = _doc_layout((30, 20), pad=2, key_offset=5)
+    T_q, T_k, H_I, D_I, K = starts.shape[0], 60, 2, 32, 7
+    q, k, w = _indexer_inputs(T_q, T_k, H_I, D_I, seed=21)
+    w[::3] = -w[::3].abs()  # negative head weights: scores of both signs
+    w[1::5] = 0.0  # all-zero rows: every eligible key ties, the smallest indices must win
+    q[2::7] = -q[2::7].abs()
+    k[40:] = k[40:].abs()  # with q < 0 on those rows, relu(q.k) = 0 on these keys: more ties
+    cfg = IndexerConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, select_block=256, scratch_elements=16 * T_k)
+    out = indexer_topk_triton(q, k, w, starts, lengths, K, config=cfg)
+    eligible = torch.zeros(T_q, T_k, dtype=torch.bool)
+    for t in range(T_q):
+        eligible[t, starts[t] : starts[t] + lengths[t]] = True
+    scores = indexer_scores(q.double(), k.double(), w.double(), eligible)
+    _assert_canonical_and_maximal(out, scores, starts, lengths, K, tol=1e-9)
+    for t in range(1, T_q, 5):  # zero-weight rows: the first min(K, L) keys of the window
+        n = min(K, int(lengths[t]))
+        assert torch.equal(out[t, :n].long(), torch.arange(n) + int(starts[t])), t
+
+
+def test_indexer_clips_windows_and_validates(triton_interpret):
+    from longtrain.dsa.triton import indexer_topk_triton
+
+    q, k, w = _indexer_inputs(4, 6, 2, 16, seed=3)
+    starts = torch.tensor([0, 4, -3, 0], dtype=torch.int32)
+    lengths = torch.tensor([3, 9, 2, 0], dtype=torch.int32)  # row 1 runs past T_k, row 2 starts before 0
+    out = indexer_topk_triton(q, k, w, starts, lengths, 4, config=_ICFG)
+    assert out.tolist() == [[0, 1, 2, -1], [4, 5, -1, -1], [-1] * 4, [-1] * 4]
+    with pytest.raises(ValueError, match="index_topk"):
+        indexer_topk_triton(q, k, w, starts, lengths, 4096)
+    with pytest.raises(ValueError, match="head_weights"):
+        indexer_topk_triton(q, k, w[:, :1], starts, lengths, 4)
+    with pytest.raises(TypeError, match="share a dtype"):
+        indexer_topk_triton(q, k.half(), w, starts, lengths, 4)
+    with pytest.raises(ValueError, match="starts"):
+        indexer_topk_triton(q, k, w, starts[:2], lengths, 4)
+
+
+# ---------------------------------------------------------------------------------------------- plumbing
+
+
+def test_public_ops_run_the_triton_backend_on_cpu(triton_interpret):
+    if importlib.util.find_spec("longtrain.dsa.ops") is None:
+        pytest.skip("longtrain.dsa.ops not present")
+    from longtrain.dsa import ops
+
+    cu = torch.tensor([0, 9, 20], dtype=torch.int32)
+    q, k, w = _indexer_inputs(20, 20, 2, 32, seed=4)
+    got = ops.indexer_topk(q, k, w, cu, 6, backend="triton")
+    want = ops.indexer_topk(q, k, w, cu, 6, backend="torch")
+    assert torch.equal(got, want)
+    qa, kv, _ = _mla_inputs(20, 4, 48, 20, 6, seed=5)
+    out = ops.sparse_mla_attention(qa, kv, got, 0.3, d_v=32, backend="triton")
+    ref = ops.sparse_mla_attention(qa.detach(), kv.detach(), got, 0.3, d_v=32, backend="torch")
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)  # fp32 kernels vs fp32 torch path
+    dq, dkv = torch.autograd.grad(out.sum(), (qa, kv))
+    assert torch.isfinite(dq).all() and torch.isfinite(dkv).all()
+
+
+def test_warmup_runs_every_kernel(triton_interpret):
+    from longtrain.dsa.triton import warmup
+
+    state = torch.get_rng_state()
+    info = warmup(
+        num_heads=2, d_qk=48, d_v=32, topk=8, index_heads=2, index_dim=16, dtype=torch.float32, device="cpu",
+        num_tokens=20, with_sink=True,
+    )  # fmt: skip
+    assert info["finite"] and info["num_tokens"] == 20 and info["seconds"] >= 0
+    assert "sparse_mla_bwd_kernel_dqdkv" in info["kernels"]
+    assert torch.equal(state, torch.get_rng_state())
+
+
+def test_availability_reasons(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    ok, reason = availability("cpu")
+    if importlib.util.find_spec("triton") is None:
+        assert not ok and "triton" in reason
+    else:
+        assert not ok and "TRITON_INTERPRET" in reason
+    ok, reason = availability("meta")
+    assert not ok and reason
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert availability("cpu") == (importlib.util.find_spec("triton") is not None, availability("cpu")[1])
+
+
+def test_importing_the_package_does_not_import_triton():
+    code = "import sys, longtrain.dsa, longtrain.dsa.triton; assert 'triton' not in sys.modules; print('ok')"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
