@@ -1,0 +1,121 @@
+"""The demo's data: a small public-domain corpus shipped in the package, byte-level tokens, packed rows.
+
+Token ids are ``byte + 1`` (vocabulary 257); id 0 is padding and never occurs in text. A packed row holds
+several document spans back to back, then a padding tail:
+
+- ``input_ids``        ``[S]`` int64, the tokens (0 in the padding tail);
+- ``labels``           ``[S]`` int64, pre-shifted next tokens inside a document, -100 on each document's last
+  token and on padding (no label crosses a document boundary);
+- ``position_ids``     ``[S]`` int64, positions restarting at 0 in every document;
+- ``_packed_seq_ids``  ``[S]`` int64, document ids 1, 2, ... in order, 0 on padding.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from importlib import resources
+
+import torch
+
+VOCAB_SIZE = 257
+PAD_ID = 0
+IGNORE_INDEX = -100
+_CORPUS = "kjv_selection.txt"
+
+
+def load_documents() -> list[bytes]:
+    """The shipped corpus as a list of documents (UTF-8 bytes), one per chapter."""
+    text = resources.files("longtrain.data").joinpath(_CORPUS).read_bytes()
+    return [d.strip() for d in text.split(b"\n\f\n") if d.strip()]
+
+
+@dataclass(frozen=True)
+class PackedRow:
+    """One packed training row; every tensor is ``[S]`` int64 (see the module docstring)."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+    doc_ids: torch.Tensor
+
+    @property
+    def num_documents(self) -> int:
+        return int(self.doc_ids.max().item())
+
+    def as_batch(self) -> dict[str, torch.Tensor]:
+        """A ``[1, S]`` batch dict in the layout ``make_cp_blockdiag_batch_and_ctx`` expects."""
+        return {
+            "input_ids": self.input_ids[None].clone(),
+            "labels": self.labels[None].clone(),
+            "position_ids": self.position_ids[None].clone(),
+            "_packed_seq_ids": self.doc_ids[None].clone(),
+        }
+
+
+def pack_row(spans: list[bytes], seq_len: int) -> PackedRow:
+    """Pack document spans (each at least 2 bytes) back to back into one row of ``seq_len`` tokens."""
+    if sum(len(s) for s in spans) > seq_len:
+        raise ValueError(f"spans hold {sum(len(s) for s in spans)} tokens, more than seq_len={seq_len}")
+    input_ids = torch.full((seq_len,), PAD_ID, dtype=torch.long)
+    labels = torch.full((seq_len,), IGNORE_INDEX, dtype=torch.long)
+    position_ids = torch.zeros(seq_len, dtype=torch.long)
+    doc_ids = torch.zeros(seq_len, dtype=torch.long)
+    pos = 0
+    for i, span in enumerate(spans, start=1):
+        n = len(span)
+        if n < 2:
+            raise ValueError(f"document span {i} has {n} token(s); spans need at least 2 (one input, one label)")
+        toks = torch.tensor(list(span), dtype=torch.long) + 1
+        input_ids[pos : pos + n] = toks
+        labels[pos : pos + n - 1] = toks[1:]
+        position_ids[pos : pos + n] = torch.arange(n)
+        doc_ids[pos : pos + n] = i
+        pos += n
+    return PackedRow(input_ids, labels, position_ids, doc_ids)
+
+
+class PackedStream:
+    """An endless, seeded stream of packed rows cut from the corpus.
+
+    Each row takes document spans of random length in ``[min_doc, max_doc]`` (a random window of a random
+    chapter) until the next span would not fit, then pads the tail, so every row has several documents of
+    varied length and (almost always) some padding.
+    """
+
+    def __init__(self, seq_len: int, *, seed: int = 0, min_doc: int = 16, max_doc: int | None = None):
+        if seq_len < 4:
+            raise ValueError(f"seq_len must be at least 4, got {seq_len}")
+        self.seq_len = seq_len
+        self.min_doc = max(2, min_doc)
+        self.max_doc = max_doc if max_doc is not None else max(self.min_doc, seq_len // 2)
+        if self.max_doc < self.min_doc:
+            raise ValueError(f"max_doc={self.max_doc} is smaller than min_doc={self.min_doc}")
+        self.docs = load_documents()
+        self.rng = random.Random(seed)
+
+    def _span(self) -> bytes:
+        doc = self.docs[self.rng.randrange(len(self.docs))]
+        n = self.rng.randint(self.min_doc, min(self.max_doc, len(doc)))
+        start = self.rng.randrange(len(doc) - n + 1)
+        return doc[start : start + n]
+
+    def next_row(self) -> PackedRow:
+        spans: list[bytes] = []
+        used = 0
+        while True:
+            span = self._span()
+            if used + len(span) > self.seq_len:
+                room = self.seq_len - used
+                # A short gap stays as the padding tail; a large one takes a truncated span.
+                if room >= max(self.min_doc, self.seq_len // 4):
+                    spans.append(span[:room])
+                    used += room
+                break
+            spans.append(span)
+            used += len(span)
+        return pack_row(spans, self.seq_len)
+
+    def __iter__(self):
+        while True:
+            yield self.next_row()
