@@ -42,7 +42,7 @@ _CURRENT_NOTES: contextvars.ContextVar[dict[str, Any] | None] = contextvars.Cont
 
 @contextlib.contextmanager
 def _collect_notes() -> Iterator[dict[str, Any]]:
-    notes: dict[str, Any] = {"reason": None, "shapes": [], "errors": 0}
+    notes: dict[str, Any] = {"reason": None, "shapes": [], "errors": 0, "failure": None}
     token = _CURRENT_NOTES.set(notes)
     try:
         yield notes
@@ -51,9 +51,9 @@ def _collect_notes() -> Iterator[dict[str, Any]]:
 
 
 def _note_skip(reason: str) -> None:
-    """Record why the running prewarm did nothing (kept: the first reason given)."""
+    """Record why the running prewarm did nothing (the last reason given wins: the outermost skip)."""
     notes = _CURRENT_NOTES.get()
-    if notes is not None and notes["reason"] is None:
+    if notes is not None:
         notes["reason"] = reason
 
 
@@ -65,9 +65,13 @@ def _note_error() -> None:
 
 
 def _log_failure(message: str, *args: Any) -> None:
-    """Log a caught failure at ERROR with its traceback and count it for the report."""
+    """Log a caught failure at ERROR with its traceback and count it for the report (inside ``except`` only)."""
     _log().exception(message, *args)
     _note_error()
+    exc = sys.exc_info()[1]
+    notes = _CURRENT_NOTES.get()
+    if notes is not None and exc is not None:
+        notes["failure"] = f"{type(exc).__name__}: {exc}"
 
 
 def _note_shapes(shapes: list[str]) -> None:

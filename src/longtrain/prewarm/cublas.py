@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from longtrain.prewarm._common import _log, _log_failure, _note_skip, _pkg, _rng_neutral
+from longtrain.prewarm._common import _log, _log_failure, _pkg, _rng_neutral
 
 _CUBLAS_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -35,9 +35,8 @@ def _prewarm_cublas_backward(device: torch.device | int | str | None, size: int 
                 torch.cuda.synchronize(dev)
                 del a, b
         torch.cuda.empty_cache()
-    except Exception as exc:
+    except Exception:
         _log_failure("Skipping cuBLAS backward prewarm after failure.")
-        _note_skip(f"failed: {type(exc).__name__}: {exc}")
         return False
     _log().info("Finished cuBLAS backward prewarm (size=%d).", size)
     return True

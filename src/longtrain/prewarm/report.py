@@ -248,7 +248,8 @@ def run_prewarms(
             status, reason = "ran", notes["reason"]
         else:
             status = "failed" if notes["errors"] else "skipped"
-            reason = notes["reason"] or ("every warmup failed" if notes["errors"] else "nothing to do")
+            failure = f"every warmup failed (last: {notes['failure']})"
+            reason = failure if notes["errors"] else (notes["reason"] or "nothing to do")
         report.steps.append(
             PrewarmStep(
                 name=name,
