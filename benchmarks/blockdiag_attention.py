@@ -1,0 +1,273 @@
+"""Block-diagonal (document-causal) attention: every backend side by side on one GPU.
+
+Packed documents of lengths drawn from U[512, 8192] (seed 1) and U[64, 2048] (seed 2) filling 32K and 64K
+tokens; Hq=32, Hkv=8 (GQA 4:1), D=128, bf16. For each backend: forward and backward TFLOP/s with the
+project convention (forward ``4 * MaskArea * Hq * D``, backward 2.5x that, MaskArea of a causal document of
+length L = L(L+1)/2), median with p20/p80 from ``triton.testing.do_bench`` after a warm-up (compile,
+autotune), and the peak memory of one forward+backward above the inputs. A backend that cannot run reports
+``unavailable: <reason>`` or ``OOM`` instead of disappearing.
+
+Run on a GPU from the repository root::
+
+    PYTHONPATH=src python benchmarks/blockdiag_attention.py [--tokens 32768 65536] [--out-dir DIR]
+
+It writes ``blockdiag_attention_<date>.md`` and ``.json`` (machine header first) to ``--out-dir``
+(default ``benchmarks/results``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import machine_header, write_report  # noqa: E402
+from longtrain.blockdiag_cp import backends, kernels  # noqa: E402
+
+HQ, HKV, D = 32, 8, 128
+LAYOUTS = {"long": (512, 8192, 1), "short": (64, 2048, 2)}
+
+
+def doc_lengths(total: int, lo: int, hi: int, seed: int) -> list[int]:
+    """Document lengths from U[lo, hi] (torch generator ``seed``) filling exactly ``total`` tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths: list[int] = []
+    while sum(lengths) < total:
+        lengths.append(int(torch.randint(lo, hi + 1, (1,), generator=gen)))
+    lengths[-1] -= sum(lengths) - total
+    return [n for n in lengths if n > 0]
+
+
+def _bhsd(t: torch.Tensor) -> torch.Tensor:
+    """Packed ``[T, H, D]`` -> the SDPA-layout view ``[1, H, T, D]`` (no copy)."""
+    return t.transpose(0, 1).unsqueeze(0)
+
+
+def mask_area(lengths: list[int]) -> int:
+    return sum(n * (n + 1) // 2 for n in lengths)
+
+
+def _varlen_attn_fn():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None, "torch.nn.attention.varlen not in this torch"
+    params = inspect.signature(varlen_attn).parameters
+    return (varlen_attn, params), None
+
+
+def providers(cu: torch.Tensor, max_len: int, meta: dict, total: int):
+    """name -> (callable(q, k, v) -> out, reason-if-unavailable). q/k/v are packed THD tensors."""
+    out: dict[str, tuple] = {}
+    dev = cu.device
+
+    def torch_fa2(q, k, v):
+        return backends.torch_flash_varlen(q, k, v, cu, cu, max_len, max_len)
+
+    out["flash (torch FA2, GQA native)"] = (torch_fa2, backends._torch_flash_reason())
+
+    va, why = _varlen_attn_fn()
+    if va is None:
+        out["torch varlen_attn (K/V repeated)"] = (None, why)
+    else:
+        fn, params = va
+        causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+        gqa = "enable_gqa" in params
+
+        def torch_varlen(q, k, v):
+            if not gqa:
+                k = k.repeat_interleave(HQ // HKV, dim=1)
+                v = v.repeat_interleave(HQ // HKV, dim=1)
+            extra = {"enable_gqa": True} if gqa else {}
+            return fn(q, k, v, cu, cu, max_len, max_len, **causal, **extra)
+
+        name = "torch varlen_attn" + (" (enable_gqa)" if gqa else " (K/V repeated)")
+        out[name] = (torch_varlen, None)
+
+    fa = backends.flash_attn_module()
+    if fa is None:
+        out["flash_attn package"] = (None, "flash_attn not installed")
+    else:
+
+        def flash_pkg(q, k, v):
+            return fa.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=True)
+
+        out["flash_attn package"] = (flash_pkg, None)
+
+    def flex(q, k, v):
+        res = backends.flex_blockdiag_attention(_bhsd(q), _bhsd(k), _bhsd(v), meta)
+        return res[0].transpose(0, 1)
+
+    out["flex (compiled, block mask)"] = (flex, backends.varlen_backend_unavailable_reason("flex", torch.bfloat16, dev))
+
+    te_reason = backends.varlen_backend_unavailable_reason("te", torch.bfloat16, dev)
+    if te_reason is None:
+
+        def te(q, k, v):
+            dpa = kernels._te_varlen_dpa(HQ, HKV, D, D**-0.5, q.device, q.dtype)
+            res = dpa(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len, max_seqlen_kv=max_len)
+            return res.reshape(q.shape)
+
+        out["te (thd)"] = (te, None)
+    else:
+        out["te (thd)"] = (None, te_reason)
+
+    if "cudnn" in backends.VARLEN_BACKENDS:
+        cudnn_reason = backends.varlen_backend_unavailable_reason("cudnn", torch.bfloat16, dev)
+
+        def cudnn(q, k, v):
+            return backends.cudnn_varlen_attention(q, k, v, cu, cu, max_len, max_len, meta=meta)
+
+        out["cudnn (frontend graph, bucketed)"] = (cudnn if cudnn_reason is None else None, cudnn_reason)
+
+    def driver(name):
+        def run(q, k, v):
+            res = kernels._cp_blockdiag_varlen(_bhsd(q), _bhsd(k), _bhsd(v), meta["_ids"], 0, backend=name, meta=meta)
+            if res is None:
+                raise RuntimeError(f"_cp_blockdiag_varlen(backend={name!r}) fell back (returned None)")
+            return res[0].transpose(0, 1)
+
+        return run
+
+    out["driver _cp_blockdiag_varlen(auto)"] = (driver("auto"), None)
+
+    def dense(q, k, v):
+        return kernels.dense_blockdiag_sdpa(_bhsd(q), _bhsd(k), _bhsd(v), meta["_ids"], 0)[0].transpose(0, 1)
+
+    out["dense mask + SDPA (efficient)"] = (dense, None)
+
+    def reference(q, k, v):
+        return backends.reference_varlen_attention(q, k, v, cu, cu)
+
+    out["reference (per-doc math SDPA)"] = (reference, None if total <= 32768 else "skipped above 32K tokens (oracle)")
+    return out
+
+
+def bench_one(fn, q, k, v, dout, flops_fwd: float, do_bench) -> dict:
+    row: dict = {}
+    fn(q, k, v)  # warm-up: compile, autotune, graph build
+    out = fn(q, k, v)
+    torch.autograd.grad(out, (q, k, v), dout)
+    torch.cuda.synchronize()
+    qs = [0.5, 0.2, 0.8]
+    with torch.no_grad():
+        f50, f20, f80 = do_bench(lambda: fn(q, k, v), quantiles=qs, warmup=25, rep=200)
+
+    def fwd_bwd():
+        torch.autograd.grad(fn(q, k, v), (q, k, v), dout)
+
+    t50, t20, t80 = do_bench(fwd_bwd, quantiles=qs, warmup=25, rep=300)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fwd_bwd()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    b50 = max(t50 - f50, 1e-6)
+    row.update(
+        fwd_ms=f50,
+        fwd_p20=f20,
+        fwd_p80=f80,
+        bwd_ms=b50,
+        fwdbwd_p20=t20,
+        fwdbwd_p80=t80,
+        fwd_tflops=flops_fwd / f50 / 1e9,
+        bwd_tflops=2.5 * flops_fwd / b50 / 1e9,
+        peak_gib=peak / 2**30,
+    )
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[32768, 65536])
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--only", nargs="*", default=None, help="substrings of backend names to run")
+    parser.add_argument("--out-dir", default=None)
+    parser.add_argument("--name", default="blockdiag_attention")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs CUDA")
+        return 2
+    from triton.testing import do_bench
+
+    dev = torch.device("cuda")
+    rows = []
+    for total in args.tokens:
+        for layout in args.layouts:
+            lo, hi, seed = LAYOUTS[layout]
+            lengths = doc_lengths(total, lo, hi, seed)
+            ids = torch.repeat_interleave(torch.arange(1, len(lengths) + 1), torch.tensor(lengths))
+            meta = kernels.precompute_blockdiag_varlen_meta(ids, 0, total, dev)
+            meta["_ids"] = ids.to(dev)
+            cu, max_len = meta["cu_q"], int(meta["max_q"])
+            flops = 4.0 * mask_area(lengths) * HQ * D
+            gen = torch.Generator(device=dev).manual_seed(0)
+            q = torch.randn(total, HQ, D, device=dev, dtype=torch.bfloat16, generator=gen).requires_grad_()
+            k = torch.randn(total, HKV, D, device=dev, dtype=torch.bfloat16, generator=gen).requires_grad_()
+            v = torch.randn(total, HKV, D, device=dev, dtype=torch.bfloat16, generator=gen).requires_grad_()
+            dout = torch.randn(total, HQ, D, device=dev, dtype=torch.bfloat16, generator=gen)
+            base = {"tokens": total, "layout": f"U[{lo},{hi}] seed {seed}", "docs": len(lengths), "max_doc": max_len}
+            for name, (fn, reason) in providers(cu, max_len, meta, total).items():
+                if args.only and not any(s in name for s in args.only):
+                    continue
+                row = {**base, "backend": name}
+                if fn is None or reason is not None:
+                    row["status"] = f"unavailable: {reason}"
+                else:
+                    try:
+                        row.update(bench_one(fn, q, k, v, dout, flops, do_bench))
+                        row["status"] = "ok"
+                    except torch.OutOfMemoryError:
+                        row["status"] = "OOM"
+                    except Exception as exc:
+                        traceback.print_exc()
+                        row["status"] = f"error: {type(exc).__name__}: {str(exc)[:120]}"
+                    torch.cuda.empty_cache()
+                rows.append(row)
+                print(
+                    f"{total:6d} {layout:5s} {name:40s} "
+                    + (
+                        f"fwd {row['fwd_tflops']:6.1f}  bwd {row['bwd_tflops']:6.1f} TFLOP/s  "
+                        f"({row['fwd_ms']:.3f} / {row['bwd_ms']:.3f} ms, peak {row['peak_gib']:.2f} GiB)"
+                        if row.get("status") == "ok"
+                        else row["status"]
+                    ),
+                    flush=True,
+                )
+    columns = [
+        ("tokens", "tokens"),
+        ("layout", "documents"),
+        ("docs", "n docs"),
+        ("max_doc", "max doc"),
+        ("backend", "backend"),
+        ("fwd_tflops", "fwd TFLOP/s"),
+        ("bwd_tflops", "bwd TFLOP/s"),
+        ("fwd_ms", "fwd ms (p50)"),
+        ("fwd_p20", "fwd p20"),
+        ("fwd_p80", "fwd p80"),
+        ("bwd_ms", "bwd ms (p50)"),
+        ("peak_gib", "peak GiB (fwd+bwd)"),
+        ("status", "status"),
+    ]
+    notes = (
+        f"Hq={HQ}, Hkv={HKV}, D={D}, bf16, per-document causal. FLOPs: forward 4*MaskArea*Hq*D with MaskArea = "
+        "sum L(L+1)/2, backward 2.5x forward; backward time = median(fwd+bwd) - median(fwd). do_bench medians "
+        "(p20/p80) after warm-up; peak memory = max allocated during one forward+backward minus the inputs. "
+        "'torch varlen_attn (K/V repeated)' includes the repeat_interleave of K/V (torch 2.11 has no enable_gqa). "
+        "'driver' rows go through kernels._cp_blockdiag_varlen with a precomputed meta, including the SDPA-layout "
+        "packing copies."
+    )
+    md, js = write_report(args.name, rows, columns, notes, header=machine_header(), out_dir=args.out_dir,
+                          title="Block-diagonal attention backends (one GPU)")  # fmt: skip
+    print(f"wrote {md} and {js}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Backend availability reasons, "auto" resolution, doctor rows, the flex block mask and the reference backend."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from longtrain.blockdiag_cp import backends, kernels
+from tests.blockdiag._kernels_util import ids_from_lengths
+
+CPU = torch.device("cpu")
+CUDA = torch.device("cuda")
+
+
+def test_reason_order_for_flash_and_te():
+    r = kernels._varlen_backend_unavailable_reason
+    assert r("flash", torch.float32, CUDA) == "varlen CP attention needs fp16/bf16, got torch.float32"
+    assert r("te", torch.float32, CPU) == "varlen CP attention needs fp16/bf16, got torch.float32"
+    assert r("flash", torch.bfloat16, CPU) == "varlen CP attention requires CUDA, got device=cpu"
+    assert r("te", torch.float16, CPU) == "varlen CP attention requires CUDA, got device=cpu"
+    assert r("nope", torch.bfloat16, CUDA).startswith("unsupported varlen backend='nope'")
+
+
+def test_reason_for_libraries_on_cuda(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("checks the no-library answers; a CUDA machine may have them")
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    monkeypatch.setattr(backends, "flash_attn_module", lambda: None)
+    assert "flash_attn varlen kernel is unavailable" in kernels._varlen_backend_unavailable_reason(
+        "flash", torch.bfloat16, CUDA
+    )
+    monkeypatch.setattr(backends, "flash_attn_module", lambda: types.ModuleType("flash_attn"))
+    assert kernels._varlen_backend_unavailable_reason("flash", torch.bfloat16, CUDA) is None
+    monkeypatch.delitem(sys.modules, "transformer_engine", raising=False)
+    monkeypatch.setattr(backends._optional, "transformer_engine", lambda: (False, "transformer_engine not installed"))
+    assert "TransformerEngine varlen kernel is unavailable" in kernels._varlen_backend_unavailable_reason(
+        "te", torch.bfloat16, CUDA
+    )
+
+
+def test_reason_for_reference_flex_dense():
+    r = kernels._varlen_backend_unavailable_reason
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        assert r("reference", dtype, CPU) is None
+    assert "floating" in r("reference", torch.int32, CPU)
+    assert (
+        r("flex", torch.bfloat16, CPU)
+        == f"FlexAttention on CPU in torch {torch.__version__} runs forward only (no backward)"
+    )
+    assert "fp16/bf16/fp32" in r("flex", torch.float64, CUDA)
+    assert "not a varlen backend" in r("dense", torch.bfloat16, CPU)
+    assert r("auto", torch.float32, CPU) is None
+
+
+def test_resolve_varlen_backend():
+    assert backends.resolve_varlen_backend("auto", torch.bfloat16, CPU) == "reference"
+    assert backends.resolve_varlen_backend("flex", torch.bfloat16, CPU) == "flex"
+    assert backends.resolve_varlen_backend("sdpa", torch.bfloat16, CPU) == "dense"
+    with pytest.raises(ValueError, match="valid: flash, te"):
+        backends.resolve_varlen_backend("flash_attention_3", torch.bfloat16, CPU)
+    with pytest.raises(TypeError):
+        backends.resolve_varlen_backend(None, torch.bfloat16, CPU)
+    assert set(backends.VARLEN_BACKENDS) >= {"flash", "te", "flex", "reference"}
+    assert "dense" not in backends.VARLEN_BACKENDS and "auto" in backends.ATTN_BACKENDS
+
+
+def test_backend_status_rows_for_doctor():
+    rows = backends.backend_status()
+    names = [name for name, _ in rows]
+    assert names == [*backends.VARLEN_BACKENDS, "dense"]
+    status = dict(rows)
+    assert status["reference"] is None and status["dense"] is None
+    if not torch.cuda.is_available():
+        assert "needs CUDA" in status["flash"] and "SM80+" in status["flash"]
+        assert "no backward" in status["flex"]
+
+
+def test_resolve_device_normalises_index():
+    assert backends.resolve_device("cpu:0") == backends.resolve_device(torch.device("cpu"))
+    assert backends.resolve_device("cuda").index is not None
+
+
+@pytest.mark.parametrize(
+    "lengths,pad,world",
+    [([130, 1, 1, 300, 90], 250, 4), ([1024], 0, 2), ([200] * 5, 24, 4), ([1] * 70 + [440], 2, 2)],
+    ids=["mixed", "one_doc", "equal", "one_token_docs"],
+)
+def test_flex_block_mask_structure_covers_the_dense_mask(lengths, pad, world):
+    """Every block with an allowed pair is listed; every 'full' block is fully allowed; mask_mod is exact."""
+    ids = ids_from_lengths(lengths, pad)
+    total = ids.numel() - ids.numel() % world
+    ids = ids[:total]
+    local, bs = total // world, 128
+    for rank in range(world):
+        off = rank * local
+        meta = kernels.precompute_blockdiag_varlen_meta(ids, off, local, "cpu")
+        if meta["n_real"] == 0:
+            continue
+        bm = backends.flex_block_mask(meta, local, total, CPU)
+        assert backends.flex_block_mask(meta, local, total, CPU) is bm  # cached in the meta
+        real = ids[off : off + local] > 0
+        dense = kernels._cp_blockdiag_mask(ids, off, local, total, 1)[0, 0] & real[:, None]
+        q_idx, k_idx = torch.arange(local)[:, None], torch.arange(total)[None, :]
+        assert torch.equal(bm.mask_mod(0, 0, q_idx, k_idx), dense)
+        nq, nk = -(-local // bs), -(-total // bs)
+        blocks = torch.nn.functional.pad(dense, (0, nk * bs - total, 0, nq * bs - local)).view(nq, bs, nk, bs)
+        any_blk, all_blk = blocks.any(3).any(1), blocks.all(3).all(1)
+        listed = torch.zeros(nq, nk, dtype=torch.bool)
+        full = torch.zeros(nq, nk, dtype=torch.bool)
+        for i in range(nq):
+            listed[i, bm.kv_indices[0, 0, i, : bm.kv_num_blocks[0, 0, i]]] = True
+            full[i, bm.full_kv_indices[0, 0, i, : bm.full_kv_num_blocks[0, 0, i]]] = True
+        assert not (listed & full).any()
+        assert ((listed | full) | ~any_blk).all(), "a block with allowed pairs is missing"
+        assert (~full | all_blk).all(), "a block marked full has masked pairs"
+
+
+def test_reference_gqa_equals_repeated_heads():
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(10, 8, 16, generator=gen, dtype=torch.float64)
+    k = torch.randn(13, 2, 16, generator=gen, dtype=torch.float64)
+    v = torch.randn(13, 2, 16, generator=gen, dtype=torch.float64)
+    cu_q = torch.tensor([0, 4, 5, 10], dtype=torch.int32)
+    cu_k = torch.tensor([0, 7, 8, 13], dtype=torch.int32)
+    out = backends.reference_varlen_attention(q, k, v, cu_q, cu_k)
+    rep = backends.reference_varlen_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), cu_q, cu_k)
+    torch.testing.assert_close(out, rep, rtol=0, atol=0)  # identical computation
+    # first segment (4 queries over 7 keys) by hand: bottom-right causal, query i sees keys j <= i + 3
+    kk, vv = k[:7].repeat_interleave(4, 1), v[:7].repeat_interleave(4, 1)
+    scores = torch.einsum("qhd,khd->hqk", q[:4], kk) * 16**-0.5
+    allowed = torch.arange(7)[None, :] <= torch.arange(4)[:, None] + 3
+    manual = torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), vv)
+    torch.testing.assert_close(out[:4], manual, rtol=1e-12, atol=1e-12)  # float64, summation order only
+    with pytest.raises(ValueError, match="multiple"):
+        backends.reference_varlen_attention(
+            q[:, :6], k[:, :1].expand(-1, 4, -1), v[:, :1].expand(-1, 4, -1), cu_q, cu_k
+        )
