@@ -1,4 +1,4 @@
-"""The ``longtrain`` command: ``doctor`` (what can run here and why not)."""
+"""The ``longtrain`` command: ``doctor`` (what can run here and why not), ``demo`` (the main job), ``bench``."""
 
 from __future__ import annotations
 
@@ -59,7 +59,24 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("doctor", help="show which backends of every module can run here, and why not")
     p.set_defaults(func=cmd_doctor)
+    p = sub.add_parser(
+        "demo",
+        help="train a small LM on packed documents with context parallelism (CPU is fine)",
+        description="Train a small decoder LM (GQA block-diagonal attention + DSA layers) on packed documents of a "
+        "shipped public-domain corpus, with --cp ranks of context parallelism launched by the demo itself (or "
+        "torchrun), prewarm, a step-1 parity check against a single-rank run, metrics.jsonl and a loss curve.",
+    )
+    from longtrain.train import add_demo_arguments
+
+    add_demo_arguments(p)
+    p.set_defaults(func=cmd_demo)
     return parser
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from longtrain import train
+
+    return train.main(args)
 
 
 def main(argv: list[str] | None = None) -> int:
