@@ -130,8 +130,8 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """Max-norm relative error ``max|a - e| / max|e|`` (0 for two empty tensors)."""
     if expected.numel() == 0:
         return 0.0
-    denom = expected.abs().max().clamp_min(1e-30)
-    return float((actual.double() - expected.double()).abs().max() / denom)
+    actual, expected = actual.detach().double(), expected.detach().double()
+    return float((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30))
 
 
 class FakeMesh:

@@ -24,8 +24,12 @@ RTOL = 1e-5
 MODES = ("allgather", "halo", "a2a")
 
 
-def _run_cp(rank, world, name, *, ckpt=False):
-    """One CP step of the layer; returns local output rows, gathered grads, collective counts and the path."""
+def _run_cp(rank, world, name, *, ckpt=None):
+    """One CP step of the layer; returns local output rows, gathered grads, collective counts and the path.
+
+    ``ckpt``: None, ``"layer"`` (the whole layer checkpointed) or ``"core"`` (only the attention call, so the
+    region ends at the attention output: recompute must still issue the same collectives on every rank).
+    """
     from longtrain.blockdiag_cp import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx, state
 
     ids = cm.case_ids(name)
@@ -42,13 +46,16 @@ def _run_cp(rank, world, name, *, ckpt=False):
     g_local = torch.zeros(1, local_len, cm.E)
     g_local[:, :n_in] = ref["g"][:, off : off + n_in].float()
 
+    def core(q, k, v, is_causal=False):
+        return checkpoint(cp_blockdiag_sdpa, q, k, v, use_reentrant=False)
+
     def layer(inp, *ps):
-        return cm.attention_layer(inp, list(ps), cp_blockdiag_sdpa)
+        return cm.attention_layer(inp, list(ps), core if ckpt == "core" else cp_blockdiag_sdpa)
 
     with factory():
         step = state._CP_BLOCKDIAG_STATE.get()
         with cm.count_collectives() as counts:
-            if ckpt:
+            if ckpt == "layer":
                 y = checkpoint(layer, batch["inputs_embeds"], *params, use_reentrant=False)
             else:
                 y = layer(batch["inputs_embeds"], *params)
@@ -97,7 +104,7 @@ def _parity_worker(rank, world):
             previous = configure_cp_varlen(attn_backend=backend, kv_exchange=mode)
             try:
                 res = _run_cp(rank, world, name)
-                res_ck = _run_cp(rank, world, name, ckpt=True)
+                res_ck = [_run_cp(rank, world, name, ckpt=c) for c in ("layer", "core")]
             finally:
                 configure_cp_varlen(**previous)
             if mode != "allgather" and res["path"] is None:
@@ -114,9 +121,12 @@ def _parity_worker(rank, world):
             fwd, bwd = _expected_counts(res["path"], res["max_halo"])
             if res["fwd"] != fwd or res["bwd"] != bwd:
                 failures.append(f"{tag}: collectives fwd={res['fwd']} bwd={res['bwd']}, expected {fwd} / {bwd}")
-            for i, (a, b) in enumerate(zip(res["grads"], res_ck["grads"])):
-                if not torch.equal(a, b):
-                    failures.append(f"{tag}: checkpointed grad[{i}] differs by {float((a - b).abs().max()):.2e}")
+            for ck, other in zip(("layer", "core"), res_ck):
+                for i, (a, b) in enumerate(zip(res["grads"], other["grads"])):
+                    if not torch.equal(a, b):
+                        failures.append(
+                            f"{tag}: {ck}-checkpointed grad[{i}] differs by {float((a - b).abs().max()):.2e}"
+                        )
     return failures
 
 

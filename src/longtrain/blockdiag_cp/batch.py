@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.distributed
+import torch.utils.checkpoint
 
 from . import kernels, runtime, state
 
@@ -279,10 +280,18 @@ def make_cp_blockdiag_batch_and_ctx(
 
 @contextlib.contextmanager
 def _step_context(step: dict) -> Iterator[None]:
+    """Activate ``step`` for ``cp_blockdiag_sdpa`` (visible from autograd's recompute thread).
+
+    Also turns off the early stop of non-reentrant activation checkpointing for checkpoints created inside:
+    an early-stopped recompute ends at the last tensor the forward saved, which differs between a rank with
+    real tokens (inside its kernel) and an all-padding rank (which may have saved nothing after the K/V
+    exchange), so one rank would re-issue the exchange collective and the other not, and both would hang.
+    """
     state._CP_LAST_EXITED_STATE.set(None)
     token = state._CP_BLOCKDIAG_STATE.set(step)
     try:
-        yield
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+            yield
     finally:
         state._CP_BLOCKDIAG_STATE.reset(token)
         if step.get("_grad_calls") and state._CP_BLOCKDIAG_STATE.get() is None:

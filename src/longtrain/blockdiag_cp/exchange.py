@@ -314,14 +314,15 @@ class _NeededKVExchange(torch.autograd.Function):
 def _zero_touch(query: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
     """Zeros shaped like ``query`` that stay attached to ``query`` and ``tensors`` in the autograd graph.
 
-    The touch sums an empty slice of each tensor, which is exactly 0 whatever the values (a ``0 * sum(K)``
-    touch turns into NaN when K holds inf or overflows in fp16), and its gradient is exact zeros. Keeping the
-    graph attached makes the backward collective of the exchange fire on an all-padding rank too.
+    - Exactly zero whatever the inputs hold: the touch multiplies *empty* slices (a ``0 * sum(K)`` touch turns
+      into NaN when K holds inf or overflows in fp16); the gradients are exact zeros.
+    - Attached: the backward collective of the K/V exchange fires on an all-padding rank too.
+    - Saves a tensor for backward (the empty slices of the product): under non-reentrant activation
+      checkpointing a region that saved nothing is never recomputed, so an all-padding rank would skip the
+      exchange that the recompute of every other rank issues, and all ranks would hang.
     """
-    touch = query.reshape(-1)[:0].sum()
-    for t in tensors:
-        touch = touch + t.reshape(-1)[:0].sum().to(touch.dtype)
-    return torch.zeros_like(query) + touch
+    flat = torch.cat([query.reshape(-1)[:0], *(t.reshape(-1)[:0].to(query.dtype) for t in tensors)])
+    return torch.zeros_like(query) + (flat * flat).sum()
 
 
 def _attend_needed(

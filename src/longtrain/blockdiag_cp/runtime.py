@@ -339,6 +339,9 @@ def _cp_blockdiag_sdpa_impl(
     kv_full = exchange._AllGatherSeqDiff.apply(torch.cat([key, value], dim=1), group, 2)
     k_full, v_full = kv_full[:, :hkv], kv_full[:, hkv:]
     if backend != state.ATTN_BACKEND_DENSE:
+        if isinstance(gm, dict) and int(gm.get("n_real", -1)) == 0:
+            # All-padding rank: attached zeros that also survive checkpoint recompute (see _zero_touch).
+            return exchange._zero_touch(query, kv_full)
         out = kernels._cp_blockdiag_varlen(
             query, k_full, v_full, doc_ids, row_offset, scale, backend=backend, dropout_p=dropout_p, meta=gm
         )
@@ -382,7 +385,10 @@ def _maybe_disable_dynamo() -> None:
 
     if _IMPL[0] is not _cp_blockdiag_sdpa_impl or "torch._dynamo" not in sys.modules:
         return
-    _IMPL[0] = torch._dynamo.disable(_cp_blockdiag_sdpa_impl, reason="block-diagonal CP runtime (collectives, syncs)")
+    try:
+        _IMPL[0] = torch._dynamo.disable(_cp_blockdiag_sdpa_impl, reason="block-diagonal CP runtime (collectives)")
+    except TypeError:  # torch without the ``reason`` keyword
+        _IMPL[0] = torch._dynamo.disable(_cp_blockdiag_sdpa_impl)
 
 
 def cp_blockdiag_sdpa(
