@@ -137,6 +137,10 @@ def resolve_dtype(cfg: DemoConfig, device: torch.device) -> torch.dtype:
     return _DTYPES[cfg.dtype]
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
 def check_environment(cfg: DemoConfig) -> None:
     """Fail fast, before any process starts, on options this machine cannot run."""
     from longtrain.blockdiag_cp import backends, state
@@ -230,6 +234,25 @@ def _step_loss(model, input_ids, position_ids, labels, step_inputs, num_labels: 
     return loss_sum / num_labels
 
 
+def allreduce_grads(model: torch.nn.Module, group: Any) -> None:
+    """Sum every parameter's gradient over ``group`` in one collective.
+
+    A rank whose shard is all padding produces no gradient for some parameters (its queries attend to nothing),
+    so a missing gradient counts as zeros: every rank then issues the same collective with the same size.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    torch.distributed.all_reduce(flat, group=group)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+        offset += n
+
+
 def _grad_norm(model) -> float:
     total = sum(float(p.grad.double().pow(2).sum()) for p in model.parameters() if p.grad is not None)
     return math.sqrt(total)
@@ -250,7 +273,10 @@ def _reference_step(model, row, device, cfg: DemoConfig) -> tuple[float, float]:
     enable_cp1_packed_varlen(doc_ids, "dense")
     try:
         loss = _step_loss(
-            model, batch["input_ids"], batch["position_ids"], batch["labels"],
+            model,
+            batch["input_ids"],
+            batch["position_ids"],
+            batch["labels"],
             StepInputs(cu_seqlens=cu, padding_mask=padding, dsa_metadata=meta),
             int((batch["labels"] != -100).sum()),
         )
@@ -360,15 +386,15 @@ def run_rank(cfg: DemoConfig) -> dict[str, Any]:
             padding = local["_packed_seq_ids"][0] == 0
             meta = DSAAttention.prepare_metadata(cu, padding.numel(), padding_mask=padding, cp_group=group)
             step_inputs = StepInputs(cu_seqlens=cu, padding_mask=padding, dsa_metadata=meta, cp_group=group)
-            loss = _step_loss(model, local["input_ids"], local["position_ids"], local["labels"], step_inputs, num_labels)
+            loss = _step_loss(
+                model, local["input_ids"], local["position_ids"], local["labels"], step_inputs, num_labels
+            )
             loss.backward()
         if world == 1:
             disable_cp1_packed_varlen()
         loss_value = loss.detach().double()
         if distributed:
-            for p in model.parameters():
-                if p.grad is not None:
-                    dist.all_reduce(p.grad, group=group)
+            allreduce_grads(model, group)
             dist.all_reduce(loss_value, group=group)
         loss_value = float(loss_value)
         if step == 1 and cfg.parity:
@@ -397,9 +423,16 @@ def run_rank(cfg: DemoConfig) -> dict[str, Any]:
         progress.update(step, loss_value, record["tokens_per_s"])
     if metrics_file is not None:
         metrics_file.close()
-    return {"rank": rank, "world": world, "history": history, "parity": parity, "device": str(device),
-            "dtype": str(dtype).replace("torch.", ""), "layers": model.config.layers,
-            "parameters": sum(p.numel() for p in model.parameters())}
+    return {
+        "rank": rank,
+        "world": world,
+        "history": history,
+        "parity": parity,
+        "device": str(device),
+        "dtype": _dtype_name(dtype),
+        "layers": model.config.layers,
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
 
 
 def _parity(rank, loss, norm, ref_loss, ref_norm, dtype, device, distributed) -> dict[str, Any]:
@@ -412,8 +445,16 @@ def _parity(rank, loss, norm, ref_loss, ref_norm, dtype, device, distributed) ->
         flag = torch.tensor([1.0 if ok else 0.0], device=device if device.type == "cuda" else "cpu")
         torch.distributed.broadcast(flag, src=0)
         ok = bool(flag.item())
-    result = {"loss": loss, "ref_loss": ref_loss, "loss_rel_diff": d_loss, "grad_norm": norm,
-              "ref_grad_norm": ref_norm, "grad_norm_rel_diff": d_norm, "rtol": rtol, "ok": ok}
+    result = {
+        "loss": loss,
+        "ref_loss": ref_loss,
+        "loss_rel_diff": d_loss,
+        "grad_norm": norm,
+        "ref_grad_norm": ref_norm,
+        "grad_norm_rel_diff": d_norm,
+        "rtol": rtol,
+        "ok": ok,
+    }
     if rank == 0:
         print(
             f"parity: loss cp={loss:.8f} single={ref_loss:.8f} rel_diff={d_loss:.2e} | grad_norm cp={norm:.8f} "
@@ -446,8 +487,9 @@ def _worker(rank: int, world: int, store_dir: str, cfg: DemoConfig, results: Any
         torch.cuda.set_device(rank % torch.cuda.device_count())
         kwargs["device_id"] = torch.device("cuda", rank % torch.cuda.device_count())
     store = dist.FileStore(os.path.join(store_dir, "store"), world)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(minutes=5), **kwargs)
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=5), **kwargs
+    )
     try:
         out = run_rank(cfg)
         results.put((rank, "ok", out))
@@ -584,8 +626,11 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cp", type=int, help=f"context-parallel ranks, one process each (default {d.cp})")
     p.add_argument("--device", help=f"cpu, cuda or auto (default {d.device})")
     p.add_argument("--dtype", help="float32 or bfloat16 (default: float32 on CPU, bfloat16 on CUDA)")
-    p.add_argument("--attn-backend", help="varlen backend of the GQA layers: auto, flash, te, cudnn, flex, reference, "
-                   f"dense (default {d.attn_backend})")
+    p.add_argument(
+        "--attn-backend",
+        help="varlen backend of the GQA layers: auto, flash, te, cudnn, flex, reference, "
+        f"dense (default {d.attn_backend})",
+    )
     p.add_argument("--kv-exchange", help=f"K/V exchange: allgather, halo, a2a (default {d.kv_exchange})")
     p.add_argument("--dsa-backend", help=f"DSA kernels: auto, triton, cudnn, torch (default {d.dsa_backend})")
     p.add_argument("--seed", type=int, help=f"seed of the model and the data (default {d.seed})")
@@ -596,8 +641,19 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> DemoConfig:
-    names = ("steps", "seq_len", "cp", "device", "dtype", "attn_backend", "kv_exchange", "dsa_backend", "seed", "lr",
-             "out")
+    names = (
+        "steps",
+        "seq_len",
+        "cp",
+        "device",
+        "dtype",
+        "attn_backend",
+        "kv_exchange",
+        "dsa_backend",
+        "seed",
+        "lr",
+        "out",
+    )
     overrides = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
     if getattr(args, "no_prewarm", False):
         overrides["prewarm"] = False
@@ -618,9 +674,14 @@ def main(args: argparse.Namespace) -> int:
         print(f"longtrain demo: error: {exc}", file=sys.stderr)
         return 2
     device = resolve_device(cfg)
-    print(f"longtrain demo: cp={cfg.cp} device={device} dtype={str(resolve_dtype(cfg, device)).replace('torch.', '')} "
-          f"seq_len={cfg.seq_len} steps={cfg.steps} attn={cfg.attn_backend}/{cfg.kv_exchange} dsa={cfg.dsa_backend} "
-          f"out={cfg.out}", flush=True)
+    rank0 = os.environ.get("RANK", "0") == "0"
+    if rank0:
+        print(
+            f"longtrain demo: cp={cfg.cp} device={device} dtype={_dtype_name(resolve_dtype(cfg, device))} "
+            f"seq_len={cfg.seq_len} steps={cfg.steps} attn={cfg.attn_backend}/{cfg.kv_exchange} "
+            f"dsa={cfg.dsa_backend} out={cfg.out}",
+            flush=True,
+        )
     t0 = time.perf_counter()
     try:
         result = launch(cfg)
@@ -633,6 +694,8 @@ def main(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         print(f"longtrain demo: failed: {exc}", file=sys.stderr)
         return 1
+    if result["rank"] != 0:  # under torchrun every rank returns here; rank 0 reports
+        return 0
     summary = write_outputs(cfg, result, time.perf_counter() - t0)
     par = summary["parity"]
     print(

@@ -71,7 +71,9 @@ class TinyLMConfig:
             )
         first_full = self.layers.find("D")
         if "S" in self.layers and (first_full < 0 or self.layers.index("S") < first_full):
-            raise ValueError(f"TinyLMConfig.layers={self.layers!r}: a shared DSA layer 'S' needs a full 'D' layer before it")
+            raise ValueError(
+                f"TinyLMConfig.layers={self.layers!r}: a shared DSA layer 'S' needs a full 'D' layer before it"
+            )
         for name in ("vocab_size", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

@@ -1,0 +1,210 @@
+"""The main job: ``longtrain demo`` end to end, its error paths, and the model's CP == single-rank equality."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from longtrain import train
+
+LONGTRAIN = [sys.executable, "-m", "longtrain.cli"]
+
+
+def _run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run(LONGTRAIN + args, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_demo_cp2_runs_and_parity_passes(tmp_path):
+    out = tmp_path / "run"
+    res = _run(["demo", "--cp", "2", "--steps", "4", "--seq-len", "256", "--out", str(out)])
+    assert res.returncode == 0, res.stderr
+    parity = [line for line in res.stdout.splitlines() if line.startswith("parity:")]
+    assert len(parity) == 1 and parity[0].endswith("OK"), res.stdout
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for r in records:
+        assert {"step", "loss", "tokens_per_s"} <= set(r)
+        assert r["loss"] > 0 and r["tokens_per_s"] > 0
+    assert (out / "loss_curve.png").stat().st_size > 1000
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["parity"]["ok"] and summary["cp"] == 2 and summary["steps"] == 4
+    assert "summary:" in res.stdout
+
+
+def test_demo_yaml_config_and_flags_override(tmp_path):
+    cfg = tmp_path / "demo.yaml"
+    cfg.write_text(
+        "steps: 2\nseq_len: 128\ncp: 2\nkv_exchange: halo\nattn_backend: reference\n"
+        "model:\n  hidden_size: 32\n  layers: GDSG\n  dsa:\n    index_topk: 16\nprewarm:\n  cublas_backward: true\n"
+    )
+    res = _run(["demo", "--config", str(cfg), "--steps", "3", "--out", str(tmp_path / "o")])
+    assert res.returncode == 0, res.stderr
+    assert "steps=3" in res.stdout and "attn=reference/halo" in res.stdout
+    assert len((tmp_path / "o" / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--seq-len", "250", "--cp", "2"], "divisible by 2 * cp"),
+        (["--cp", "0"], "positive integer"),
+        (["--attn-backend", "nope"], "attention backend"),
+        (["--kv-exchange", "ring"], "kv_exchange"),
+        (["--dsa-backend", "tilelang"], "--dsa-backend must be one of"),
+        (["--dtype", "float8"], "--dtype must be one of"),
+        (["--device", "tpu"], "--device must be one of"),
+        (["--config", "/nonexistent/demo.yaml"], "no such file"),
+    ],
+    ids=[
+        "seq-not-divisible",
+        "cp-zero",
+        "unknown-attn",
+        "unknown-exchange",
+        "unknown-dsa",
+        "bad-dtype",
+        "bad-device",
+        "missing-config",
+    ],
+)
+def test_demo_bad_options_fail_fast(args, message):
+    res = _run(["demo", *args], timeout=60)
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    assert message in res.stderr
+    assert "parity:" not in res.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error messages")
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--device", "cuda"], "no CUDA device"),
+        (["--attn-backend", "flash"], "not available here"),
+        (["--dsa-backend", "cudnn"], "not available"),
+        (["--dsa-backend", "triton"], "not available"),
+    ],
+    ids=["cuda", "flash", "cudnn", "triton"],
+)
+def test_demo_unavailable_backends_fail_fast_on_cpu(args, message, monkeypatch):
+    env_interp = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        res = _run(["demo", *args], timeout=60)
+    finally:
+        if env_interp is not None:
+            os.environ["TRITON_INTERPRET"] = env_interp
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    assert message in res.stderr
+
+
+def test_demo_config_unknown_key(tmp_path):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("steps: 2\nlearning_rate: 0.1\n")
+    res = _run(["demo", "--config", str(cfg)], timeout=60)
+    assert res.returncode == 2 and "unknown key(s) ['learning_rate']" in res.stderr
+
+
+def test_demo_help_explains_options():
+    res = _run(["demo", "--help"], timeout=60)
+    assert res.returncode == 0
+    for flag in (
+        "--steps",
+        "--seq-len",
+        "--cp",
+        "--device",
+        "--dtype",
+        "--attn-backend",
+        "--dsa-backend",
+        "--seed",
+        "--out",
+        "--config",
+    ):
+        assert flag in res.stdout
+
+
+def test_failed_parity_exits_nonzero(monkeypatch, capsys):
+    def fail(cfg):
+        raise train.ParityError("step-1 parity failed: loss rel diff 1.0e-01, grad norm rel diff 0.0e+00")
+
+    monkeypatch.setattr(train, "launch", fail)
+    args = _parse(["demo", "--steps", "1", "--seq-len", "64", "--cp", "1", "--no-prewarm"])
+    assert train.main(args) == 1
+    assert "parity failed" in capsys.readouterr().err
+
+
+def test_parity_verdict_is_checked():
+    ok = train._parity(0, 2.0, 3.0, 2.0 * (1 + 1e-7), 3.0, torch.float32, torch.device("cpu"), False)
+    assert ok["ok"] and ok["rtol"] == train._PARITY_RTOL[torch.float32]
+    with pytest.raises(train.ParityError):
+        train._parity(0, 2.0, 3.0, 2.1, 3.0, torch.float32, torch.device("cpu"), False)
+
+
+def _parse(argv):
+    from longtrain.cli import build_parser
+
+    return build_parser().parse_args(argv)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_ctrl_c_stops_all_ranks(tmp_path):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        LONGTRAIN + ["demo", "--cp", "2", "--steps", "100000", "--seq-len", "128", "--out", str(tmp_path / "o")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        metrics = tmp_path / "o" / "metrics.jsonl"
+        while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C: the whole process group
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err
+    # Every rank (and multiprocessing's helper processes) must be gone shortly after the parent returns.
+    deadline = time.monotonic() + 15
+    while True:
+        leftover = subprocess.run(["pgrep", "-a", "-s", str(proc.pid)], capture_output=True, text=True).stdout
+        if not leftover.strip() or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert leftover.strip() == "", leftover
+
+
+def test_torchrun_launch(tmp_path):
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "longtrain.cli",
+        "demo",
+        "--steps",
+        "2",
+        "--seq-len",
+        "128",
+        "--out",
+        str(tmp_path / "o"),
+        "--no-prewarm",
+    ]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "parity:" in res.stdout and "OK" in res.stdout
