@@ -70,7 +70,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_demo_arguments(p)
     p.set_defaults(func=cmd_demo)
+    from longtrain.bench import add_bench_arguments
+
+    p = sub.add_parser(
+        "bench",
+        help="run the GPU benchmark suites (blockdiag, dsa, prewarm) and write markdown + JSON + a PNG chart",
+    )
+    add_bench_arguments(p)
+    p.set_defaults(func=cmd_bench)
     return parser
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from longtrain import bench
+
+    return bench.main(args)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
