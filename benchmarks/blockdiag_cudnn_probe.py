@@ -1,4 +1,4 @@
-# ruff: noqa: E501
+# ruff: noqa: E501, B023
 """Investigation script: how cuDNN varlen SDPA behaves on this GPU (call-time cost, caching, alignment).
 
 Prints, for packed documents (Hq=32, Hkv=8, D=128, bf16, 32K tokens):
@@ -11,7 +11,11 @@ Prints, for packed documents (Hq=32, Hkv=8, D=128, bf16, 32K tokens):
    when the number of documents / max length change, and whether padding the document list with
    zero-length documents (to bucket shapes) keeps results exact.
 
-Run: ``PYTHONPATH=src python benchmarks/blockdiag_cudnn_probe.py``. Findings go to docs/blockdiag_kernels.md.
+3. (default) this package's ``cudnn`` backend: parity with the float64 reference by the flash-attention rule for
+   each backward variant (ragged stats, padded stats, FA2 backward), dropout, and 32K timings.
+
+Run: ``PYTHONPATH=src python benchmarks/blockdiag_cudnn_probe.py [--aten-and-frontend-op]`` (1 and 2 only with
+the flag). Findings go to docs/blockdiag_kernels.md.
 """
 
 from __future__ import annotations
@@ -44,7 +48,99 @@ def timed(fn, n=1):
     return (time.perf_counter() - t) / n * 1e3
 
 
+def probe_backend() -> None:
+    """The ``cudnn`` backend of this package: parity (flash-attention rule vs float64), stats layout, timing."""
+    from triton.testing import do_bench
+
+    from longtrain.blockdiag_cp import _cudnn_varlen as cv
+
+    dev = torch.device("cuda")
+    print("torch", torch.__version__, "cudnn", torch.backends.cudnn.version(), torch.cuda.get_device_name())
+    print("cudnn backend reason:", backends.varlen_backend_unavailable_reason("cudnn", torch.bfloat16, dev))
+    gen = torch.Generator(device=dev).manual_seed(0)
+    modes = {"ragged-stats": ("cudnn", None), "padded-stats": ("cudnn", False), "fa2-bwd": ("fa2", None)}
+    cases = {"straddle+tiny": ([300, 5, 1, 700], [1000, 5, 1, 700]), "40 one-token + 900": ([1] * 40 + [900],) * 2}
+    for cname, (segq, segk) in cases.items():
+        cq, ck = cu_of(segq, dev), cu_of(segk, dev)
+        q = torch.randn(sum(segq), HQ, D, device=dev, generator=gen)
+        k = torch.randn(sum(segk), HKV, D, device=dev, generator=gen)
+        v = torch.randn(sum(segk), HKV, D, device=dev, generator=gen)
+        dout = torch.randn_like(q)
+
+        def grads(fn, dtype):
+            qq, kk, vv = (t.to(dtype).requires_grad_() for t in (q, k, v))
+            o = fn(qq, kk, vv)
+            return [o.detach().double(), *(g.double() for g in torch.autograd.grad(o, (qq, kk, vv), dout.to(dtype)))]
+
+        ref64 = grads(lambda a, b, c: backends.reference_varlen_attention(a, b, c, cq, ck), torch.float64)
+        ref16 = grads(lambda a, b, c: backends.reference_varlen_attention(a, b, c, cq, ck), torch.bfloat16)
+        for mname, (bwd, ragged) in modes.items():
+            cv.BACKWARD, cv.RAGGED_STATS_BWD = bwd, ragged
+            try:
+                got = grads(
+                    lambda a, b, c: backends.cudnn_varlen_attention(a, b, c, cq, ck, max(segq), max(segk)),
+                    torch.bfloat16,
+                )
+                verdict = []
+                for name, a, b, r in zip(("o", "dq", "dk", "dv"), got, ref16, ref64):
+                    err, base = (a - r).abs().max().item(), (b - r).abs().max().item()
+                    step = (r.to(torch.bfloat16).double() - r).abs().max().item()
+                    verdict.append(f"{name} {err:.4f}/{2 * base + step:.4f}{'' if err <= 2 * base + step else ' FAIL'}")
+                print(f"{cname:20s} {mname:13s} ragged={cv.RAGGED_STATS_BWD} " + "  ".join(verdict))
+            except Exception as exc:
+                print(f"{cname:20s} {mname:13s} failed: {type(exc).__name__}: {str(exc)[:300]}")
+    cv.BACKWARD, cv.RAGGED_STATS_BWD = "cudnn", None
+    # dropout: runs, changes the output, finite gradients
+    try:
+        cq = cu_of([500, 300], dev)
+        qq = torch.randn(800, HQ, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        kk = torch.randn(800, HKV, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        vv = torch.randn(800, HKV, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        a = backends.cudnn_varlen_attention(qq, kk, vv, cq, cq, 500, 500)
+        b = backends.cudnn_varlen_attention(qq, kk, vv, cq, cq, 500, 500, dropout_p=0.2)
+        gs = torch.autograd.grad(b.float().sum(), (qq, kk, vv))
+        print(
+            f"dropout 0.2: changed {not torch.allclose(a, b)}, grads finite {all(torch.isfinite(g).all().item() for g in gs)}"
+        )
+    except Exception as exc:
+        print(f"dropout failed: {type(exc).__name__}: {str(exc)[:300]}")
+    # timing at 32K
+    for lname, (lo, hi, seed) in {"long": (512, 8192, 1), "short": (64, 2048, 2)}.items():
+        lens = layout(32768, lo, hi, seed)
+        cu, m = cu_of(lens, dev), max(lens)
+        q = torch.randn(32768, HQ, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(32768, HKV, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(32768, HKV, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        dout = torch.randn_like(q)
+        fl = 4 * sum(n * (n + 1) // 2 for n in lens) * HQ * D
+        variants = {"FA2": lambda: backends.torch_flash_varlen(q, k, v, cu, cu, m, m)}
+        for mname, (bwd, ragged) in modes.items():
+
+            def run(bwd=bwd, ragged=ragged):
+                cv.BACKWARD, cv.RAGGED_STATS_BWD = bwd, ragged
+                return backends.cudnn_varlen_attention(q, k, v, cu, cu, m, m)
+
+            variants[f"cudnn {mname}"] = run
+        for vname, fn in variants.items():
+            try:
+                fn()
+                torch.autograd.grad(fn(), (q, k, v), dout)
+                with torch.no_grad():
+                    tf = do_bench(fn, rep=100)
+                tb = do_bench(lambda fn=fn: torch.autograd.grad(fn(), (q, k, v), dout), rep=200) - tf
+                print(
+                    f"32K {lname:5s} {vname:22s} fwd {fl / tf / 1e9:6.1f}  bwd {2.5 * fl / tb / 1e9:6.1f} TFLOP/s ({tf:.2f} / {tb:.2f} ms)"
+                )
+            except Exception as exc:
+                print(f"32K {lname:5s} {vname:22s} failed: {type(exc).__name__}: {str(exc)[:200]}")
+    cv.BACKWARD, cv.RAGGED_STATS_BWD = "cudnn", None
+    print("graph cache:", cv.cudnn_graph_cache_stats())
+
+
 def main() -> None:
+    if "--aten-and-frontend-op" not in sys.argv:
+        probe_backend()
+        return
     dev = torch.device("cuda")
     print("torch", torch.__version__, "cudnn", torch.backends.cudnn.version(), torch.cuda.get_device_name())
     total = 32768

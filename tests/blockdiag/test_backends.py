@@ -59,7 +59,7 @@ def test_resolve_varlen_backend():
     assert backends.resolve_varlen_backend("auto", torch.bfloat16, CPU) == "reference"
     assert backends.resolve_varlen_backend("flex", torch.bfloat16, CPU) == "flex"
     assert backends.resolve_varlen_backend("sdpa", torch.bfloat16, CPU) == "dense"
-    with pytest.raises(ValueError, match="valid: flash, te"):
+    with pytest.raises(ValueError, match="valid: cudnn, flash, te"):
         backends.resolve_varlen_backend("flash_attention_3", torch.bfloat16, CPU)
     with pytest.raises(TypeError):
         backends.resolve_varlen_backend(None, torch.bfloat16, CPU)

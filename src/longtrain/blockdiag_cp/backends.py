@@ -18,6 +18,8 @@ Canonical backend names (``VARLEN_BACKENDS``):
 ``flash``      ``flash_attn.flash_attn_varlen_func`` when flash-attn is installed (driven through the
                long-prefix guard of :mod:`longtrain.blockdiag_cp.kernels`), otherwise torch's bundled
                FlashAttention-2 (``aten._flash_attention_forward/_backward``, GQA native) on CUDA SM80+.
+``cudnn``      cuDNN SDPA over ragged documents through the cuDNN frontend graph API (bottom-right diagonal,
+               graphs cached per shape bucket: :mod:`longtrain.blockdiag_cp._cudnn_varlen`). CUDA SM90+.
 ``te``         TransformerEngine ``DotProductAttention`` in ``thd`` format (built and cached by
                :func:`longtrain.blockdiag_cp.kernels._te_varlen_dpa`).
 ``flex``       FlexAttention with a document block mask derived from the segmentation (compiled on CUDA;
@@ -47,6 +49,8 @@ __all__ = [
     "ATTN_BACKENDS",
     "VARLEN_BACKENDS",
     "backend_status",
+    "cudnn_graph_cache_stats",
+    "cudnn_varlen_attention",
     "flash_attn_module",
     "flex_blockdiag_attention",
     "reference_varlen_attention",
@@ -56,7 +60,7 @@ __all__ = [
 ]
 
 #: Canonical names of the varlen providers, in the order ``"auto"`` prefers them on CUDA.
-VARLEN_BACKENDS: tuple[str, ...] = ("flash", "te", "flex", "reference")
+VARLEN_BACKENDS: tuple[str, ...] = ("cudnn", "flash", "te", "flex", "reference")
 #: Every name ``_cp_blockdiag_varlen`` accepts: the varlen providers, the dense fallback and ``"auto"``.
 ATTN_BACKENDS: tuple[str, ...] = (*VARLEN_BACKENDS, "dense", "sdpa", "auto")
 
@@ -120,6 +124,10 @@ def varlen_backend_unavailable_reason(backend: str, dtype: torch.dtype, device: 
         return "dense is not a varlen backend (it builds the [L, S] mask; use the dense fallback)"
     if backend not in VARLEN_BACKENDS:
         return f"unsupported varlen backend={backend!r} (valid: {', '.join(VARLEN_BACKENDS)})"
+    if backend == "cudnn":
+        from longtrain.blockdiag_cp._cudnn_varlen import cudnn_unavailable_reason
+
+        return cudnn_unavailable_reason(dtype, dev)
     if dtype not in _HALF:
         return f"varlen CP attention needs fp16/bf16, got {dtype}"
     if dev.type != "cuda":
@@ -143,9 +151,10 @@ def varlen_backend_unavailable_reason(backend: str, dtype: torch.dtype, device: 
 def resolve_varlen_backend(name: str, dtype: torch.dtype, device: Any, dropout_p: float = 0.0) -> str:
     """Canonical backend for ``name``; ``"auto"`` picks the fastest available for ``(dtype, device, dropout)``.
 
-    CUDA: the first available of ``flash`` (flash-attn or torch's FA2), ``flex`` (no dropout), ``te``
-    (no dropout), ``reference``. CPU and other devices: ``reference``. Any other name is returned unchanged
-    if canonical (``"sdpa"`` maps to ``"dense"``); an unknown name raises ``ValueError`` listing the valid ones.
+    CUDA: the first available of ``cudnn`` (SM90+ with the cuDNN frontend), ``flash`` (flash-attn or torch's
+    FA2), ``flex`` (no dropout), ``te`` (no dropout), ``reference``. CPU and other devices: ``reference``.
+    Any other name is returned unchanged if canonical (``"sdpa"`` maps to ``"dense"``); an unknown name raises
+    ``ValueError`` listing the valid ones.
     """
     if not isinstance(name, str):
         raise TypeError(f"backend must be a string, got {type(name).__name__}")
@@ -159,7 +168,7 @@ def resolve_varlen_backend(name: str, dtype: torch.dtype, device: Any, dropout_p
             "(synonyms such as 'fa2' or 'transformer_engine' are normalised by longtrain.blockdiag_cp.state)"
         )
     if torch.device(device).type == "cuda":
-        order = ("flash", "flex", "te") if dropout_p == 0 else ("flash",)
+        order = ("cudnn", "flash", "flex", "te") if dropout_p == 0 else ("cudnn", "flash")
         for cand in order:
             if varlen_backend_unavailable_reason(cand, dtype, device) is None:
                 return cand
@@ -176,6 +185,9 @@ def backend_status() -> list[tuple[str, str | None]]:
         if reason is not None and name == "flash" and not cuda_ok:
             fa = "flash_attn installed" if flash_attn_module() is not None else "flash_attn not installed"
             reason = f"needs CUDA ({fa}; torch's bundled FA2 varlen needs CUDA SM80+)"
+        elif reason is not None and name == "cudnn" and not cuda_ok:
+            ok, why = _optional.cudnn_frontend()
+            reason = "needs CUDA SM90+" + ("" if ok else f" ({why})")
         elif reason is not None and name == "te" and not cuda_ok:
             ok, why = _optional.transformer_engine()
             reason = "needs CUDA" + ("" if ok else f" ({why})")
@@ -431,6 +443,22 @@ def flex_attention_eager(*args, **kwargs):
     from torch.nn.attention.flex_attention import flex_attention
 
     return flex_attention(*args, **kwargs)
+
+
+def cudnn_varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, dropout_p=0.0, deterministic=False,
+                           meta=None):  # fmt: skip
+    """The ``cudnn`` provider (see :func:`longtrain.blockdiag_cp._cudnn_varlen.cudnn_varlen_attention`)."""
+    from longtrain.blockdiag_cp._cudnn_varlen import cudnn_varlen_attention as impl
+
+    return impl(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, dropout_p=dropout_p, deterministic=deterministic,
+                meta=meta)  # fmt: skip
+
+
+def cudnn_graph_cache_stats() -> dict:
+    """Hits, misses, entries, hit rate and build seconds of the cuDNN graph cache (``cudnn`` backend)."""
+    from longtrain.blockdiag_cp._cudnn_varlen import cudnn_graph_cache_stats as impl
+
+    return impl()
 
 
 def default_scale(head_dim: int) -> float:

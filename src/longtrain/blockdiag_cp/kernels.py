@@ -5,7 +5,7 @@ contiguous run) attend causally within their own document only; the sequence may
 over context-parallel ranks, each rank holding the queries of ``[row_offset, row_offset + L)`` and the K/V
 it needs. This module builds the dense mask (the fallback), the per-rank varlen segmentation and its
 once-per-step precompute and validation, and drives the varlen providers of
-:mod:`longtrain.blockdiag_cp.backends` (``flash``, ``te``, ``flex``, ``reference``).
+:mod:`longtrain.blockdiag_cp.backends` (``cudnn``, ``flash``, ``te``, ``flex``, ``reference``).
 
 Differences from the documented behaviour, all deliberate:
 
@@ -499,9 +499,9 @@ def _canonical_backend(backend: str) -> str:
     return "dense" if backend == "sdpa" else backend
 
 
-def _gate(backend: str, dtype: torch.dtype, dropout_p: float) -> bool:
+def _gate(backend: str, dtype: torch.dtype, dropout_p: float, device: torch.device) -> bool:
     """The documented pre-work gates; True when the call may proceed (warns once otherwise)."""
-    if backend in ("flash", "te") and dtype not in _HALF:
+    if backend in ("flash", "te", "cudnn") and dtype not in _HALF:
         _warn_once(
             "_CP_FLASH_WARNED",
             "block-diagonal CP varlen (%s) needs fp16/bf16, got %s; reporting the unavailable varlen path",
@@ -528,6 +528,11 @@ def _gate(backend: str, dtype: torch.dtype, dropout_p: float) -> bool:
             backends._torch_flash_reason(),
         )
         return False
+    if backend == "cudnn":
+        reason = backends.varlen_backend_unavailable_reason("cudnn", dtype, device)
+        if reason is not None:
+            _warn_once("_CP_FLASH_WARNED", "cuDNN varlen backend unavailable (%s); using the dense path", reason)
+            return False
     return True
 
 
@@ -577,6 +582,11 @@ def _run_packed(name, q_b, k_b, v_b, m, scale, dropout_p, local_len):
                 q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, dropout_p=dropout_p,
                 deterministic=_CP_FLASH_DETERMINISTIC,
             )  # fmt: skip
+    elif name == "cudnn":
+        res = backends.cudnn_varlen_attention(
+            q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, dropout_p=dropout_p,
+            deterministic=_CP_FLASH_DETERMINISTIC, meta=m,
+        )  # fmt: skip
     elif name == "te":
         te_scale = scale if scale is not None else backends.default_scale(head_dim)
         dpa = _te_varlen_dpa(hq, k.shape[1], head_dim, te_scale, q.device, q.dtype)
@@ -613,7 +623,7 @@ def _cp_blockdiag_varlen(
         return None
     if name == "auto":
         name = backends.resolve_varlen_backend("auto", query.dtype, query.device, dropout_p=dropout_p)
-    if not _gate(name, query.dtype, float(dropout_p)):
+    if not _gate(name, query.dtype, float(dropout_p), query.device):
         return None
     try:
         bsz, hq, local_len, head_dim = query.shape

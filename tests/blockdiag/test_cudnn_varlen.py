@@ -1,0 +1,237 @@
+"""The ``cudnn`` varlen backend's call contract on CPU, through a fake ``cudnn`` frontend module.
+
+The fake records every graph (dims, strides, ragged offsets, mask attributes) and executes a graph by reading
+the per-document lengths and ragged element offsets out of the variant pack and running the float64
+reference per document, so bucketing, zero-length padding documents, the stats layouts and the autograd
+wiring are all exercised. Real cuDNN parity runs in tests/gpu/test_blockdiag_kernels_gpu.py.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from longtrain.blockdiag_cp import _cudnn_varlen as cv
+from longtrain.blockdiag_cp import backends, kernels
+from tests.blockdiag._kernels_util import ids_from_lengths
+
+
+class _T:
+    def __init__(self, graph, name, uid=None, dim=None, stride=None, **kw):
+        self.graph, self.name, self.uid, self.dim, self.stride, self.ragged = graph, name, uid, dim, stride, None
+        self.output = False
+
+    def set_ragged_offset(self, t):
+        self.ragged = t
+        return self
+
+    def set_uid(self, uid):
+        self.uid = uid
+        return self
+
+    def set_output(self, flag):
+        self.output = flag
+        return self
+
+    def set_dim(self, dim):
+        self.dim = dim
+        return self
+
+    def set_stride(self, stride):
+        self.stride = stride
+        return self
+
+    def set_data_type(self, dt):
+        return self
+
+
+class _Graph:
+    built: list = []
+
+    def __init__(self, handle=None, io_data_type=None, **kw):
+        self.tensors, self.op, self.kw, self.io = [], None, None, io_data_type
+        _Graph.built.append(self)
+
+    def tensor(self, **kw):
+        t = _T(self, **kw)
+        self.tensors.append(t)
+        return t
+
+    def sdpa(self, name, q, k, v, **kw):
+        self.op, self.kw, self.ins = "fwd", kw, (q, k, v)
+        return _T(self, "o"), _T(self, "stats")
+
+    def sdpa_backward(self, name, q, k, v, o, dO, stats, **kw):
+        self.op, self.kw, self.ins = "bwd", kw, (q, k, v)
+        self.stats_ragged = stats.ragged is not None
+        if self.stats_ragged and _FAKE_REFUSES_RAGGED_BWD:
+            raise RuntimeError("cudnnGraphNotSupportedError: packed stats not supported")
+        return _T(self, "dq"), _T(self, "dk"), _T(self, "dv")
+
+    def validate(self):
+        pass
+
+    build_operation_graph = create_execution_plans = check_support = build_plans = validate
+
+    def create_execution_plans(self, modes):  # noqa: F811
+        pass
+
+    def get_workspace_size(self):
+        return 16
+
+    def execute(self, pack, workspace, handle=None):
+        q, k, v = pack[cv._Q], pack[cv._K], pack[cv._V]
+        hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+        cu_q = (pack[cv._RAG_Q].flatten() // (hq * d)).to(torch.int32)
+        cu_k = (pack[cv._RAG_K].flatten() // (hkv * d)).to(torch.int32)
+        assert torch.equal(pack[cv._SEQ_Q].flatten(), (cu_q[1:] - cu_q[:-1]))
+        keep = torch.cat([torch.tensor([True]), cu_q[1:] > cu_q[:-1]])  # drop zero-length padding documents
+        cu_q, cu_k = cu_q[keep].contiguous(), cu_k[keep].contiguous()
+        scale = self.kw["attn_scale"]
+        if self.op == "fwd":
+            with torch.no_grad():
+                pack[cv._O].copy_(backends.reference_varlen_attention(q, k, v, cu_q, cu_k, scale=scale))
+                pack[cv._STATS].fill_(0.5)
+            return
+        qq, kk, vv = (t.detach().double().requires_grad_() for t in (q, k, v))
+        with torch.enable_grad():
+            out = backends.reference_varlen_attention(qq, kk, vv, cu_q, cu_k, scale=scale)
+            dq, dk, dv = torch.autograd.grad(out, (qq, kk, vv), pack[cv._DO].double())
+        pack[cv._DQ].copy_(dq)
+        pack[cv._DK].copy_(dk)
+        pack[cv._DV].copy_(dv)
+        self.stats_seen = pack[cv._STATS]
+
+
+_FAKE_REFUSES_RAGGED_BWD = False
+
+
+@pytest.fixture
+def fake_cudnn(monkeypatch):
+    mod = types.ModuleType("cudnn")
+    mod.pygraph = _Graph
+    mod.data_type = types.SimpleNamespace(BFLOAT16="bf16", HALF="f16", FLOAT="f32", INT32="i32", INT64="i64")
+    mod.heur_mode = types.SimpleNamespace(A="A", FALLBACK="F")
+    mod.diagonal_alignment = types.SimpleNamespace(BOTTOM_RIGHT="BR", TOP_LEFT="TL")
+    mod.create_handle = lambda: "handle"
+    mod.set_stream = lambda handle, stream: None
+    mod.backend_version = lambda: 91900
+    monkeypatch.setitem(sys.modules, "cudnn", mod)
+    monkeypatch.setattr(cv, "_handle", lambda device: "handle")
+    monkeypatch.setattr(cv, "RAGGED_STATS_BWD", None)
+    _Graph.built = []
+    cv.reset_cudnn_graph_cache()
+    yield mod
+    cv.reset_cudnn_graph_cache()
+
+
+def _packed(lengths_q, lengths_k, hq=4, hkv=2, d=8, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(cu_q[-1]), hq, d, generator=gen, dtype=dtype)
+    k = torch.randn(int(cu_k[-1]), hkv, d, generator=gen, dtype=dtype)
+    v = torch.randn(int(cu_k[-1]), hkv, d, generator=gen, dtype=dtype)
+    return q, k, v, cu_q, cu_k
+
+
+def test_bucket_rounding():
+    assert cv._bucket(3, 8) == 8
+    assert cv._bucket(8025, 64) == 8192 and cv._bucket(5000, 64) == 5120 and cv._bucket(4096, 64) == 4096
+    assert cv._bucket(35, 8) == 40 and cv._bucket(513, 8) == 640
+    for n in range(1, 3000, 7):
+        b = cv._bucket(n, 64)
+        assert b >= n and (b <= 64 or b < 1.26 * n)
+
+
+@pytest.mark.parametrize("refuse_ragged", [False, True], ids=["ragged_stats", "padded_stats"])
+def test_fake_graph_contract_forward_backward_and_cache(fake_cudnn, monkeypatch, refuse_ragged):
+    monkeypatch.setattr(sys.modules[__name__], "_FAKE_REFUSES_RAGGED_BWD", refuse_ragged)
+    q, k, v, cu_q, cu_k = _packed([3, 1, 5], [7, 1, 5])  # first document straddles: 3 queries over 7 keys
+    meta: dict = {}
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    out = cv.cudnn_varlen_attention(qg, kg, vg, cu_q, cu_k, 5, 7, meta=meta)
+    ref = backends.reference_varlen_attention(q, k, v, cu_q, cu_k)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)  # the fake runs the same float64 reference
+    fwd = _Graph.built[0]
+    assert fwd.op == "fwd" and fwd.kw["diagonal_alignment"] == "BR" and fwd.kw["diagonal_band_right_bound"] == 0
+    assert fwd.kw["use_padding_mask"] is True and fwd.kw["attn_scale"] == pytest.approx(8**-0.5)
+    b = next(t for t in fwd.tensors if t.uid == cv._Q).dim[0]
+    assert b == 8 and next(t for t in fwd.tensors if t.uid == cv._K).dim[2] == 64  # bucketed docs and max len
+    grads = torch.autograd.grad(out, (qg, kg, vg), torch.ones_like(out))
+    q64, k64, v64 = (t.clone().requires_grad_() for t in (q, k, v))
+    want = torch.autograd.grad(backends.reference_varlen_attention(q64, k64, v64, cu_q, cu_k), (q64, k64, v64),
+                               torch.ones_like(out))  # fmt: skip
+    for g, w in zip(grads, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    bwd = [g for g in _Graph.built if g.op == "bwd"][-1]
+    assert bwd.stats_ragged is (not refuse_ragged)
+    assert cv.RAGGED_STATS_BWD is (not refuse_ragged)
+    if refuse_ragged:
+        assert bwd.stats_seen.shape == (8, 4, 64, 1)  # padded [B, Hq, Sq, 1]
+    # a second call with another layout in the same buckets reuses both graphs
+    before = cv.cudnn_graph_cache_stats()
+    q2, k2, v2, cu_q2, cu_k2 = _packed([2, 2, 2, 6], [2, 2, 2, 6], seed=1)
+    q2.requires_grad_()
+    out2 = cv.cudnn_varlen_attention(q2, k2, v2, cu_q2, cu_k2, 6, 6)
+    torch.autograd.grad(out2.sum(), q2)
+    after = cv.cudnn_graph_cache_stats()
+    assert after["misses"] == before["misses"] and after["hits"] == before["hits"] + 2
+    assert 0 < after["hit_rate"] < 1 and after["entries"] == 2
+
+
+def test_layout_is_cached_in_meta_and_pads_zero_length_documents(fake_cudnn):
+    q, k, v, cu_q, cu_k = _packed([4, 4, 1], [9, 4, 1])
+    meta: dict = {}
+    cv.cudnn_varlen_attention(q, k, v, cu_q, cu_k, 4, 9, meta=meta)
+    (lay,) = meta["_cudnn_cache"].values()
+    assert lay["seq_q"].flatten().tolist() == [4, 4, 1, 0, 0, 0, 0, 0]
+    assert (lay["rag_k"].flatten() // (2 * 8)).tolist() == [0, 9, 13, 14, 14, 14, 14, 14, 14]
+    assert (lay["rag_stats"].flatten() // 4).tolist() == [0, 4, 8, 9, 9, 9, 9, 9, 9]
+    cv.cudnn_varlen_attention(q, k, v, cu_q, cu_k, 4, 9, meta=meta)
+    assert len(meta["_cudnn_cache"]) == 1
+
+
+def test_dropout_graph_takes_seed_and_offset(fake_cudnn):
+    q, k, v, cu_q, cu_k = _packed([5], [5])
+    cv.cudnn_varlen_attention(q, k, v, cu_q, cu_k, 5, 5, dropout_p=0.2)
+    fwd = _Graph.built[-1]
+    p, seed, offset = fwd.kw["dropout"]
+    assert p == 0.2 and seed.uid == cv._SEED and offset.uid == cv._OFFSET
+
+
+def test_driver_dispatches_cudnn_with_meta(monkeypatch):
+    calls = []
+
+    def fake(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, dropout_p=0.0, deterministic=False, meta=None):
+        calls.append({"meta": meta, "deterministic": deterministic, "dropout_p": dropout_p, "max": (max_q, max_k)})
+        return backends.reference_varlen_attention(q, k, v, cu_q, cu_k, scale=scale, dropout_p=dropout_p)
+
+    real_reason = backends.varlen_backend_unavailable_reason
+    monkeypatch.setattr(backends, "varlen_backend_unavailable_reason",
+                        lambda b, dt, dev: None if b == "cudnn" else real_reason(b, dt, dev))  # fmt: skip
+    monkeypatch.setattr(backends, "cudnn_varlen_attention", fake)
+    monkeypatch.setattr(kernels, "_CP_FLASH_DETERMINISTIC", True)
+    ids = ids_from_lengths([11, 3, 6], 4)
+    meta = kernels.precompute_blockdiag_varlen_meta(ids, 8, 8, "cpu")
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 8, 16, generator=gen).bfloat16()
+    k = torch.randn(1, 2, 24, 16, generator=gen).bfloat16()
+    v = torch.randn(1, 2, 24, 16, generator=gen).bfloat16()
+    got = kernels._cp_blockdiag_varlen(q, k, v, ids, 8, backend="cudnn", meta=meta)
+    want = kernels._cp_blockdiag_varlen(q, k, v, ids, 8, backend="reference", meta=meta)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)  # same math on the same bf16 inputs
+    assert calls[0]["meta"] is meta and calls[0]["deterministic"] is True and calls[0]["max"] == (3, 11)
+    assert kernels._cp_blockdiag_varlen(q.float(), k.float(), v.float(), ids, 8, backend="cudnn", meta=meta) is None
+
+
+def test_cudnn_reasons_on_cpu():
+    r = kernels._varlen_backend_unavailable_reason
+    assert r("cudnn", torch.float32, torch.device("cpu")) == "varlen CP attention needs fp16/bf16, got torch.float32"
+    assert r("cudnn", torch.bfloat16, torch.device("cpu")) == "varlen CP attention requires CUDA, got device=cpu"
+    if not torch.cuda.is_available():
+        assert "SM90" in r("cudnn", torch.bfloat16, torch.device("cuda"))
+        assert "needs CUDA SM90+" in dict(backends.backend_status())["cudnn"]
