@@ -424,3 +424,22 @@ def test_backend_status_rows():
         assert reason is None or (isinstance(reason, str) and reason)
     if not torch.cuda.is_available():
         assert names[3] == "auto -> torch" and "CUDA" in dict(rows)["triton"]
+
+
+@pytest.mark.interpret
+def test_triton_backend_through_ops_matches_torch(triton_interpret):
+    """The real kernel module, under the interpreter, behind the same op contract (small fp32 shapes)."""
+    triton_ops = pytest.importorskip("longtrain.dsa.triton")
+    ok, why = triton_ops.availability(torch.device("cpu"))
+    if not ok:
+        pytest.skip(why)
+    cu = i32([0, 20, 21, 32])
+    q, keys, w = torch.randn(32, 2, 32), torch.randn(32, 32), torch.rand(32, 2)
+    topk = ops.indexer_topk(q, keys, w, cu, 8, backend="triton")
+    assert torch.equal(topk, ops.indexer_topk(q, keys, w, cu, 8, backend="torch"))
+    query = torch.randn(32, 16, 48, requires_grad=True)
+    kv = torch.randn(32, 1, 48, requires_grad=True)
+    got = ops.sparse_mla_attention(query, kv, topk, 0.2, d_v=32, backend="triton")
+    want = ops.sparse_mla_attention(query, kv, topk, 0.2, d_v=32, backend="torch")
+    # fp32 kernel vs fp32 torch: blockwise online softmax reorders fp32 sums.
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
