@@ -43,7 +43,7 @@ _KV_XNODE_LOGGED = False
 _NEEDED_ONLY = (state.KV_EXCHANGE_HALO, state.KV_EXCHANGE_A2A)
 # Varlen backends that cannot apply attention dropout: with dropout_p > 0 their kernel returns None and the
 # all-gather path keeps dropout through the dense fallback, so needed-only is downgraded up front.
-_NO_DROPOUT_BACKENDS = frozenset({state.ATTN_BACKEND_TE, state.ATTN_BACKEND_FLEX, state.ATTN_BACKEND_CUDNN})
+_NO_DROPOUT_BACKENDS = frozenset({state.ATTN_BACKEND_TE, state.ATTN_BACKEND_FLEX})
 
 
 def _cp_group_spans_nodes(group: Any) -> bool:
