@@ -146,6 +146,9 @@ def _mamba_model(torch, nn, F):
 
 
 def child(scenario: str, mode: str, out_json: str) -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(relativeCreated)8.0f ms %(name)s %(message)s")
     import torch
     import torch.nn.functional as F
     from torch import nn
@@ -236,13 +239,16 @@ def main() -> int:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--budget-s", type=float, default=170.0, help="stop starting new runs after this")
     parser.add_argument("--scenarios", default="gdn,mamba")
+    parser.add_argument("--cache-dir", help="TRITON_CACHE_DIR to use (default: a fresh temporary one)")
     args = parser.parse_args()
     if args.child:
         child(args.child, args.mode, args.json)
         return 0
 
     deadline = time.monotonic() + args.budget_s
-    cache_dir = tempfile.mkdtemp(prefix="longtrain-prewarm-triton-")
+    cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="longtrain-prewarm-triton-")
+    os.makedirs(args.out, exist_ok=True)
+    child_log = open(os.path.join(args.out, "prewarm_child_logs.txt"), "a")  # noqa: SIM115 - lives for the run
     env = dict(os.environ, TRITON_CACHE_DIR=cache_dir, FLA_CACHE_RESULTS="0", PYTHONUNBUFFERED="1")
     env.pop("TRITON_CACHE_AUTOTUNING", None)
     plan = []
@@ -264,15 +270,16 @@ def main() -> int:
         out_json = os.path.join(cache_dir, f"{scenario}-{mode}.json")
         cmd = [sys.executable, __file__, "--child", scenario, "--mode", mode, "--json", out_json]
         t0 = time.monotonic()
+        child_log.write(f"===== {scenario}/{mode}\n")
+        child_log.flush()
         try:
-            proc = subprocess.run(cmd, env=env, timeout=remaining, capture_output=True, text=True)
+            proc = subprocess.run(cmd, env=env, timeout=remaining, stdout=child_log, stderr=subprocess.STDOUT)
         except subprocess.TimeoutExpired:
-            not_run.append(f"{scenario}/{mode} (timed out)")
+            not_run.append(f"{scenario}/{mode} (timed out after {time.monotonic() - t0:.0f} s)")
             continue
         print(f"[prewarm bench] {scenario}/{mode}: rc={proc.returncode} in {time.monotonic() - t0:.1f}s", flush=True)
         if proc.returncode != 0:
-            print(proc.stdout[-3000:], proc.stderr[-6000:], flush=True)
-            not_run.append(f"{scenario}/{mode} (rc={proc.returncode})")
+            not_run.append(f"{scenario}/{mode} (rc={proc.returncode}, see prewarm_child_logs.txt)")
             continue
         res = json.loads(Path(out_json).read_text())
         if "prewarm_report" in res:
