@@ -50,7 +50,11 @@ INDEXER_TYPES = ("full", "shared")
 
 @dataclass(kw_only=True)
 class DSAConfig:
-    """Dimensions and options of one DSA attention layer (defaults: GLM-5.2)."""
+    """Dimensions and options of one DSA attention layer.
+
+    The dimension defaults are GLM-5.2's attention shapes; take the RoPE settings (``rope_theta``,
+    ``rope_scaling``, ``max_position_embeddings``) from the checkpoint's config.
+    """
 
     hidden_size: int = 6144
     """Model width (input and output features of the layer)."""
