@@ -339,13 +339,14 @@ def _cp_blockdiag_sdpa_impl(
     kv_full = exchange._AllGatherSeqDiff.apply(torch.cat([key, value], dim=1), group, 2)
     k_full, v_full = kv_full[:, :hkv], kv_full[:, hkv:]
     if backend != state.ATTN_BACKEND_DENSE:
-        if isinstance(gm, dict) and int(gm.get("n_real", -1)) == 0:
-            # All-padding rank: attached zeros that also survive checkpoint recompute (see _zero_touch).
-            return exchange._zero_touch(query, kv_full)
         out = kernels._cp_blockdiag_varlen(
             query, k_full, v_full, doc_ids, row_offset, scale, backend=backend, dropout_p=dropout_p, meta=gm
         )
         if out is not None:
+            if isinstance(gm, dict) and int(gm.get("n_real", -1)) == 0:
+                # All-padding rank: make its zeros save a tensor too, so checkpoint recompute of this region
+                # re-issues the all-gather here as on every other rank (see exchange._zero_touch).
+                out = out + exchange._zero_touch(query, kv_full)
             return out
     return _dense_fallback(query, k_full, v_full, doc_ids, row_offset, scale, dropout_p)
 
