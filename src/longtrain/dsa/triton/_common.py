@@ -52,6 +52,8 @@ class KernelConfig:
     """Warps per program."""
     num_stages: int = 2
     """Software-pipelining depth of the gathered KV loads."""
+    keys_major: bool = False
+    """Forward only: compute logits as ``[keys, heads]`` (the warpgroups split the keys; best with block_k=128)."""
 
     def __post_init__(self) -> None:
         _check_pow2("block_k", self.block_k, 16, 256)
@@ -68,13 +70,21 @@ class SparseMLAConfig:
     fwd: KernelConfig | None = None
     """Forward kernel configuration."""
     bwd: KernelConfig | None = None
-    """Backward (dq + dkv) kernel configuration."""
+    """Backward configuration: the probabilities kernel, and the dq / dkv kernels unless given below."""
+    bwd_dq: KernelConfig | None = None
+    """Backward dq kernel (defaults to ``bwd``)."""
+    bwd_dkv: KernelConfig | None = None
+    """Backward dkv kernel (defaults to ``bwd``)."""
 
     def __post_init__(self) -> None:
-        for name in ("fwd", "bwd"):
+        for name in ("fwd", "bwd", "bwd_dq", "bwd_dkv"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, KernelConfig):
                 raise TypeError(f"SparseMLAConfig.{name} must be a KernelConfig or None, got {type(value).__name__}")
+
+    def backward_configs(self) -> tuple[KernelConfig | None, KernelConfig | None, KernelConfig | None]:
+        """Configs of the (probabilities, dq, dkv) backward kernels."""
+        return self.bwd, self.bwd_dq or self.bwd, self.bwd_dkv or self.bwd
 
 
 @dataclass(kw_only=True)

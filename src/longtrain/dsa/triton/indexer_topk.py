@@ -113,7 +113,7 @@ def indexer_topk_fwd_kernel_select(
         prefix_mask = tl.full([], 0, tl.uint32)
         remaining = topk
         for p in tl.static_range(4):
-            shift: tl.constexpr = 24 - 8 * p
+            shift = 24 - 8 * p
             hist = tl.zeros([256], tl.int32)
             n_matched = 0
             n_seen = 0

@@ -54,7 +54,7 @@ class SparseMLAFunction(torch.autograd.Function):
             attn_sink,
             deterministic=ctx.deterministic,
             compute_dkv=ctx.needs_input_grad[1],
-            config=ctx.config.bwd,
+            configs=ctx.config.backward_configs(),
         )
         if not ctx.needs_input_grad[6]:
             dsink = None

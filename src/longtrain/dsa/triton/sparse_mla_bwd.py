@@ -1,16 +1,19 @@
-"""Sparse MLA backward: dq per (query row, head block), dkv scatter-accumulated in fp32.
+"""Sparse MLA backward in three unchained kernels: probabilities, dq, dkv (fp32 scatter).
 
-Three kernels:
+Per row chunk (the bf16 ``P`` / ``dS`` scratch is ``[rows, H, K]``):
 
-- ``sparse_mla_bwd_kernel_preprocess``: per row, ``delta = rowsum(out * dout)``, the sink-inclusive
-  log-sum-exp in base 2 and each row's share of ``dsink``.
-- ``sparse_mla_bwd_kernel_dqdkv``: the forward's loop again (same program layout); per ``BLOCK_K`` slots it
-  recomputes ``P``, forms ``dS = P * (dO V^T - delta)``, accumulates ``dq += dS K`` in registers and adds
-  ``dkv[idx] += P^T dO + dS^T Q`` (already summed over the block's heads) with fp32 atomics. The value part of
-  ``dkv`` is produced in column chunks of at most 128 so the per-block tile stays small next to dq.
-- deterministic mode instead stores each (row, slot) contribution into a scratch buffer (row chunks),
-  sorts the slots by key and ``sparse_mla_bwd_kernel_dkv_reduce`` sums each key's contributions in a fixed
-  order: bitwise reproducible, slower.
+- ``sparse_mla_bwd_kernel_preprocess``: ``delta = rowsum(out * dout)``, the sink-inclusive log-sum-exp
+  (base 2) and each row's share of ``dsink``.
+- ``sparse_mla_bwd_kernel_ds``: per (row, head block) and ``BLOCK_K`` gathered slots, recomputes the logits
+  and ``dO V^T`` and stores ``P`` and ``dS = scale * P * (dO V^T - delta)`` in bf16.
+- ``sparse_mla_bwd_kernel_dq``: ``dq = dS K`` over the gathered slots (fp32 accumulators).
+- ``sparse_mla_bwd_kernel_dkv``: ``dkv[idx] += P^T dO + dS^T Q`` per slot block, already summed over the
+  block's heads, added with fp32 atomics in column chunks of at most 128; deterministic mode stores the
+  per-slot pieces instead and ``sparse_mla_bwd_kernel_dkv_reduce`` sums each key's pieces in a fixed order.
+
+Keeping the matmuls of a kernel independent of each other (no dot feeding another dot) lets the compiler
+split the head block's logits between warpgroups instead of computing them twice (one per warpgroup), the
+price being the bf16 ``P`` / ``dS`` round trip through memory.
 """
 
 from __future__ import annotations
@@ -24,13 +27,20 @@ from longtrain.dsa.triton.sparse_mla_fwd import LOG2E, _row_col_mask, fwd_block_
 
 __all__ = [
     "sparse_mla_bwd",
+    "sparse_mla_bwd_kernel_dkv",
     "sparse_mla_bwd_kernel_dkv_reduce",
-    "sparse_mla_bwd_kernel_dqdkv",
+    "sparse_mla_bwd_kernel_dq",
+    "sparse_mla_bwd_kernel_ds",
     "sparse_mla_bwd_kernel_preprocess",
 ]
 
-_BWD_CANDIDATES = ((64, 8, 1), (32, 8, 2), (32, 8, 1), (32, 4, 1))
-# fp32 elements of the deterministic mode's per-slot contribution scratch (rows are processed in chunks).
+# (block_k, num_warps, num_stages) candidates per kernel, tried once per static shape by the autotuner.
+_DS_CANDIDATES = ((32, 8, 2), (64, 8, 1), (32, 4, 2))
+_DQ_CANDIDATES = ((64, 8, 2), (32, 8, 3), (128, 8, 1))
+_DKV_CANDIDATES = ((64, 8, 2), (64, 8, 3), (64, 4, 2))
+# Bytes of the bf16 P / dS scratch (rows are processed in chunks that fit).
+_PDS_SCRATCH_BYTES = 1 << 29
+# fp32 elements of the deterministic mode's per-slot contribution scratch.
 _DETERMINISTIC_SCRATCH = 1 << 27
 
 
@@ -87,129 +97,114 @@ def _dkv_out(dkv_ptr, rows, valid, value, col0: tl.constexpr, W: tl.constexpr, D
         tl.atomic_add(ptrs, value, mask=mask, sem="relaxed")
 
 
+@triton.jit
+def _slot_block(idx_row, k0, n_slots, T_k, D_QK: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    in_len = offs_k < n_slots
+    idx = tl.load(idx_row + offs_k, mask=in_len, other=-1)
+    valid = in_len & (idx >= 0) & (idx < T_k)
+    keys = tl.where(valid, idx, 0).to(tl.int64)
+    return offs_k, in_len, valid, keys
+
+
+@triton.jit
+def _row_slots(len_ptr, t, K_slots, HAS_LEN: tl.constexpr):
+    if HAS_LEN:
+        return tl.minimum(tl.maximum(tl.load(len_ptr + t).to(tl.int32), 0), K_slots)
+    else:
+        return K_slots
+
+
 @triton.jit(do_not_specialize=["row_offset", "T_k", "K_slots"])
-def sparse_mla_bwd_kernel_dqdkv(
-    q_ptr, kv_ptr, dout_ptr, idx_ptr, len_ptr, lse2_ptr, delta_ptr, dq_ptr, dkv_ptr,
+def sparse_mla_bwd_kernel_ds(
+    q_ptr, kv_ptr, dout_ptr, idx_ptr, len_ptr, lse2_ptr, delta_ptr, p_ptr, ds_ptr,
     row_offset, T_k, K_slots, sm_scale, qk_scale,
     H: tl.constexpr, D_V: tl.constexpr, D_R: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr, NUM_VC: tl.constexpr,
-    HAS_LEN: tl.constexpr, DETERMINISTIC: tl.constexpr, COMPUTE_DKV: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
+    HAS_LEN: tl.constexpr, STORE_P: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     D_QK: tl.constexpr = D_V + D_R
-    VC: tl.constexpr = BLOCK_DV // NUM_VC
     NUM_HB: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H
     pid = tl.program_id(0)
     t_local = (pid // NUM_HB).to(tl.int64)
     t = row_offset + t_local
-    hb = pid % NUM_HB
-    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_h = (pid % NUM_HB) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
+    offs_v = tl.arange(0, BLOCK_DV)
     offs_r = tl.arange(0, BLOCK_DR)
-
     q_rows = q_ptr + t * (H * D_QK) + offs_h[:, None] * D_QK
-    do_rows = dout_ptr + t * (H * D_V) + offs_h[:, None] * D_V
-    # Q and dO stay resident, in up to four column chunks of the value width plus the rope tail.
-    q0 = _load_chunk(q_rows, mask_h, 0, VC, D_V, BLOCK_DV)
-    do0 = _load_chunk(do_rows, mask_h, 0, VC, D_V, BLOCK_DV)
-    dq0 = tl.zeros([BLOCK_H, VC], tl.float32)
-    if NUM_VC >= 2:
-        q1 = _load_chunk(q_rows, mask_h, 1, VC, D_V, BLOCK_DV)
-        do1 = _load_chunk(do_rows, mask_h, 1, VC, D_V, BLOCK_DV)
-        dq1 = tl.zeros([BLOCK_H, VC], tl.float32)
-    if NUM_VC >= 4:
-        q2 = _load_chunk(q_rows, mask_h, 2, VC, D_V, BLOCK_DV)
-        do2 = _load_chunk(do_rows, mask_h, 2, VC, D_V, BLOCK_DV)
-        q3 = _load_chunk(q_rows, mask_h, 3, VC, D_V, BLOCK_DV)
-        do3 = _load_chunk(do_rows, mask_h, 3, VC, D_V, BLOCK_DV)
-        dq2 = tl.zeros([BLOCK_H, VC], tl.float32)
-        dq3 = tl.zeros([BLOCK_H, VC], tl.float32)
+    q_v = tl.load(q_rows + offs_v[None, :], mask=_row_col_mask(mask_h, offs_v, D_V, BLOCK_DV), other=0.0)
     if D_R > 0:
         q_r = tl.load(q_rows + D_V + offs_r[None, :], mask=_row_col_mask(mask_h, offs_r, D_R, BLOCK_DR), other=0.0)
-        dq_r = tl.zeros([BLOCK_H, BLOCK_DR], tl.float32)
-
+    do_rows = dout_ptr + t * (H * D_V) + offs_h[:, None] * D_V
+    do_v = tl.load(do_rows + offs_v[None, :], mask=_row_col_mask(mask_h, offs_v, D_V, BLOCK_DV), other=0.0)
+    # Rows without keys have lse2 = +inf: every probability below is exactly 0.
     lse2 = tl.load(lse2_ptr + t * H + offs_h, mask=mask_h, other=float("inf"))
     delta = tl.load(delta_ptr + t * H + offs_h, mask=mask_h, other=0.0)
-
-    if HAS_LEN:
-        n_slots = tl.minimum(tl.maximum(tl.load(len_ptr + t).to(tl.int32), 0), K_slots)
-    else:
-        n_slots = K_slots
+    n_slots = _row_slots(len_ptr, t, K_slots, HAS_LEN)
     idx_row = idx_ptr + t * K_slots
+    scratch_rows = (t_local * H + offs_h.to(tl.int64)) * K_slots
     for k0 in range(0, n_slots, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        in_len = offs_k < n_slots
-        idx = tl.load(idx_row + offs_k, mask=in_len, other=-1)
-        valid = in_len & (idx >= 0) & (idx < T_k)
-        keys = tl.where(valid, idx, 0).to(tl.int64)
+        offs_k, in_len, valid, keys = _slot_block(idx_row, k0, n_slots, T_k, D_QK, BLOCK_K)
         kv_rows = kv_ptr + keys * D_QK
-
-        kv0 = _load_chunk(kv_rows[:, None], valid, 0, VC, D_V, BLOCK_DV)
-        s = tl.dot(q0, tl.trans(kv0), input_precision=DOT_PREC)
-        dp = tl.dot(do0, tl.trans(kv0), input_precision=DOT_PREC)
-        if NUM_VC >= 2:
-            kv1 = _load_chunk(kv_rows[:, None], valid, 1, VC, D_V, BLOCK_DV)
-            s = tl.dot(q1, tl.trans(kv1), s, input_precision=DOT_PREC)
-            dp = tl.dot(do1, tl.trans(kv1), dp, input_precision=DOT_PREC)
-        if NUM_VC >= 4:
-            kv2 = _load_chunk(kv_rows[:, None], valid, 2, VC, D_V, BLOCK_DV)
-            kv3 = _load_chunk(kv_rows[:, None], valid, 3, VC, D_V, BLOCK_DV)
-            s = tl.dot(q2, tl.trans(kv2), s, input_precision=DOT_PREC)
-            dp = tl.dot(do2, tl.trans(kv2), dp, input_precision=DOT_PREC)
-            s = tl.dot(q3, tl.trans(kv3), s, input_precision=DOT_PREC)
-            dp = tl.dot(do3, tl.trans(kv3), dp, input_precision=DOT_PREC)
+        kv_v = tl.load(kv_rows[:, None] + offs_v[None, :], mask=_row_col_mask(valid, offs_v, D_V, BLOCK_DV), other=0.0)
+        s = tl.dot(q_v, tl.trans(kv_v), input_precision=DOT_PREC)
         if D_R > 0:
             kv_r = tl.load(
                 kv_rows[:, None] + D_V + offs_r[None, :], mask=_row_col_mask(valid, offs_r, D_R, BLOCK_DR), other=0.0
             )
             s = tl.dot(q_r, tl.trans(kv_r), s, input_precision=DOT_PREC)
-
-        p = tl.math.exp2(s * qk_scale - lse2[:, None])
-        p = tl.where(valid[None, :], p, 0.0)
+        dp = tl.dot(do_v, tl.trans(kv_v), input_precision=DOT_PREC)
+        p = tl.where(valid[None, :], tl.math.exp2(s * qk_scale - lse2[:, None]), 0.0)
         ds = p * (dp - delta[:, None]) * sm_scale
-        ds_c = ds.to(kv0.dtype)
-        dq0 = tl.dot(ds_c, kv0, dq0, input_precision=DOT_PREC)
-        if NUM_VC >= 2:
-            dq1 = tl.dot(ds_c, kv1, dq1, input_precision=DOT_PREC)
-        if NUM_VC >= 4:
-            dq2 = tl.dot(ds_c, kv2, dq2, input_precision=DOT_PREC)
-            dq3 = tl.dot(ds_c, kv3, dq3, input_precision=DOT_PREC)
+        ptrs = scratch_rows[:, None] + offs_k[None, :]
+        mask = mask_h[:, None] & in_len[None, :]
+        tl.store(ds_ptr + ptrs, ds.to(ds_ptr.dtype.element_ty), mask=mask)
+        if STORE_P:
+            tl.store(p_ptr + ptrs, p.to(p_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["row_offset", "T_k", "K_slots"])
+def sparse_mla_bwd_kernel_dq(
+    kv_ptr, idx_ptr, len_ptr, ds_ptr, dq_ptr,
+    row_offset, T_k, K_slots,
+    H: tl.constexpr, D_V: tl.constexpr, D_R: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
+    HAS_LEN: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    D_QK: tl.constexpr = D_V + D_R
+    NUM_HB: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H
+    pid = tl.program_id(0)
+    t_local = (pid // NUM_HB).to(tl.int64)
+    t = row_offset + t_local
+    offs_h = (pid % NUM_HB) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    offs_v = tl.arange(0, BLOCK_DV)
+    offs_r = tl.arange(0, BLOCK_DR)
+    n_slots = _row_slots(len_ptr, t, K_slots, HAS_LEN)
+    idx_row = idx_ptr + t * K_slots
+    scratch_rows = (t_local * H + offs_h.to(tl.int64)) * K_slots
+    dq_v = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    dq_r = tl.zeros([BLOCK_H, BLOCK_DR], tl.float32)
+    for k0 in range(0, n_slots, BLOCK_K):
+        offs_k, in_len, valid, keys = _slot_block(idx_row, k0, n_slots, T_k, D_QK, BLOCK_K)
+        ds = tl.load(
+            ds_ptr + scratch_rows[:, None] + offs_k[None, :], mask=mask_h[:, None] & in_len[None, :], other=0.0
+        )
+        kv_rows = kv_ptr + keys * D_QK
+        kv_v = tl.load(kv_rows[:, None] + offs_v[None, :], mask=_row_col_mask(valid, offs_v, D_V, BLOCK_DV), other=0.0)
+        dq_v = tl.dot(ds, kv_v, dq_v, input_precision=DOT_PREC)
         if D_R > 0:
-            dq_r = tl.dot(ds_c, kv_r, dq_r, input_precision=DOT_PREC)
-
-        if COMPUTE_DKV:
-            # dkv rows: the shared atomic target, or this row's slots in the deterministic scratch.
-            if DETERMINISTIC:
-                out_rows = t_local * K_slots + offs_k.to(tl.int64)
-            else:
-                out_rows = keys
-            p_t = tl.trans(p.to(kv0.dtype))
-            ds_t = tl.trans(ds_c)
-            piece = tl.dot(p_t, do0, input_precision=DOT_PREC)
-            piece = tl.dot(ds_t, q0, piece, input_precision=DOT_PREC)
-            _dkv_out(dkv_ptr, out_rows, valid, piece, 0, VC, D_V, D_QK, DETERMINISTIC)
-            if NUM_VC >= 2:
-                piece = tl.dot(p_t, do1, input_precision=DOT_PREC)
-                piece = tl.dot(ds_t, q1, piece, input_precision=DOT_PREC)
-                _dkv_out(dkv_ptr, out_rows, valid, piece, VC, VC, D_V, D_QK, DETERMINISTIC)
-            if NUM_VC >= 4:
-                piece = tl.dot(p_t, do2, input_precision=DOT_PREC)
-                piece = tl.dot(ds_t, q2, piece, input_precision=DOT_PREC)
-                _dkv_out(dkv_ptr, out_rows, valid, piece, 2 * VC, VC, D_V, D_QK, DETERMINISTIC)
-                piece = tl.dot(p_t, do3, input_precision=DOT_PREC)
-                piece = tl.dot(ds_t, q3, piece, input_precision=DOT_PREC)
-                _dkv_out(dkv_ptr, out_rows, valid, piece, 3 * VC, VC, D_V, D_QK, DETERMINISTIC)
-            if D_R > 0:
-                piece = tl.dot(ds_t, q_r, input_precision=DOT_PREC)
-                _dkv_out(dkv_ptr + D_V, out_rows, valid, piece, 0, BLOCK_DR, D_R, D_QK, DETERMINISTIC)
-
+            kv_r = tl.load(
+                kv_rows[:, None] + D_V + offs_r[None, :], mask=_row_col_mask(valid, offs_r, D_R, BLOCK_DR), other=0.0
+            )
+            dq_r = tl.dot(ds, kv_r, dq_r, input_precision=DOT_PREC)
     dq_rows = dq_ptr + t * (H * D_QK) + offs_h[:, None] * D_QK
-    _store_chunk(dq_rows, mask_h, dq0, 0, VC, D_V, BLOCK_DV)
-    if NUM_VC >= 2:
-        _store_chunk(dq_rows, mask_h, dq1, 1, VC, D_V, BLOCK_DV)
-    if NUM_VC >= 4:
-        _store_chunk(dq_rows, mask_h, dq2, 2, VC, D_V, BLOCK_DV)
-        _store_chunk(dq_rows, mask_h, dq3, 3, VC, D_V, BLOCK_DV)
+    tl.store(
+        dq_rows + offs_v[None, :], dq_v.to(dq_ptr.dtype.element_ty), mask=_row_col_mask(mask_h, offs_v, D_V, BLOCK_DV)
+    )
     if D_R > 0:
         tl.store(
             dq_rows + D_V + offs_r[None, :],
@@ -218,10 +213,70 @@ def sparse_mla_bwd_kernel_dqdkv(
         )
 
 
-@triton.jit
-def _store_chunk(base, row_mask, value, c: tl.constexpr, VC: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
-    offs = c * VC + tl.arange(0, VC)
-    tl.store(base + offs[None, :], value.to(base.dtype.element_ty), mask=_row_col_mask(row_mask, offs, D, BLOCK_D))
+@triton.jit(do_not_specialize=["row_offset", "T_k", "K_slots"])
+def sparse_mla_bwd_kernel_dkv(
+    q_ptr, dout_ptr, idx_ptr, len_ptr, p_ptr, ds_ptr, dkv_ptr,
+    row_offset, T_k, K_slots,
+    H: tl.constexpr, D_V: tl.constexpr, D_R: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr, NUM_VC: tl.constexpr,
+    HAS_LEN: tl.constexpr, DETERMINISTIC: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    D_QK: tl.constexpr = D_V + D_R
+    VC: tl.constexpr = BLOCK_DV // NUM_VC
+    NUM_HB: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H
+    pid = tl.program_id(0)
+    t_local = (pid // NUM_HB).to(tl.int64)
+    t = row_offset + t_local
+    offs_h = (pid % NUM_HB) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    offs_r = tl.arange(0, BLOCK_DR)
+    q_rows = q_ptr + t * (H * D_QK) + offs_h[:, None] * D_QK
+    do_rows = dout_ptr + t * (H * D_V) + offs_h[:, None] * D_V
+    # Q and dO stay resident, in up to four column chunks of the value width plus the rope tail.
+    q0 = _load_chunk(q_rows, mask_h, 0, VC, D_V, BLOCK_DV)
+    do0 = _load_chunk(do_rows, mask_h, 0, VC, D_V, BLOCK_DV)
+    if NUM_VC >= 2:
+        q1 = _load_chunk(q_rows, mask_h, 1, VC, D_V, BLOCK_DV)
+        do1 = _load_chunk(do_rows, mask_h, 1, VC, D_V, BLOCK_DV)
+    if NUM_VC >= 4:
+        q2 = _load_chunk(q_rows, mask_h, 2, VC, D_V, BLOCK_DV)
+        do2 = _load_chunk(do_rows, mask_h, 2, VC, D_V, BLOCK_DV)
+        q3 = _load_chunk(q_rows, mask_h, 3, VC, D_V, BLOCK_DV)
+        do3 = _load_chunk(do_rows, mask_h, 3, VC, D_V, BLOCK_DV)
+    if D_R > 0:
+        q_r = tl.load(q_rows + D_V + offs_r[None, :], mask=_row_col_mask(mask_h, offs_r, D_R, BLOCK_DR), other=0.0)
+    n_slots = _row_slots(len_ptr, t, K_slots, HAS_LEN)
+    idx_row = idx_ptr + t * K_slots
+    scratch_rows = (t_local * H + offs_h.to(tl.int64)) * K_slots
+    for k0 in range(0, n_slots, BLOCK_K):
+        offs_k, in_len, valid, keys = _slot_block(idx_row, k0, n_slots, T_k, D_QK, BLOCK_K)
+        tile = scratch_rows[:, None] + offs_k[None, :]
+        tile_mask = mask_h[:, None] & in_len[None, :]
+        p_t = tl.trans(tl.load(p_ptr + tile, mask=tile_mask, other=0.0))
+        ds_t = tl.trans(tl.load(ds_ptr + tile, mask=tile_mask, other=0.0))
+        # dkv rows: the shared atomic target, or this row's slots in the deterministic scratch.
+        if DETERMINISTIC:
+            out_rows = t_local * K_slots + offs_k.to(tl.int64)
+        else:
+            out_rows = keys
+        piece = tl.dot(p_t, do0, input_precision=DOT_PREC)
+        piece = tl.dot(ds_t, q0, piece, input_precision=DOT_PREC)
+        _dkv_out(dkv_ptr, out_rows, valid, piece, 0, VC, D_V, D_QK, DETERMINISTIC)
+        if NUM_VC >= 2:
+            piece = tl.dot(p_t, do1, input_precision=DOT_PREC)
+            piece = tl.dot(ds_t, q1, piece, input_precision=DOT_PREC)
+            _dkv_out(dkv_ptr, out_rows, valid, piece, VC, VC, D_V, D_QK, DETERMINISTIC)
+        if NUM_VC >= 4:
+            piece = tl.dot(p_t, do2, input_precision=DOT_PREC)
+            piece = tl.dot(ds_t, q2, piece, input_precision=DOT_PREC)
+            _dkv_out(dkv_ptr, out_rows, valid, piece, 2 * VC, VC, D_V, D_QK, DETERMINISTIC)
+            piece = tl.dot(p_t, do3, input_precision=DOT_PREC)
+            piece = tl.dot(ds_t, q3, piece, input_precision=DOT_PREC)
+            _dkv_out(dkv_ptr, out_rows, valid, piece, 3 * VC, VC, D_V, D_QK, DETERMINISTIC)
+        if D_R > 0:
+            piece = tl.dot(ds_t, q_r, input_precision=DOT_PREC)
+            _dkv_out(dkv_ptr + D_V, out_rows, valid, piece, 0, BLOCK_DR, D_R, D_QK, DETERMINISTIC)
 
 
 @triton.jit(do_not_specialize=["n_items"])
@@ -248,15 +303,21 @@ def sparse_mla_bwd_kernel_dkv_reduce(
 _AUTOTUNED: dict[str, object] = {}
 
 
-def _autotuned_bwd():
-    kernel = _AUTOTUNED.get("bwd")
-    if kernel is None:
-        configs = [triton.Config({"BLOCK_K": bk}, num_warps=w, num_stages=s) for bk, w, s in _BWD_CANDIDATES]
-        kernel = triton.autotune(
-            configs=configs, key=["H", "D_V", "D_R", "BLOCK_H", "COMPUTE_DKV"], reset_to_zero=["dkv_ptr"]
-        )(sparse_mla_bwd_kernel_dqdkv)
-        _AUTOTUNED["bwd"] = kernel
-    return kernel
+def _autotuned(name: str, kernel, candidates, reset: list[str] | None = None):
+    tuned = _AUTOTUNED.get(name)
+    if tuned is None:
+        configs = [triton.Config({"BLOCK_K": bk}, num_warps=w, num_stages=s) for bk, w, s in candidates]
+        # Static model dims only: token counts never re-trigger tuning.
+        tuned = triton.autotune(configs=configs, key=["H", "D_V", "D_R", "BLOCK_H"], reset_to_zero=reset)(kernel)
+        _AUTOTUNED[name] = tuned
+    return tuned
+
+
+def _launch(name, kernel, candidates, grid, args, meta, config, reset=None) -> None:
+    if config is not None:
+        kernel[grid](*args, **meta, BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages)
+    else:
+        _autotuned(name, kernel, candidates, reset)[grid](*args, **meta)
 
 
 def _num_value_chunks(block_dv: int) -> int:
@@ -277,9 +338,9 @@ def sparse_mla_bwd(
     *,
     deterministic: bool,
     compute_dkv: bool,
-    config: KernelConfig | None,
+    configs: tuple[KernelConfig | None, KernelConfig | None, KernelConfig | None],
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Gradients of :func:`sparse_mla_fwd`.
+    """Gradients of :func:`sparse_mla_fwd`; ``configs`` force the (ds, dq, dkv) kernels (None = autotuned).
 
     Returns:
         ``(dq [T, H, D_qk]`` in ``q.dtype``, ``dkv [T_k, D_qk]`` in ``kv.dtype`` or None,
@@ -292,13 +353,9 @@ def sparse_mla_bwd(
     dev = q.device
     dq = torch.empty_like(q)
     dkv_acc = torch.zeros((num_keys, d_qk), dtype=torch.float32, device=dev) if compute_dkv else None
-    dsink = None
     if num_tokens == 0:
-        return (
-            dq,
-            (dkv_acc.to(kv2d.dtype) if compute_dkv else None),
-            (torch.zeros_like(attn_sink) if attn_sink is not None else None),
-        )
+        dkv = dkv_acc.to(kv2d.dtype) if compute_dkv else None
+        return dq, dkv, (torch.zeros_like(attn_sink) if attn_sink is not None else None)
 
     dout = dout.contiguous()
     delta = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=dev)
@@ -310,68 +367,79 @@ def sparse_mla_bwd(
         H=num_heads, D_V=d_v, BLOCK_H=block_h_all, BLOCK_DV=next_pow2(d_v), HAS_SINK=attn_sink is not None,
         num_warps=4 if block_h_all * next_pow2(d_v) <= 8192 else 8,
     )  # fmt: skip
-    if attn_sink is not None:
-        dsink = dsink_rows.sum(0)
+    dsink = dsink_rows.sum(0) if attn_sink is not None else None
 
-    block_h = fwd_block_h(num_heads, config.block_h if config is not None else 64)
+    if interpreting():
+        configs = tuple(c or KernelConfig(block_k=16, num_warps=4, num_stages=1) for c in configs)
+    cfg_ds, cfg_dq, cfg_dkv = configs
+    block_h = fwd_block_h(num_heads, cfg_ds.block_h if cfg_ds is not None else 64)
     n_hb = triton.cdiv(num_heads, block_h)
     block_dv = next_pow2(d_v)
-    meta = dict(
+    dims = dict(
         H=num_heads,
         D_V=d_v,
         D_R=d_r,
         BLOCK_H=block_h,
         BLOCK_DV=block_dv,
         BLOCK_DR=next_pow2(d_r) if d_r > 0 else 16,
-        NUM_VC=_num_value_chunks(block_dv),
         HAS_LEN=topk_length is not None,
-        COMPUTE_DKV=compute_dkv,
         DOT_PREC=dot_precision(q.dtype),
     )
-    qk_scale = softmax_scale * LOG2E
     len_arg = topk_length if topk_length is not None else idx
-    if config is None and interpreting():
-        config = KernelConfig(block_k=16, num_warps=4, num_stages=1)
 
-    def launch(rows: int, row_offset: int, target: torch.Tensor | None, det: bool) -> None:
-        args = (q, kv2d, dout, idx, len_arg, lse2, delta, dq, target if target is not None else dq,
-                row_offset, num_keys, k_slots, softmax_scale, qk_scale)  # fmt: skip
+    rows_per_chunk = max(1, _PDS_SCRATCH_BYTES // (2 * 2 * num_heads * k_slots))
+    if compute_dkv and deterministic:
+        rows_per_chunk = min(rows_per_chunk, max(1, _DETERMINISTIC_SCRATCH // (k_slots * d_qk)))
+    rows_per_chunk = min(rows_per_chunk, num_tokens)
+    ds_buf = torch.empty((rows_per_chunk, num_heads, k_slots), dtype=q.dtype, device=dev)
+    p_buf = torch.empty_like(ds_buf) if compute_dkv else ds_buf
+    contrib = None
+    if compute_dkv and deterministic:
+        contrib = torch.empty((rows_per_chunk * k_slots, d_qk), dtype=torch.float32, device=dev)
+    for row0 in range(0, num_tokens, rows_per_chunk):
+        rows = min(rows_per_chunk, num_tokens - row0)
         grid = (rows * n_hb,)
-        if config is not None:
-            sparse_mla_bwd_kernel_dqdkv[grid](
-                *args, **meta, DETERMINISTIC=det, BLOCK_K=config.block_k,
-                num_warps=config.num_warps, num_stages=config.num_stages,
-            )  # fmt: skip
-        else:
-            _autotuned_bwd()[grid](*args, **meta, DETERMINISTIC=det)
-
-    if not (compute_dkv and deterministic):
-        launch(num_tokens, 0, dkv_acc, False)
-    else:
-        _deterministic_dkv(launch, idx, topk_length, dkv_acc, num_tokens, k_slots, num_keys, d_qk)
+        common = (idx, len_arg)
+        _launch(
+            "ds", sparse_mla_bwd_kernel_ds, _DS_CANDIDATES, grid,
+            (q, kv2d, dout, *common, lse2, delta, p_buf, ds_buf, row0, num_keys, k_slots, softmax_scale,
+             softmax_scale * LOG2E),
+            dict(dims, STORE_P=compute_dkv), cfg_ds,
+        )  # fmt: skip
+        _launch(
+            "dq", sparse_mla_bwd_kernel_dq, _DQ_CANDIDATES, grid,
+            (kv2d, *common, ds_buf, dq, row0, num_keys, k_slots), dims, cfg_dq,
+        )  # fmt: skip
+        if not compute_dkv:
+            continue
+        target = contrib if deterministic else dkv_acc
+        _launch(
+            "dkv", sparse_mla_bwd_kernel_dkv, _DKV_CANDIDATES, grid,
+            (q, dout, *common, p_buf, ds_buf, target, row0, num_keys, k_slots),
+            dict(dims, NUM_VC=_num_value_chunks(block_dv), DETERMINISTIC=deterministic), cfg_dkv,
+            reset=None if deterministic else ["dkv_ptr"],
+        )  # fmt: skip
+        if deterministic:
+            _reduce_chunk(idx, topk_length, contrib, dkv_acc, row0, rows, num_keys, d_qk)
     dkv = dkv_acc.to(kv2d.dtype) if compute_dkv else None
     return dq, dkv, dsink
 
 
-def _deterministic_dkv(launch, idx, topk_length, dkv_acc, num_tokens, k_slots, num_keys, d_qk) -> None:
-    """Row chunks: per-slot contributions into scratch, then a fixed-order per-key reduction (no atomics)."""
-    rows_per_chunk = max(1, min(num_tokens, _DETERMINISTIC_SCRATCH // max(1, k_slots * d_qk)))
-    contrib = torch.empty((rows_per_chunk * k_slots, d_qk), dtype=torch.float32, device=idx.device)
-    slots = torch.arange(k_slots, device=idx.device)
-    block_d = min(1024, next_pow2(d_qk))
-    for row0 in range(0, num_tokens, rows_per_chunk):
-        rows = min(rows_per_chunk, num_tokens - row0)
-        launch(rows, row0, contrib, True)
-        chunk_idx = idx[row0 : row0 + rows].to(torch.int64)
-        valid = (chunk_idx >= 0) & (chunk_idx < num_keys)
-        if topk_length is not None:
-            valid &= slots[None, :] < topk_length[row0 : row0 + rows].to(torch.int64)[:, None]
-        # Invalid slots sort last under a key past every real row and are skipped by the reduction.
-        keys = torch.where(valid, chunk_idx, num_keys).reshape(-1)
-        sorted_keys, order = torch.sort(keys, stable=True)
-        seg_end = torch.searchsorted(sorted_keys, sorted_keys, right=True)
-        sorted_keys = torch.where(sorted_keys < num_keys, sorted_keys, -1)
-        n_items = sorted_keys.numel()
-        sparse_mla_bwd_kernel_dkv_reduce[(n_items,)](
-            contrib, sorted_keys, order, seg_end, dkv_acc, n_items, D_QK=d_qk, BLOCK_D=block_d, num_warps=4
-        )
+def _reduce_chunk(idx, topk_length, contrib, dkv_acc, row0, rows, num_keys, d_qk) -> None:
+    """Sum one row chunk's per-slot dkv pieces key by key, in a fixed order (no atomics)."""
+    k_slots = idx.shape[1]
+    chunk_idx = idx[row0 : row0 + rows].to(torch.int64)
+    valid = (chunk_idx >= 0) & (chunk_idx < num_keys)
+    if topk_length is not None:
+        slots = torch.arange(k_slots, device=idx.device)
+        valid &= slots[None, :] < topk_length[row0 : row0 + rows].to(torch.int64)[:, None]
+    # Invalid slots sort last under a key past every real row and are skipped by the reduction.
+    keys = torch.where(valid, chunk_idx, num_keys).reshape(-1)
+    sorted_keys, order = torch.sort(keys, stable=True)
+    seg_end = torch.searchsorted(sorted_keys, sorted_keys, right=True)
+    sorted_keys = torch.where(sorted_keys < num_keys, sorted_keys, -1)
+    n_items = sorted_keys.numel()
+    sparse_mla_bwd_kernel_dkv_reduce[(n_items,)](
+        contrib, sorted_keys, order, seg_end, dkv_acc, n_items,
+        D_QK=d_qk, BLOCK_D=min(1024, next_pow2(d_qk)), num_warps=4,
+    )  # fmt: skip

@@ -20,8 +20,8 @@ __all__ = ["fwd_block_h", "sparse_mla_fwd", "sparse_mla_fwd_kernel"]
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
-# (block_k, num_warps, num_stages): candidates the autotuner tries for the (H, D) of a model, once.
-_FWD_CANDIDATES = ((64, 8, 2), (32, 8, 3), (64, 4, 2), (32, 4, 2))
+# (block_k, num_warps, num_stages, keys_major): candidates the autotuner tries for the (H, D) of a model, once.
+_FWD_CANDIDATES = ((128, 8, 1, True), (32, 8, 3, False), (64, 8, 1, False))
 
 
 @triton.jit
@@ -43,7 +43,7 @@ def sparse_mla_fwd_kernel(
     H: tl.constexpr, D_V: tl.constexpr, D_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
     HAS_LEN: tl.constexpr, HAS_SINK: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, KEYS_MAJOR: tl.constexpr,
 ):  # fmt: skip
     D_QK: tl.constexpr = D_V + D_R
     NUM_HB: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H
@@ -68,7 +68,10 @@ def sparse_mla_fwd_kernel(
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    if KEYS_MAJOR:
+        acc = tl.zeros([BLOCK_DV, BLOCK_H], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     idx_row = idx_ptr + t * K_slots
     for k0 in range(0, n_slots, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -77,21 +80,37 @@ def sparse_mla_fwd_kernel(
         valid = in_len & (idx >= 0) & (idx < T_k)
         kv_rows = kv_ptr + tl.where(valid, idx, 0).to(tl.int64) * D_QK
         kv_v = tl.load(kv_rows[:, None] + offs_v[None, :], mask=_row_col_mask(valid, offs_v, D_V, BLOCK_DV), other=0.0)
-        s = tl.dot(q_v, tl.trans(kv_v), input_precision=DOT_PREC)
         if D_R > 0:
             kv_r = tl.load(
                 kv_rows[:, None] + D_V + offs_r[None, :], mask=_row_col_mask(valid, offs_r, D_R, BLOCK_DR), other=0.0
             )
-            s = tl.dot(q_r, tl.trans(kv_r), s, input_precision=DOT_PREC)
-        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that has seen no valid slot yet keeps m = -inf; shifting by 0 then gives p = alpha = 0, not NaN.
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_use)
-        p = tl.math.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(kv_v.dtype), kv_v, acc, input_precision=DOT_PREC)
+        if KEYS_MAJOR:
+            # Logits as [keys, heads]: with 8 warps the two warpgroups split the keys instead of both
+            # computing the same [heads, keys] tile; the output accumulates transposed, [d_v, heads].
+            s = tl.dot(kv_v, tl.trans(q_v), input_precision=DOT_PREC)
+            if D_R > 0:
+                s = tl.dot(kv_r, tl.trans(q_r), s, input_precision=DOT_PREC)
+            s = tl.where(valid[:, None], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.math.exp2(m_i - m_use)
+            p = tl.math.exp2(s - m_use[None, :])
+            l_i = l_i * alpha + tl.sum(p, 0)
+            acc = acc * alpha[None, :]
+            acc = tl.dot(tl.trans(kv_v), p.to(kv_v.dtype), acc, input_precision=DOT_PREC)
+        else:
+            s = tl.dot(q_v, tl.trans(kv_v), input_precision=DOT_PREC)
+            if D_R > 0:
+                s = tl.dot(q_r, tl.trans(kv_r), s, input_precision=DOT_PREC)
+            s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row that has seen no valid slot yet keeps m = -inf; shifting by 0 gives p = alpha = 0, not NaN.
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.math.exp2(m_i - m_use)
+            p = tl.math.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(kv_v.dtype), kv_v, acc, input_precision=DOT_PREC)
         m_i = m_new
 
     has_keys = l_i > 0.0
@@ -101,7 +120,10 @@ def sparse_mla_fwd_kernel(
         sink = tl.load(sink_ptr + offs_h, mask=mask_h, other=float("-inf")) * 1.4426950408889634
         denom = l_i + tl.math.exp2(sink - tl.where(m_i == float("-inf"), 0.0, m_i))
     inv = tl.where(has_keys, 1.0 / tl.where(has_keys, denom, 1.0), 0.0)
-    out = acc * inv[:, None]
+    if KEYS_MAJOR:
+        out = tl.trans(acc * inv[None, :])
+    else:
+        out = acc * inv[:, None]
     lse = tl.where(has_keys, (m_i + tl.math.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
 
     out_rows = out_ptr + t * (H * D_V) + offs_h[:, None] * D_V
@@ -122,7 +144,10 @@ _AUTOTUNED: dict[str, object] = {}
 def _autotuned_fwd():
     kernel = _AUTOTUNED.get("fwd")
     if kernel is None:
-        configs = [triton.Config({"BLOCK_K": bk}, num_warps=w, num_stages=s) for bk, w, s in _FWD_CANDIDATES]
+        configs = [
+            triton.Config({"BLOCK_K": bk, "KEYS_MAJOR": km}, num_warps=w, num_stages=s)
+            for bk, w, s, km in _FWD_CANDIDATES
+        ]
         # Static model dims only: token counts never re-trigger tuning.
         kernel = triton.autotune(configs=configs, key=["H", "D_V", "D_R", "BLOCK_H"])(sparse_mla_fwd_kernel)
         _AUTOTUNED["fwd"] = kernel
@@ -179,7 +204,12 @@ def sparse_mla_fwd(
         config = KernelConfig(block_k=16, num_warps=4, num_stages=1)
     if config is not None:
         sparse_mla_fwd_kernel[grid](
-            *args, **meta, BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages
+            *args,
+            **meta,
+            BLOCK_K=config.block_k,
+            KEYS_MAJOR=config.keys_major,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
         )
     else:
         _autotuned_fwd()[grid](*args, **meta)

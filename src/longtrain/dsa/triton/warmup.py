@@ -86,7 +86,9 @@ def warmup(
         "kernels": [
             "sparse_mla_fwd_kernel",
             "sparse_mla_bwd_kernel_preprocess",
-            "sparse_mla_bwd_kernel_dqdkv",
+            "sparse_mla_bwd_kernel_ds",
+            "sparse_mla_bwd_kernel_dq",
+            "sparse_mla_bwd_kernel_dkv",
             "indexer_topk_fwd_kernel_scores",
             "indexer_topk_fwd_kernel_select",
         ],

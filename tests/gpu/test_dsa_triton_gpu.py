@@ -1,0 +1,175 @@
+"""Triton DSA kernels on CUDA in bf16 at GLM-5.2 shapes, by the flash-attention tolerance rule.
+
+Rule: the kernel's max error against the float64 reference is at most twice the max error of a same-dtype
+(bf16) torch implementation plus one bf16 rounding step at the reference's magnitude.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from longtrain.dsa.reference import indexer_topk_reference, sparse_mla_reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+def _configs():
+    from longtrain.dsa.triton import KernelConfig, SparseMLAConfig
+
+    return SparseMLAConfig(
+        fwd=KernelConfig(block_k=32, num_warps=8, num_stages=3), bwd=KernelConfig(block_k=32, num_warps=8, num_stages=1)
+    )
+
+
+def _index_sets(T, T_k, K, gen, dev, ragged=True):
+    scores = torch.rand((T, T_k), generator=gen, device=dev)
+    idx = scores.topk(K, dim=1).indices.sort(dim=1).values.to(torch.int32)
+    length = torch.full((T,), K, dtype=torch.int32, device=dev)
+    if ragged:
+        length = torch.randint(0, K + 1, (T,), generator=gen, device=dev, dtype=torch.int32)
+        length[:4] = torch.tensor([0, 1, K, 63], dtype=torch.int32)
+        slot = torch.arange(K, device=dev)
+        idx = torch.where(slot[None, :] < length[:, None], idx, -1).to(torch.int32)
+    return idx, length
+
+
+def _torch_bf16(q, kv, idx, scale, d_v, length, sink):
+    """Same-dtype implementation: bf16 gathered matmuls (fp32 accumulation, bf16 results), fp32 softmax."""
+    T_k = kv.shape[0]
+    valid = (idx >= 0) & (idx < T_k)
+    if length is not None:
+        valid &= torch.arange(idx.shape[1], device=idx.device)[None, :] < length[:, None]
+    keys = kv[:, 0][idx.long().clamp(0, T_k - 1)]
+    logits = torch.einsum("thd,tkd->thk", q, keys).float() * scale
+    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    top = logits.amax(-1, keepdim=True).detach()
+    if sink is not None:
+        top = torch.maximum(top, sink.detach()[None, :, None])
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    weights = torch.exp(logits - top)
+    denom = weights.sum(-1, keepdim=True)
+    if sink is not None:
+        denom = denom + torch.exp(sink[None, :, None] - top)
+    probs = weights / torch.where(denom > 0, denom, torch.ones_like(denom))
+    return torch.einsum("thk,tkd->thd", probs.to(q.dtype), keys[..., :d_v])
+
+
+def _max_err(x, ref):
+    return (x.double() - ref).abs().max().item()
+
+
+def _check_rule(name, got, same_dtype, ref):
+    bound = 2 * _max_err(same_dtype, ref) + ref.abs().max().item() * 2.0**-8
+    err = _max_err(got, ref)
+    assert torch.isfinite(got).all(), name
+    assert err <= bound, f"{name}: kernel error {err:.3e} > bound {bound:.3e}"
+
+
+@pytest.mark.parametrize(
+    "T,T_k,H,D,d_v,K,with_sink,forced",
+    [
+        (192, 4096, 64, 576, 512, 2048, False, False),  # GLM-5.2, autotuned path
+        (128, 3000, 64, 576, 512, 2048, True, False),  # with a sink
+        (96, 2048, 128, 576, 512, 512, False, True),  # DeepSeek-V3.2 head count
+        (96, 1024, 16, 512, 512, 512, True, True),  # K = V (DSv4-style), few heads
+        (96, 1024, 32, 512, 512, 256, False, True),
+    ],
+    ids=["glm", "glm-sink", "H128", "H16-D512", "H32-D512"],
+)
+def test_sparse_mla_bf16(T, T_k, H, D, d_v, K, with_sink, forced):
+    from longtrain.dsa.triton import sparse_mla_triton
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(T + H)
+    q = torch.randn((T, H, D), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
+    kv = torch.randn((T_k, 1, D), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
+    idx, length = _index_sets(T, T_k, K, gen, dev)
+    idx[5, :7] = torch.tensor([-1, T_k, 2**30, 3, 3, 3, -5], dtype=torch.int32, device=dev)  # invalid + duplicates
+    sink = torch.randn(H, generator=gen, device=dev).requires_grad_(True) if with_sink else None
+    scale = 192**-0.5
+    out = sparse_mla_triton(q, kv, idx, scale, d_v=d_v, topk_length=length, attn_sink=sink,
+                            config=_configs() if forced else None)  # fmt: skip
+    dout = torch.randn(out.shape, generator=gen, device=dev).to(torch.bfloat16)
+    inputs = [q, kv] + ([sink] if with_sink else [])
+    grads = torch.autograd.grad(out, inputs, dout)
+
+    same = _torch_bf16(q, kv, idx, scale, d_v, length, sink)
+    same_grads = torch.autograd.grad(same, inputs, dout)
+    leaves64 = [t.detach().double().requires_grad_(True) for t in inputs]
+    ref, _ = sparse_mla_reference(leaves64[0], leaves64[1], idx, scale, d_v=d_v, topk_length=length,
+                                  attn_sink=leaves64[2] if with_sink else None)  # fmt: skip
+    ref_grads = torch.autograd.grad(ref, leaves64, dout.double())
+
+    _check_rule("out", out, same, ref)
+    for name, g, s, r in zip(("dq", "dkv", "dsink"), grads, same_grads, ref_grads):
+        _check_rule(name, g, s, r)
+    empty = length == 0
+    assert empty.any()
+    assert torch.equal(out[empty], torch.zeros_like(out[empty]))
+    assert torch.equal(grads[0][empty], torch.zeros_like(grads[0][empty]))
+
+
+def test_sparse_mla_deterministic_bitwise():
+    from longtrain.dsa.triton import sparse_mla_triton
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(3)
+    T, T_k, H, D, K = 64, 512, 64, 576, 256
+    q = torch.randn((T, H, D), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
+    kv = torch.randn((T_k, 1, D), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
+    idx, length = _index_sets(T, T_k, K, gen, dev)
+    dout = torch.randn((T, H, 512), generator=gen, device=dev).to(torch.bfloat16)
+    runs = []
+    for det in (True, True, False):
+        out = sparse_mla_triton(q, kv, idx, 0.07, d_v=512, topk_length=length, deterministic=det, config=_configs())
+        runs.append(torch.autograd.grad(out, (q, kv), dout))
+    assert torch.equal(runs[0][1], runs[1][1]) and torch.equal(runs[0][0], runs[1][0])
+    # Deterministic and atomic dkv sum the same fp32 terms in different orders, then round to bf16.
+    torch.testing.assert_close(runs[0][1].float(), runs[2][1].float(), rtol=2**-7, atol=2**-7)
+
+
+@pytest.mark.parametrize("K", [2048, 512])
+def test_indexer_bf16_canonical_and_maximal(K):
+    from longtrain.dsa.triton import indexer_topk_triton
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(K)
+    docs = (3000, 1090)
+    T, H_I, D_I = sum(docs) + 6, 32, 128
+    starts = torch.cat([torch.full((n,), s, dtype=torch.int32) for n, s in zip(docs, (0, docs[0]))] + [
+        torch.zeros(6, dtype=torch.int32)]).to(dev)  # fmt: skip
+    causal = torch.cat([torch.arange(1, n + 1, dtype=torch.int32) for n in docs] + [
+        torch.zeros(6, dtype=torch.int32)]).to(dev)  # fmt: skip
+    q = torch.randn((T, H_I, D_I), generator=gen, device=dev).to(torch.bfloat16)
+    k = torch.randn((T, D_I), generator=gen, device=dev).to(torch.bfloat16)
+    w = torch.randn((T, H_I), generator=gen, device=dev) * (H_I * D_I) ** -0.5
+    out = indexer_topk_triton(q, k, w, starts, causal, K)
+    assert out.shape == (T, K) and out.dtype == torch.int32
+    n = torch.clamp(causal.long(), max=K)
+    slot = torch.arange(K, device=dev)
+    assert torch.all(torch.where(slot[None, :] >= n[:, None], out == -1, out >= 0))
+    inside = (out >= starts[:, None]) & (out < (starts + causal)[:, None])
+    assert torch.all(torch.where(out >= 0, inside, True))
+    step = out[:, 1:] - out[:, :-1]
+    assert torch.all(torch.where(slot[None, 1:] < n[:, None], step > 0, True))
+    ref = indexer_topk_reference(q.double(), k.double(), w.double(), starts, causal, K)
+    for r0 in range(0, T, 512):  # maximal set: min chosen >= max unchosen (float64 scores, fp32 near-tie slack)
+        rows = slice(r0, min(T, r0 + 512))
+        logits = torch.einsum("thd,sd->ths", q[rows].double(), k.double()).clamp_min(0)
+        scores = torch.einsum("th,ths->ts", w[rows].double(), logits)
+        keys = torch.arange(T, device=dev)
+        window = (keys[None, :] >= starts[rows, None]) & (keys[None, :] < (starts + causal)[rows, None])
+        chosen = torch.zeros_like(window)
+        o = out[rows].long()
+        chosen.scatter_(1, torch.where(o >= 0, o, T - 1), o >= 0)
+        chosen &= window
+        big = scores.abs().amax(1)
+        lo = torch.where(chosen, scores, float("inf")).amin(1)
+        hi = torch.where(window & ~chosen, scores, float("-inf")).amax(1)
+        assert torch.all(lo >= hi - 1e-5 * big), r0
+    agree = (out == ref).float().mean().item()
+    assert agree > 0.999, agree
