@@ -361,7 +361,8 @@ def _check_recompute_outside_context() -> None:
     last = state._CP_LAST_EXITED_STATE.get()
     if last is None:
         return
-    if torch._C._current_graph_task_id() == -1:
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    if task_id is None or task_id() == -1:  # not inside a backward pass (or a torch that cannot tell)
         state._CP_LAST_EXITED_STATE.set(None)
         return
     raise RuntimeError(
