@@ -400,3 +400,44 @@ def test_l2norm_bucket_worker(cpu_device, gdn_op):
     gdn_op.calls.clear()
     assert not prewarm._prewarm_fla_gdn_l2norm_bucket([model], "cuda", 1, 4096)  # bucket 1: nothing to do
     assert gdn_op.calls == []
+
+
+def test_contracts_against_real_triton_wrappers(triton_interpret):
+    """Real ``triton.heuristics(triton.autotune(triton.jit(...)))`` objects with fla 0.6.0's parameter lists:
+    every wrapper carries ``arg_names`` and the required-parameter check sees through all of them."""
+    import triton
+    import triton.language as tl
+
+    from longtrain.prewarm.fla_cp import _kernel_launchable
+
+    def decorate(fn, heuristics, autotuned):
+        configs = [triton.Config(dict.fromkeys(autotuned, bv), num_warps=2) for bv in (32, 64)]
+        inner = triton.autotune(configs=configs, key=["K"])(triton.jit(fn))
+        return triton.heuristics({name: (lambda args: False) for name in heuristics})(inner)
+
+    def dh(q, k, w, g, gk, do, dhm, dv, cu_seqlens, scale, T, H: tl.constexpr, HV: tl.constexpr,
+           K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
+           USE_G: tl.constexpr, USE_GK: tl.constexpr, USE_BG: tl.constexpr, IS_VARLEN: tl.constexpr):  # fmt: skip
+        pass
+
+    def merge(h, ag_hm, num_ranks, rank, seq_offsets, init_offsets, h0_seq_ids, h0, h_seq_idx,
+              HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
+              FORWARD: tl.constexpr, IS_INTRACARD: tl.constexpr, N, USE_INITIAL_STATE: tl.constexpr,
+              USE_H_SEQ_IDX: tl.constexpr, STATE_V_FIRST: tl.constexpr = False,
+              NUM_RANKS_ON_DEVICE: tl.constexpr = False):  # fmt: skip
+        pass
+
+    def merge_grown(h, ag_hm, num_ranks, rank, seq_offsets, init_offsets, h0_seq_ids, h0, h_seq_idx,
+                    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
+                    FORWARD: tl.constexpr, IS_INTRACARD: tl.constexpr, N, USE_INITIAL_STATE: tl.constexpr,
+                    USE_H_SEQ_IDX: tl.constexpr, STATE_V_FIRST: tl.constexpr, NUM_RANKS_ON_DEVICE: tl.constexpr,
+                    CHUNK_OFFSETS: tl.constexpr):  # fmt: skip
+        pass
+
+    dh_kernel = decorate(dh, ("USE_G", "USE_GK", "IS_VARLEN"), ())
+    merge_kernel = decorate(merge, ("USE_INITIAL_STATE", "USE_H_SEQ_IDX"), ("BV",))
+    assert _kernel_launchable(dh_kernel, prewarm._FLA_CP_BWD_DH_KERNEL_ARGS, "chunk_cp_bwd_kernel_dh")
+    assert _kernel_launchable(merge_kernel, prewarm._FLA_CP_MERGE_KERNEL_ARGS, "chunk_cp_fwd_bwd_kernel_merge")
+    assert not _kernel_launchable(dh_kernel, prewarm._FLA_PRE_PROCESS_BWD_KERNEL_ARGS, "pre")  # 0.4.2 contract
+    grown = decorate(merge_grown, ("USE_INITIAL_STATE", "USE_H_SEQ_IDX"), ("BV",))
+    assert not _kernel_launchable(grown, prewarm._FLA_CP_MERGE_KERNEL_ARGS, "grown")

@@ -50,30 +50,19 @@ _MAX_WRAPPER_DEPTH = 8
 _FLA_CHUNK_SIZE = 64  # fla's default GDN chunk size (the BT key of every chunked kernel)
 
 
-def _unwrap_kernel(kernel: object) -> tuple[object | None, set[str]]:
-    """Follow ``.fn`` through Autotuner/Heuristics wrappers to the object exposing ``arg_names``.
-
-    Returns that object (None if not found within 8 hops) and the parameter names the wrappers fill in
-    themselves (heuristics values, autotune config keywords).
-    """
-    provided: set[str] = set()
+def _kernel_chain(kernel: object) -> list[object]:
+    """``kernel`` and the objects behind it through ``.fn`` (Heuristics -> Autotuner -> JITFunction -> the
+    Python function), at most 8, stopping at the Python function."""
+    chain: list[object] = []
     obj = kernel
     for _ in range(_MAX_WRAPPER_DEPTH):
         if obj is None:
             break
-        if getattr(obj, "arg_names", None) is not None:
-            return obj, provided
-        values = getattr(obj, "values", None)
-        if isinstance(values, dict):
-            provided.update(str(k) for k in values)
-        configs = getattr(obj, "configs", None)
-        if isinstance(configs, (list, tuple)):
-            for config in configs:
-                kwargs = getattr(config, "kwargs", None)
-                if isinstance(kwargs, dict):
-                    provided.update(str(k) for k in kwargs)
+        chain.append(obj)
+        if inspect.isfunction(obj):
+            break
         obj = getattr(obj, "fn", None)
-    return None, provided
+    return chain
 
 
 def _triton_kernel_accepts(kernel: object, expected_args: frozenset[str], kernel_name: str) -> bool:
@@ -90,11 +79,11 @@ def _triton_kernel_accepts(kernel: object, expected_args: frozenset[str], kernel
     Returns:
         True when every expected argument is in the kernel's parameter list; otherwise False with a WARNING.
     """
-    jit, _ = _unwrap_kernel(kernel)
-    if jit is None:
+    arg_names = next((a for a in (getattr(o, "arg_names", None) for o in _kernel_chain(kernel)) if a is not None), None)
+    if arg_names is None:
         _log().warning("Cannot determine the parameter list of fla kernel %s; skipping its prewarm.", kernel_name)
         return False
-    missing = sorted(set(expected_args) - set(jit.arg_names))
+    missing = sorted(set(expected_args) - set(arg_names))
     if missing:
         _log().warning(
             "fla kernel %s does not accept %s: the installed fla version has drifted from the prewarm launch "
@@ -112,12 +101,22 @@ def _triton_kernel_unsupplied_params(kernel: object, passed_args: frozenset[str]
     Catches the other direction of drift (fla added a required parameter), which would otherwise fail at
     launch. Returns [] when the signature cannot be read (then only the name check applies).
     """
-    jit, provided = _unwrap_kernel(kernel)
-    fn = getattr(jit, "fn", None)
-    if jit is None or not callable(fn):
+    chain = _kernel_chain(kernel)
+    if not chain or not inspect.isfunction(chain[-1]):
         return []
+    provided: set[str] = set()
+    for obj in chain:  # names filled in by heuristics values and autotune config keywords
+        values = getattr(obj, "values", None)
+        if isinstance(values, dict):
+            provided.update(str(k) for k in values)
+        configs = getattr(obj, "configs", None)
+        if isinstance(configs, (list, tuple)):
+            for config in configs:
+                kwargs = getattr(config, "kwargs", None)
+                if isinstance(kwargs, dict):
+                    provided.update(str(k) for k in kwargs)
     try:
-        params = inspect.signature(fn).parameters.values()
+        params = inspect.signature(chain[-1]).parameters.values()
     except (TypeError, ValueError):
         return []
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
