@@ -438,6 +438,31 @@ def _indexer_case(add, total: int, layout: str) -> None:
         note=f"selection overlap with ours {overlap:.5f}")  # fmt: skip
 
 
+def print_tuning() -> None:
+    """The autotuner's per-candidate timings (first tuned shape) and the compiler's resource use."""
+    from longtrain.dsa.triton import indexer_topk as it
+    from longtrain.dsa.triton import sparse_mla_bwd as mb
+    from longtrain.dsa.triton import sparse_mla_fwd as mf
+
+    for name, tuned in list(mf._AUTOTUNED.items()) + list(mb._AUTOTUNED.items()):
+        timings = {
+            str(k): round(v[0] if isinstance(v, list) else v, 4)
+            for k, v in getattr(tuned, "configs_timings", {}).items()
+        }
+        print(f"tuning {name}: best {tuned.best_config} timings {timings}", flush=True)
+    kernels = {
+        "fwd": mf.sparse_mla_fwd_kernel,
+        "bwd_ds": mb.sparse_mla_bwd_kernel_ds,
+        "bwd_dq": mb.sparse_mla_bwd_kernel_dq,
+        "bwd_dkv": mb.sparse_mla_bwd_kernel_dkv,
+        "scores": it.indexer_topk_fwd_kernel_scores,
+        "select": it.indexer_topk_fwd_kernel_select,
+    }
+    for name, kernel in kernels.items():
+        for row in compiled_stats(kernel):
+            print("compiled", name, row, flush=True)
+
+
 def full(quick: bool = False, flush=None) -> list[dict]:
     rows: list[dict] = []
 
@@ -447,11 +472,13 @@ def full(quick: bool = False, flush=None) -> list[dict]:
         if flush is not None:
             flush(rows)  # a run cut short still leaves a report of what it measured
 
-    cases = [(4096, 64, TOPK, "1doc"), (16384, 64, TOPK, "1doc"), (16384, 64, TOPK, "docs"),
+    cases = [(16384, 64, TOPK, "1doc"), (4096, 64, TOPK, "1doc"), (16384, 64, TOPK, "docs"),
              (16384, 128, TOPK, "1doc"), (16384, 64, 512, "1doc")]  # fmt: skip
-    for case in cases[: 2 if quick else None]:
+    for i, case in enumerate(cases[: 2 if quick else None]):
         _mla_case(add, *case)
         torch.cuda.empty_cache()
+        if i == 0:
+            print_tuning()
     for total, layout in ((4096, "1doc"), (16384, "1doc"), (16384, "docs"))[: 2 if quick else None]:
         _indexer_case(add, total, layout)
         torch.cuda.empty_cache()
@@ -518,6 +545,8 @@ def main() -> None:
         jobs = [("fwd", (h, D_QK, _kcfg(c))) for h in (64, 128) for c in _FWD_CANDIDATES]
         jobs += _bwd_jobs(64) + _bwd_jobs(128)
         jobs += [("idx", IndexerConfig())]
+        if args.quick:
+            jobs = [j for j in jobs if j[0] == "idx" or j[1][0] == 64]
         precompile(jobs)
     from _report import write_report
 
