@@ -441,3 +441,11 @@ def test_contracts_against_real_triton_wrappers(triton_interpret):
     assert not _kernel_launchable(dh_kernel, prewarm._FLA_PRE_PROCESS_BWD_KERNEL_ARGS, "pre")  # 0.4.2 contract
     grown = decorate(merge_grown, ("USE_INITIAL_STATE", "USE_H_SEQ_IDX"), ("BV",))
     assert not _kernel_launchable(grown, prewarm._FLA_CP_MERGE_KERNEL_ARGS, "grown")
+
+
+def test_collect_shapes_dtype_ignores_small_fp32_parameters_registered_first():
+    """A GDN layer's own fp32 ``A_log`` comes before its bf16 projections in ``parameters()``: the kernels see bf16."""
+    layer = fakes.ToyGDN(4, 16, 16, dtype=torch.bfloat16)
+    layer.A_log = nn.Parameter(torch.zeros(4, dtype=torch.float32))
+    assert next(layer.parameters()).dtype == torch.float32  # the trap
+    assert list(prewarm._collect_gdn_autotune_shapes([layer])) == [(4, 16, 16, torch.bfloat16)]

@@ -213,11 +213,17 @@ def _fsdp_param_dtype(module: torch.nn.Module) -> torch.dtype | None:
     return dtype if isinstance(dtype, torch.dtype) else None
 
 
-def _first_float_param_dtype(module: torch.nn.Module) -> torch.dtype | None:
+def _float_param_dtype(module: torch.nn.Module) -> torch.dtype | None:
+    """The dtype of the module's largest fp16/bf16/fp32 parameter (the first one on ties).
+
+    Not simply the first: a GDN or Mamba layer registers its own small fp32 parameters (``A_log``,
+    ``dt_bias``, ``D``) before its submodules' projection weights, whose dtype is what the kernels see.
+    """
+    best: torch.nn.Parameter | None = None
     for param in module.parameters(recurse=True):
-        if param.dtype in _FLOAT_DTYPES:
-            return param.dtype
-    return None
+        if param.dtype in _FLOAT_DTYPES and (best is None or param.numel() > best.numel()):
+            best = param
+    return None if best is None else best.dtype
 
 
 def _named_modules_with_dtype(part: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, torch.dtype]]:
@@ -226,7 +232,7 @@ def _named_modules_with_dtype(part: torch.nn.Module) -> Iterator[tuple[str, torc
     The compute dtype is, in order: an explicit ``prewarm_dtype`` attribute on the module (for autocast
     training, where stored parameters are fp32 but the kernels see bf16); the FSDP2 mixed-precision
     ``param_dtype`` of the module or its nearest ``fully_shard``-ed ancestor (the stored sharded parameters
-    keep the master dtype); the dtype of the module's first fp16/bf16/fp32 parameter; else bfloat16.
+    keep the master dtype); the dtype of the module's largest fp16/bf16/fp32 parameter; else bfloat16.
     """
     fsdp_dtypes: dict[str, torch.dtype] = {}
     for name, module in part.named_modules():
@@ -246,7 +252,7 @@ def _named_modules_with_dtype(part: torch.nn.Module) -> Iterator[tuple[str, torc
             if not prefix:
                 break
             prefix = prefix.rpartition(".")[0]
-        dtype = inherited or _first_float_param_dtype(module) or torch.bfloat16
+        dtype = inherited or _float_param_dtype(module) or torch.bfloat16
         yield name, module, dtype
 
 

@@ -58,8 +58,8 @@ def _collect_gdn_autotune_shapes(model_parts: list[torch.nn.Module]) -> dict[GDN
     additionally key on batch size; that runtime value is handled by the warmup rather than shape discovery.
 
     The dtype is the compute dtype the kernels will see: a module's ``prewarm_dtype`` attribute if set, else
-    the FSDP2 mixed-precision ``param_dtype`` governing the module, else its first fp16/bf16/fp32 parameter's
-    dtype, else bfloat16.
+    the FSDP2 mixed-precision ``param_dtype`` governing the module, else the dtype of its largest
+    fp16/bf16/fp32 parameter (its own small fp32 ``A_log``-like parameters come first), else bfloat16.
 
     Args:
         model_parts: model parts to scan for GDN modules.
