@@ -105,7 +105,7 @@ def install_modules(monkeypatch: pytest.MonkeyPatch, modules: dict[str, dict[str
         parts = name.split(".")
         for i in range(1, len(parts)):
             parent = ".".join(parts[:i])
-            if parent not in sys.modules or not getattr(sys.modules[parent], "_longtrain_fake", False):
+            if parent not in sys.modules:  # real parents (longtrain, an installed fla) stay as they are
                 pkg = types.ModuleType(parent)
                 pkg.__path__ = []  # a package, so submodule imports resolve through sys.modules
                 pkg._longtrain_fake = True
