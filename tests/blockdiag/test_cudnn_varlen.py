@@ -195,12 +195,26 @@ def test_layout_is_cached_in_meta_and_pads_zero_length_documents(fake_cudnn):
     assert len(meta["_cudnn_cache"]) == 1
 
 
-def test_dropout_graph_takes_seed_and_offset(fake_cudnn):
+def test_dropout_is_refused_and_auto_avoids_cudnn(fake_cudnn, monkeypatch):
     q, k, v, cu_q, cu_k = _packed([5], [5])
-    cv.cudnn_varlen_attention(q, k, v, cu_q, cu_k, 5, 5, dropout_p=0.2)
-    fwd = _Graph.built[-1]
-    p, seed, offset = fwd.kw["dropout"]
-    assert p == 0.2 and seed.uid == cv._SEED and offset.uid == cv._OFFSET
+    with pytest.raises(ValueError, match="no attention dropout"):
+        cv.cudnn_varlen_attention(q, k, v, cu_q, cu_k, 5, 5, dropout_p=0.2)
+    monkeypatch.setattr(backends, "varlen_backend_unavailable_reason", lambda b, dt, dev: None)
+    assert backends.resolve_varlen_backend("auto", torch.bfloat16, "cuda") == "cudnn"
+    assert backends.resolve_varlen_backend("auto", torch.bfloat16, "cuda", dropout_p=0.1) == "flash"
+
+
+def test_backward_choice(monkeypatch):
+    lay = {"B": 8, "Sq": 64, "Sk": 64}
+    q, k = torch.empty(10, 4, 8, dtype=torch.bfloat16), torch.empty(10, 2, 8, dtype=torch.bfloat16)
+    monkeypatch.setattr(cv._optional, "torch_varlen", lambda: (True, ""))
+    assert cv._params(q, k, lay, 0.3, False, 10, 10)["backward"] == "fa2"
+    assert cv._params(q, k, lay, 0.3, True, 10, 10)["backward"] == "cudnn"  # deterministic
+    monkeypatch.setattr(cv._optional, "torch_varlen", lambda: (False, "no FA2"))
+    assert cv._params(q, k, lay, 0.3, False, 10, 10)["backward"] == "cudnn"
+    monkeypatch.setattr(cv, "BACKWARD", "cudnn")
+    monkeypatch.setattr(cv._optional, "torch_varlen", lambda: (True, ""))
+    assert cv._params(q, k, lay, 0.3, False, 10, 10)["backward"] == "cudnn"
 
 
 def test_driver_dispatches_cudnn_with_meta(monkeypatch):
@@ -226,6 +240,7 @@ def test_driver_dispatches_cudnn_with_meta(monkeypatch):
     torch.testing.assert_close(got, want, rtol=0, atol=0)  # same math on the same bf16 inputs
     assert calls[0]["meta"] is meta and calls[0]["deterministic"] is True and calls[0]["max"] == (3, 11)
     assert kernels._cp_blockdiag_varlen(q.float(), k.float(), v.float(), ids, 8, backend="cudnn", meta=meta) is None
+    assert kernels._cp_blockdiag_varlen(q, k, v, ids, 8, backend="cudnn", dropout_p=0.1, meta=meta) is None
 
 
 def test_cudnn_reasons_on_cpu():

@@ -2,7 +2,9 @@
 
 ``cudnn_varlen_attention(q [T_q, Hq, D], k/v [T_k, Hkv, D], cu_q, cu_k, max_q, max_k, ...)`` is the ``"cudnn"``
 provider of :mod:`longtrain.blockdiag_cp.backends` (same contract: bottom-right causal per document, GQA
-native, ``scale``, ``dropout_p``, differentiable).
+native, ``scale``, differentiable), except dropout: cuDNN 9.19 refuses dropout with a bottom-right diagonal.
+The forward is cuDNN's; the backward is, by default, torch's bundled FA2 backward fed with cuDNN's output and
+log-sum-exp (measured faster than cuDNN's ragged backward; ``BACKWARD = "cudnn"`` selects cuDNN's).
 
 Why not ``aten._cudnn_attention_forward`` with cumulative offsets: measured on an H200 (torch 2.11, cuDNN
 9.19), it rebuilds its cuDNN graph on every call (~48 ms per call at 32K tokens, identical calls included,
@@ -32,7 +34,7 @@ __all__ = ["cudnn_graph_cache_stats", "cudnn_unavailable_reason", "cudnn_varlen_
 
 # uids of the graph tensors
 _Q, _K, _V, _O, _STATS, _DO, _DQ, _DK, _DV = 1, 2, 3, 4, 5, 6, 7, 8, 9
-_SEQ_Q, _SEQ_K, _RAG_Q, _RAG_K, _RAG_STATS, _SEED, _OFFSET = 20, 21, 22, 23, 24, 25, 26
+_SEQ_Q, _SEQ_K, _RAG_Q, _RAG_K, _RAG_STATS = 20, 21, 22, 23, 24
 
 _GRAPHS: OrderedDict[tuple, tuple] = OrderedDict()
 _GRAPHS_MAX = 256
@@ -41,9 +43,10 @@ _LOCK = threading.Lock()
 _TLS = threading.local()
 #: None: try ragged (packed) softmax stats in the backward and fall back to a padded copy if cuDNN refuses.
 RAGGED_STATS_BWD: bool | None = None
-#: Backward kernel: "cudnn", or "fa2" (torch's bundled FlashAttention-2 backward fed with the cuDNN forward's
-#: output and log-sum-exp; used only without dropout, whose random masks differ between the two libraries).
-BACKWARD: str = "cudnn"
+#: Backward kernel: "fa2" (default: torch's bundled FlashAttention-2 backward fed with the cuDNN forward's output
+#: and log-sum-exp; measured faster than cuDNN's ragged backward on an H200, see docs/blockdiag_kernels.md) or
+#: "cudnn". "fa2" falls back to "cudnn" when torch has no FA2 kernels or a deterministic backward is requested.
+BACKWARD: str = "fa2"
 _MIN_BACKEND = 90000
 
 
@@ -139,7 +142,7 @@ def _finish(g) -> None:
 
 
 def _graph_inputs(g, io, p: dict):
-    """q/k/v tensors with ragged offsets, the length tensors and the dropout tuple for graph ``g``."""
+    """q/k/v tensors with ragged offsets and the padding / bottom-right causal mask attributes for graph ``g``."""
     import cudnn
 
     b, hq, hkv, sq, sk, d = p["B"], p["Hq"], p["Hkv"], p["Sq"], p["Sk"], p["D"]
@@ -155,11 +158,6 @@ def _graph_inputs(g, io, p: dict):
     q.set_ragged_offset(rag_q)
     k.set_ragged_offset(rag_k)
     v.set_ragged_offset(rag_k)
-    drop = {}
-    if p["dropout"] > 0:
-        seed = g.tensor(name="seed", dim=one, stride=one, data_type=i64, uid=_SEED)
-        offset = g.tensor(name="offset", dim=one, stride=one, data_type=i64, uid=_OFFSET)
-        drop = {"dropout": (p["dropout"], seed, offset)}
     mask = {
         "use_padding_mask": True,
         "seq_len_q": seq_q,
@@ -167,7 +165,7 @@ def _graph_inputs(g, io, p: dict):
         "diagonal_alignment": cudnn.diagonal_alignment.BOTTOM_RIGHT,
         "diagonal_band_right_bound": 0,
     }
-    return q, k, v, rag_q, rag_k, mask, drop
+    return q, k, v, rag_q, rag_k, mask
 
 
 def _build_fwd(p: dict, handle):
@@ -180,9 +178,9 @@ def _build_fwd(p: dict, handle):
         intermediate_data_type=cudnn.data_type.FLOAT,
         compute_data_type=cudnn.data_type.FLOAT,
     )
-    q, k, v, rag_q, _, mask, drop = _graph_inputs(g, io, p)
+    q, k, v, rag_q, _, mask = _graph_inputs(g, io, p)
     b, hq, sq, d = p["B"], p["Hq"], p["Sq"], p["D"]
-    o, stats = g.sdpa(name="sdpa", q=q, k=k, v=v, generate_stats=True, attn_scale=p["scale"], **mask, **drop)
+    o, stats = g.sdpa(name="sdpa", q=q, k=k, v=v, generate_stats=True, attn_scale=p["scale"], **mask)
     o.set_uid(_O).set_output(True).set_dim([b, hq, sq, d]).set_stride(_thd_stride(hq, sq, d)).set_data_type(io)
     o.set_ragged_offset(rag_q)
     rag_s = g.tensor(name="rag_stats", dim=[b + 1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT64,
@@ -203,7 +201,7 @@ def _build_bwd(p: dict, handle, ragged_stats: bool):
         intermediate_data_type=cudnn.data_type.FLOAT,
         compute_data_type=cudnn.data_type.FLOAT,
     )
-    q, k, v, rag_q, rag_k, mask, drop = _graph_inputs(g, io, p)
+    q, k, v, rag_q, rag_k, mask = _graph_inputs(g, io, p)
     b, hq, hkv, sq, sk, d = p["B"], p["Hq"], p["Hkv"], p["Sq"], p["Sk"], p["D"]
     o = g.tensor(name="o", dim=[b, hq, sq, d], stride=_thd_stride(hq, sq, d), data_type=io, uid=_O)
     do = g.tensor(name="dO", dim=[b, hq, sq, d], stride=_thd_stride(hq, sq, d), data_type=io, uid=_DO)
@@ -220,7 +218,7 @@ def _build_bwd(p: dict, handle, ragged_stats: bool):
     dq, dk, dv = g.sdpa_backward(
         name="sdpa_bwd", q=q, k=k, v=v, o=o, dO=do, stats=stats, attn_scale=p["scale"],
         max_total_seq_len_q=p["Tq"], max_total_seq_len_kv=p["Tk"],
-        use_deterministic_algorithm=p["deterministic"], **mask, **drop,
+        use_deterministic_algorithm=p["deterministic"], **mask,
     )  # fmt: skip
     dq.set_uid(_DQ).set_output(True).set_dim([b, hq, sq, d]).set_stride(_thd_stride(hq, sq, d)).set_data_type(io)
     dk.set_uid(_DK).set_output(True).set_dim([b, hkv, sk, d]).set_stride(_thd_stride(hkv, sk, d)).set_data_type(io)
@@ -276,68 +274,63 @@ def _padded_stats(stats: torch.Tensor, lay: dict, total_q: int) -> torch.Tensor:
     return out.transpose(1, 2).unsqueeze(-1).contiguous()
 
 
-def _params(q, k, lay, scale, dropout_p, deterministic, total_q, total_k):
+def _params(q, k, lay, scale, deterministic, total_q, total_k):
+    backward = BACKWARD
+    if backward == "fa2" and (deterministic or not _optional.torch_varlen()[0]):
+        backward = "cudnn"  # cuDNN's backward has a deterministic mode; FA2's follows torch's global flag
     return {
         "dtype": q.dtype, "B": lay["B"], "Hq": q.shape[1], "Hkv": k.shape[1], "Sq": lay["Sq"], "Sk": lay["Sk"],
-        "D": q.shape[2], "scale": float(scale), "dropout": float(dropout_p), "deterministic": bool(deterministic),
-        "Tq": _bucket(total_q, 64, 8), "Tk": _bucket(total_k, 64, 8), "device": q.device, "backward": BACKWARD,
+        "D": q.shape[2], "scale": float(scale), "deterministic": bool(deterministic),
+        "Tq": _bucket(total_q, 64, 8), "Tk": _bucket(total_k, 64, 8), "device": q.device, "backward": backward,
     }  # fmt: skip
 
 
 def cudnn_varlen_fwd(q, k, v, lay, p):
-    """Forward: ``(out [T_q, Hq, D], stats [T_q, Hq, 1] fp32, seed, offset)``."""
+    """Forward: ``(out [T_q, Hq, D], stats [T_q, Hq, 1] fp32 log-sum-exp)``."""
     handle = _handle(q.device)
-    key = ("fwd", *(p[n] for n in ("dtype", "B", "Hq", "Hkv", "Sq", "Sk", "D", "scale", "dropout", "device")))
+    key = ("fwd", *(p[n] for n in ("dtype", "B", "Hq", "Hkv", "Sq", "Sk", "D", "scale", "device")))
     g, ws = _cached(key, lambda: _build_fwd(p, handle))
     out = torch.empty_like(q)
     stats = torch.empty(q.shape[0], q.shape[1], 1, dtype=torch.float32, device=q.device)
     pack = {_Q: q, _K: k, _V: v, _O: out, _STATS: stats, _SEQ_Q: lay["seq_q"], _SEQ_K: lay["seq_k"],
             _RAG_Q: lay["rag_q"], _RAG_K: lay["rag_k"], _RAG_STATS: lay["rag_stats"]}  # fmt: skip
-    seed = offset = None
-    if p["dropout"] > 0:
-        seed = torch.randint(0, 2**62, (1, 1, 1, 1), dtype=torch.int64, device=q.device)
-        offset = torch.zeros(1, 1, 1, 1, dtype=torch.int64, device=q.device)
-        pack.update({_SEED: seed, _OFFSET: offset})
     workspace = torch.empty(max(ws, 1), dtype=torch.uint8, device=q.device)
     g.execute(pack, workspace, handle=handle)
-    return out, stats, seed, offset
+    return out, stats
 
 
-def cudnn_varlen_bwd(dout, q, k, v, out, stats, seed, offset, lay, p):
-    """Backward: ``(dq, dk, dv)`` packed like ``q``/``k``/``v`` (dk/dv in the K/V head count)."""
+def cudnn_varlen_bwd(dout, q, k, v, out, stats, lay, p):
+    """cuDNN backward: ``(dq, dk, dv)`` packed like ``q``/``k``/``v`` (dk/dv in the K/V head count)."""
     global RAGGED_STATS_BWD
     handle = _handle(q.device)
-    base = ("bwd", *(p[n] for n in ("dtype", "B", "Hq", "Hkv", "Sq", "Sk", "D", "scale", "dropout", "deterministic",
-                                    "Tq", "Tk", "device")))  # fmt: skip
+    names = ("dtype", "B", "Hq", "Hkv", "Sq", "Sk", "D", "scale", "deterministic", "Tq", "Tk", "device")
+    base = ("bwd", *(p[n] for n in names))
     ragged = RAGGED_STATS_BWD
     if ragged is None:
         try:
-            g, ws = _cached((*base, True), lambda: _build_bwd(p, handle, True))
+            _cached((*base, True), lambda: _build_bwd(p, handle, True))
             ragged = RAGGED_STATS_BWD = True
         except Exception:  # this cuDNN refuses packed stats in the backward: use the padded layout from now on
             ragged = RAGGED_STATS_BWD = False
-    if ragged:
-        g, ws = _cached((*base, True), lambda: _build_bwd(p, handle, True))
-        stats_in = stats
-    else:
-        g, ws = _cached((*base, False), lambda: _build_bwd(p, handle, False))
-        stats_in = _padded_stats(stats, lay, q.shape[0])
+    g, ws = _cached((*base, ragged), lambda: _build_bwd(p, handle, ragged))
+    stats_in = stats if ragged else _padded_stats(stats, lay, q.shape[0])
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     pack = {_Q: q, _K: k, _V: v, _O: out, _DO: dout, _STATS: stats_in, _DQ: dq, _DK: dk, _DV: dv,
             _SEQ_Q: lay["seq_q"], _SEQ_K: lay["seq_k"], _RAG_Q: lay["rag_q"], _RAG_K: lay["rag_k"]}  # fmt: skip
     if ragged:
         pack[_RAG_STATS] = lay["rag_stats"]
-    if p["dropout"] > 0:
-        pack.update({_SEED: seed, _OFFSET: offset})
     workspace = torch.empty(max(ws, 1), dtype=torch.uint8, device=q.device)
     g.execute(pack, workspace, handle=handle)
     return dq, dk, dv
 
 
 def fa2_bwd_from_cudnn(dout, q, k, v, out, stats, lay, p):
-    """FA2 backward (``aten._flash_attention_backward``) from the cuDNN forward's output and stats (no dropout)."""
-    lse = stats[:, :, 0].t().contiguous()  # [Hq, T_q]: FA2's varlen log-sum-exp layout
-    rng = torch.zeros(2, dtype=torch.int64, device=q.device)  # dropout 0: the philox state is never read
+    """FA2 backward (``aten._flash_attention_backward``) from the cuDNN forward's output and log-sum-exp.
+
+    Both libraries use the natural-log log-sum-exp of the scaled scores; FA2's varlen layout is ``[Hq, T_q]``.
+    """
+    lse = stats[:, :, 0].t().contiguous()
+    rng = torch.zeros(2, dtype=torch.int64, device=q.device)  # no dropout: the philox state is never read
     unused = torch.empty(0, device=q.device)
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
         dout, q, k, v, out, lse, lay["cu_q"], lay["cu_k"], lay["max_q"], lay["max_k"], 0.0, True, rng, unused,
@@ -349,20 +342,16 @@ def fa2_bwd_from_cudnn(dout, q, k, v, out, stats, lay, p):
 class _CudnnVarlen(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, lay, p):
-        out, stats, seed, offset = cudnn_varlen_fwd(q, k, v, lay, p)
-        ctx.save_for_backward(q, k, v, out, stats, *([seed, offset] if seed is not None else []))
+        out, stats = cudnn_varlen_fwd(q, k, v, lay, p)
+        ctx.save_for_backward(q, k, v, out, stats)
         ctx.lay, ctx.p = lay, p
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        saved = ctx.saved_tensors
-        q, k, v, out, stats = saved[:5]
-        seed, offset = (saved[5], saved[6]) if len(saved) > 5 else (None, None)
-        if ctx.p["backward"] == "fa2" and seed is None:
-            dq, dk, dv = fa2_bwd_from_cudnn(dout.contiguous(), q, k, v, out, stats, ctx.lay, ctx.p)
-        else:
-            dq, dk, dv = cudnn_varlen_bwd(dout.contiguous(), q, k, v, out, stats, seed, offset, ctx.lay, ctx.p)
+        q, k, v, out, stats = ctx.saved_tensors
+        bwd = fa2_bwd_from_cudnn if ctx.p["backward"] == "fa2" else cudnn_varlen_bwd
+        dq, dk, dv = bwd(dout.contiguous(), q, k, v, out, stats, ctx.lay, ctx.p)
         return dq, dk, dv, None, None
 
 
@@ -385,9 +374,15 @@ def cudnn_varlen_attention(
     ``q: [T_q, Hq, D]``, ``k/v: [T_k, Hkv, D]`` contiguous packed documents, ``cu_q/cu_k: [n_docs+1] int32``
     with ``cu_q[-1] == T_q`` and ``cu_k[-1] == T_k``; returns ``[T_q, Hq, D]``. ``meta`` (the step's varlen
     metadata dict) caches the per-document device tensors so repeated layer calls do no work and no sync.
+    ``dropout_p`` must be 0: cuDNN (9.19) refuses dropout together with a bottom-right causal diagonal.
     """
+    if dropout_p:
+        raise ValueError(
+            f"the cuDNN varlen backend has no attention dropout (got dropout_p={dropout_p}): cuDNN supports a "
+            "bottom-right causal diagonal only without dropout; use backend='flash' for dropout"
+        )
     hq, d = q.shape[1], q.shape[2]
     cache = meta.setdefault("_cudnn_cache", {}) if meta is not None else None
     lay = _layout(cu_q, cu_k, max_q, max_k, hq, k.shape[1], d, cache)
-    p = _params(q, k, lay, scale if scale is not None else d**-0.5, dropout_p, deterministic, q.shape[0], k.shape[0])
+    p = _params(q, k, lay, scale if scale is not None else d**-0.5, deterministic, q.shape[0], k.shape[0])
     return _CudnnVarlen.apply(q.contiguous(), k.contiguous(), v.contiguous(), lay, p)

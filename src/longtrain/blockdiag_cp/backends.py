@@ -18,8 +18,9 @@ Canonical backend names (``VARLEN_BACKENDS``):
 ``flash``      ``flash_attn.flash_attn_varlen_func`` when flash-attn is installed (driven through the
                long-prefix guard of :mod:`longtrain.blockdiag_cp.kernels`), otherwise torch's bundled
                FlashAttention-2 (``aten._flash_attention_forward/_backward``, GQA native) on CUDA SM80+.
-``cudnn``      cuDNN SDPA over ragged documents through the cuDNN frontend graph API (bottom-right diagonal,
-               graphs cached per shape bucket: :mod:`longtrain.blockdiag_cp._cudnn_varlen`). CUDA SM90+.
+``cudnn``      cuDNN SDPA forward over ragged documents through the cuDNN frontend graph API (bottom-right
+               diagonal, graphs cached per shape bucket: :mod:`longtrain.blockdiag_cp._cudnn_varlen`), FA2
+               backward by default. CUDA SM90+, no dropout.
 ``te``         TransformerEngine ``DotProductAttention`` in ``thd`` format (built and cached by
                :func:`longtrain.blockdiag_cp.kernels._te_varlen_dpa`).
 ``flex``       FlexAttention with a document block mask derived from the segmentation (compiled on CUDA;
@@ -151,8 +152,8 @@ def varlen_backend_unavailable_reason(backend: str, dtype: torch.dtype, device: 
 def resolve_varlen_backend(name: str, dtype: torch.dtype, device: Any, dropout_p: float = 0.0) -> str:
     """Canonical backend for ``name``; ``"auto"`` picks the fastest available for ``(dtype, device, dropout)``.
 
-    CUDA: the first available of ``cudnn`` (SM90+ with the cuDNN frontend), ``flash`` (flash-attn or torch's
-    FA2), ``flex`` (no dropout), ``te`` (no dropout), ``reference``. CPU and other devices: ``reference``.
+    CUDA: the first available of ``cudnn`` (SM90+ with the cuDNN frontend; no dropout), ``flash`` (flash-attn or
+    torch's FA2), ``flex`` (no dropout), ``te`` (no dropout), ``reference``. CPU and other devices: ``reference``.
     Any other name is returned unchanged if canonical (``"sdpa"`` maps to ``"dense"``); an unknown name raises
     ``ValueError`` listing the valid ones.
     """
@@ -168,7 +169,7 @@ def resolve_varlen_backend(name: str, dtype: torch.dtype, device: Any, dropout_p
             "(synonyms such as 'fa2' or 'transformer_engine' are normalised by longtrain.blockdiag_cp.state)"
         )
     if torch.device(device).type == "cuda":
-        order = ("cudnn", "flash", "flex", "te") if dropout_p == 0 else ("cudnn", "flash")
+        order = ("cudnn", "flash", "flex", "te") if dropout_p == 0 else ("flash",)
         for cand in order:
             if varlen_backend_unavailable_reason(cand, dtype, device) is None:
                 return cand

@@ -54,6 +54,7 @@ _CP_VARLEN_SHAPE_LOGGED = False
 _TE_DPA_CACHE: dict = {}
 
 _CP_FLEX_DROPOUT_WARNED = False
+_CP_CUDNN_DROPOUT_WARNED = False
 _META_FIELDS = ("s_first", "real_end", "cu_q", "cu_k", "max_q", "max_k")
 _HALF = (torch.float16, torch.bfloat16)
 _OOM_ERRORS: tuple[type[BaseException], ...] = tuple(
@@ -513,6 +514,14 @@ def _gate(backend: str, dtype: torch.dtype, dropout_p: float, device: torch.devi
         _warn_once(
             "_CP_TE_DROPOUT_WARNED",
             "TransformerEngine THD varlen cannot apply attention dropout (p=%s); using the dense path",
+            dropout_p,
+        )
+        return False
+    if backend == "cudnn" and dropout_p > 0:
+        _warn_once(
+            "_CP_CUDNN_DROPOUT_WARNED",
+            "cuDNN has no dropout with a bottom-right causal mask (p=%s); using the dense path (pick backend "
+            "'flash' or 'auto' to keep a varlen kernel with dropout)",
             dropout_p,
         )
         return False
