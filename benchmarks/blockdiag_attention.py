@@ -101,7 +101,7 @@ def providers(cu: torch.Tensor, max_len: int, meta: dict, total: int):
 
     def flex(q, k, v):
         res = backends.flex_blockdiag_attention(_bhsd(q), _bhsd(k), _bhsd(v), meta)
-        return res[0].transpose(0, 1)
+        return res.squeeze(0).transpose(0, 1)
 
     out["flex (compiled, block mask)"] = (flex, backends.varlen_backend_unavailable_reason("flex", torch.bfloat16, dev))
 
@@ -136,14 +136,14 @@ def providers(cu: torch.Tensor, max_len: int, meta: dict, total: int):
             res = kernels._cp_blockdiag_varlen(_bhsd(q), _bhsd(k), _bhsd(v), meta["_ids"], 0, backend=name, meta=meta)
             if res is None:
                 raise RuntimeError(f"_cp_blockdiag_varlen(backend={name!r}) fell back (returned None)")
-            return res[0].transpose(0, 1)
+            return res.squeeze(0).transpose(0, 1)  # squeeze, not [0]: a select's backward would add a copy
 
         return run
 
     out["driver _cp_blockdiag_varlen(auto)"] = (driver("auto"), None)
 
     def dense(q, k, v):
-        return kernels.dense_blockdiag_sdpa(_bhsd(q), _bhsd(k), _bhsd(v), meta["_ids"], 0)[0].transpose(0, 1)
+        return kernels.dense_blockdiag_sdpa(_bhsd(q), _bhsd(k), _bhsd(v), meta["_ids"], 0).squeeze(0).transpose(0, 1)
 
     out["dense mask + SDPA (efficient)"] = (dense, None)
 
@@ -171,8 +171,7 @@ def _median3(fn) -> tuple[float, float, float]:
 def bench_one(fn, q, k, v, dout, flops_fwd: float, do_bench) -> dict:
     row: dict = {}
     fn(q, k, v)  # warm-up: compile, autotune, graph build
-    out = fn(q, k, v)
-    torch.autograd.grad(out, (q, k, v), dout)
+    torch.autograd.grad(fn(q, k, v), (q, k, v), dout)
     torch.cuda.synchronize()
 
     def fwd_bwd():
@@ -184,6 +183,7 @@ def bench_one(fn, q, k, v, dout, flops_fwd: float, do_bench) -> dict:
         f50, f20, f80 = _median3(lambda: fn(q, k, v)) if slow else do_bench(lambda: fn(q, k, v), quantiles=qs, rep=200)
     t50, t20, t80 = _median3(fwd_bwd) if slow else do_bench(fwd_bwd, quantiles=qs, rep=300)
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     fwd_bwd()
