@@ -138,3 +138,17 @@ def test_reference_gqa_equals_repeated_heads():
         backends.reference_varlen_attention(
             q[:, :6], k[:, :1].expand(-1, 4, -1), v[:, :1].expand(-1, 4, -1), cu_q, cu_k
         )
+
+
+def test_explicit_import_flags_override_the_probes(monkeypatch):
+    r = kernels._varlen_backend_unavailable_reason
+    monkeypatch.setitem(vars(kernels), "HAS_FLASH_VARLEN", True)
+    monkeypatch.setitem(vars(kernels), "HAS_TE", True)
+    assert r("flash", torch.bfloat16, CUDA) is None and r("te", torch.float16, CUDA) is None
+    assert r("flash", torch.float32, CUDA).startswith("varlen CP attention needs fp16/bf16")
+    assert r("te", torch.bfloat16, CPU).startswith("varlen CP attention requires CUDA")
+    monkeypatch.setitem(vars(kernels), "HAS_TE", False)
+    assert r("te", torch.bfloat16, CUDA) == "TransformerEngine varlen kernel is unavailable"
+    if not torch.cuda.is_available():
+        monkeypatch.setitem(vars(kernels), "HAS_FLASH_VARLEN", False)
+        assert r("flash", torch.bfloat16, CUDA) == "flash_attn varlen kernel is unavailable"

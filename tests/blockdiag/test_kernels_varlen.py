@@ -111,7 +111,7 @@ def test_hand_layouts_fp32_and_flex(lengths, pad, world):
 def test_all_padding_rank_zero_attached_never_nan(backend, monkeypatch):
     """bf16 on CPU: flash/te launch no kernel for an all-padding chunk (gates pass with a flash_attn present)."""
     if backend == "flash":
-        monkeypatch.setattr(kernels, "HAS_FLASH_VARLEN", True, raising=False)
+        monkeypatch.setitem(vars(kernels), "HAS_FLASH_VARLEN", True)
     ids = ids_from_lengths([10], 22)
     local = 8
     meta = kernels.precompute_blockdiag_varlen_meta(ids, 24, local, "cpu")

@@ -368,7 +368,20 @@ def _varlen_backend_unavailable_reason(backend: str, dtype: torch.dtype, device:
     try:
         if backend == "auto":
             backend = backends.resolve_varlen_backend("auto", dtype, device)
-        return backends.varlen_backend_unavailable_reason(backend, dtype, device)
+        reason = backends.varlen_backend_unavailable_reason(backend, dtype, device)
+        # An explicitly set HAS_FLASH_VARLEN / HAS_TE (tests, users forcing the answer) overrides the probe,
+        # after the dtype and device checks.
+        flag = {"flash": "HAS_FLASH_VARLEN", "te": "HAS_TE"}.get(backend)
+        explicit = globals().get(flag) if flag else None
+        if explicit is None or dtype not in _HALF or torch.device(device).type != "cuda":
+            return reason
+        if explicit or (backend == "flash" and backends._torch_flash_reason() is None):
+            return None
+        return (
+            "flash_attn varlen kernel is unavailable"
+            if backend == "flash"
+            else "TransformerEngine varlen kernel is unavailable"
+        )
     except Exception as exc:  # documented to never raise
         return f"cannot evaluate backend {backend!r}: {type(exc).__name__}: {exc}"
 
