@@ -390,3 +390,21 @@ def test_engaged_flag_and_lazy_probes():
                  "_CP_TE_DROPOUT_WARNED", "_CP_VARLEN_SHAPE_LOGGED"):  # fmt: skip
         assert isinstance(getattr(kernels, name), bool)
     assert kernels.logger.name == "longtrain.blockdiag_cp.kernels"
+
+
+def test_checkpoint_early_stop_signal_passes_through(monkeypatch):
+    """Non-reentrant checkpoint stops recomputation by raising inside the region; the driver must not turn that
+    control-flow signal into a dense fallback."""
+    import torch.utils.checkpoint as checkpoint
+
+    from longtrain.blockdiag_cp import backends, kernels
+
+    def stop(*args, **kwargs):
+        raise checkpoint._StopRecomputationError()
+
+    monkeypatch.setattr(backends, "reference_varlen_attention", stop)
+    ids = torch.tensor([1, 1, 1, 2, 2, 0])
+    q = torch.randn(1, 2, 6, 8)
+    kv = torch.randn(1, 2, 6, 8)
+    with pytest.raises(checkpoint._StopRecomputationError):
+        kernels._cp_blockdiag_varlen(q, kv, kv, ids, 0, backend="reference")

@@ -62,6 +62,16 @@ _OOM_ERRORS: tuple[type[BaseException], ...] = tuple(
 )
 
 
+def _reraised_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that must pass through the varlen driver: OOM (the dense fallback needs more memory) and
+    non-reentrant checkpoint's early-stop signal, which is control flow, not a kernel failure."""
+    import torch.utils.checkpoint as checkpoint
+
+    stop = getattr(checkpoint, "_StopRecomputationError", None)
+    return _OOM_ERRORS + ((stop,) if stop is not None else ())
+
+
+
 def __getattr__(name: str) -> Any:
     # Import probes computed lazily so that importing this module never imports flash_attn or TE.
     if name == "HAS_FLASH_VARLEN":
@@ -685,7 +695,7 @@ def _cp_blockdiag_varlen(
             else:
                 rows.append(_run_packed(name, q_rows[b], k_rows[b], v_rows[b], m, scale, dropout_p, local_len))
         out = rows[0].unsqueeze(0) if bsz == 1 else torch.stack(rows)
-    except _OOM_ERRORS:
+    except _reraised_errors():
         raise
     except Exception as exc:
         _warn_once(
