@@ -36,8 +36,8 @@ from longtrain.dsa.triton import IndexerConfig, KernelConfig  # noqa: E402
 D_QK, D_V, TOPK, H_I, D_I = 576, 512, 2048, 32, 128
 
 # Candidate launch configs for the sweep: (block_k, num_warps, num_stages).
-# Forward: (block_k, num_warps, num_stages, keys_major).
-FWD_SWEEP = [(128, 8, 1, True), (32, 8, 3, False), (32, 8, 2, False), (64, 8, 1, False), (64, 8, 1, True)]
+# Forward: (block_k, num_warps, num_stages, layout index: 0 heads, 1 keys, 2 keys_logits).
+FWD_SWEEP = [(128, 8, 1, 1), (128, 8, 1, 2), (32, 8, 3, 0), (64, 8, 1, 0), (64, 8, 2, 2)]
 IDX_SWEEP = [  # (block_m, block_n, num_warps, num_stages, select_block, select_warps)
     (64, 128, 8, 3, 2048, 8),
     (64, 128, 8, 2, 2048, 8),
@@ -218,8 +218,8 @@ def precompile(jobs: list[tuple], workers: int = 16) -> None:
 
 
 def _kcfg(t):
-    km = bool(t[3]) if len(t) > 3 else False
-    return KernelConfig(block_k=t[0], block_h=64, num_warps=t[1], num_stages=t[2], keys_major=km)
+    layout = ("heads", "keys", "keys_logits")[t[3]] if len(t) > 3 else "heads"
+    return KernelConfig(block_k=t[0], block_h=64, num_warps=t[1], num_stages=t[2], layout=layout)
 
 
 def _bwd_jobs(heads: int) -> list[tuple]:

@@ -141,6 +141,17 @@ def test_sparse_mla_config_forms_and_kv_2d(triton_interpret):
     torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("layout", ["keys", "keys_logits"])
+def test_sparse_mla_forward_layouts(triton_interpret, layout):
+    T, H, D, T_k, K = 4, 5, 48, 11, 40
+    q, kv, idx = _mla_inputs(T, H, D, T_k, K, seed=17)
+    idx[1] = -1
+    length = torch.tensor([40, 40, 9, 0])
+    sink = torch.randn(H).requires_grad_(True)
+    cfg = SparseMLAConfig(fwd=KernelConfig(block_k=16, block_h=16, num_warps=4, num_stages=1, layout=layout), bwd=_CFG)
+    _check_against_reference(q, kv, idx, 0.3, d_v=32, topk_length=length, sink=sink, config=cfg)
+
+
 @pytest.mark.parametrize(
     "kwargs,exc,match",
     [
@@ -176,6 +187,8 @@ def test_kernel_config_validation():
         KernelConfig(block_k=48)
     with pytest.raises(ValueError, match="num_stages"):
         KernelConfig(num_stages=0)
+    with pytest.raises(ValueError, match="layout"):
+        KernelConfig(layout="rows")
     with pytest.raises(ValueError, match="select_block"):
         IndexerConfig(select_block=100)
     with pytest.raises(TypeError, match="fwd"):

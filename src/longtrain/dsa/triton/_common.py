@@ -52,8 +52,9 @@ class KernelConfig:
     """Warps per program."""
     num_stages: int = 2
     """Software-pipelining depth of the gathered KV loads."""
-    keys_major: bool = False
-    """Forward only: compute logits as ``[keys, heads]`` (the warpgroups split the keys; best with block_k=128)."""
+    layout: str = "heads"
+    """Forward only: ``"heads"`` (logits ``[heads, keys]``), ``"keys"`` (logits ``[keys, heads]``, output
+    accumulated transposed) or ``"keys_logits"`` (logits ``[keys, heads]``, output ``[heads, d_v]``)."""
 
     def __post_init__(self) -> None:
         _check_pow2("block_k", self.block_k, 16, 256)
@@ -61,6 +62,8 @@ class KernelConfig:
         _check_pow2("num_warps", self.num_warps, 1, 16)
         if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 6:
             raise ValueError(f"num_stages must be an int in [1, 6], got {self.num_stages!r}")
+        if self.layout not in ("heads", "keys", "keys_logits"):
+            raise ValueError(f"layout must be one of 'heads', 'keys', 'keys_logits', got {self.layout!r}")
 
 
 @dataclass(kw_only=True)

@@ -20,8 +20,9 @@ __all__ = ["fwd_block_h", "sparse_mla_fwd", "sparse_mla_fwd_kernel"]
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
-# (block_k, num_warps, num_stages, keys_major): candidates the autotuner tries for the (H, D) of a model, once.
-_FWD_CANDIDATES = ((128, 8, 1, True), (32, 8, 3, False), (64, 8, 1, False))
+# (block_k, num_warps, num_stages, layout): candidates the autotuner tries for the (H, D) of a model, once.
+_FWD_CANDIDATES = ((128, 8, 1, 1), (128, 8, 1, 2), (64, 8, 1, 0))
+_LAYOUTS = {"heads": 0, "keys": 1, "keys_logits": 2}
 
 
 @triton.jit
@@ -43,7 +44,7 @@ def sparse_mla_fwd_kernel(
     H: tl.constexpr, D_V: tl.constexpr, D_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
     HAS_LEN: tl.constexpr, HAS_SINK: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_K: tl.constexpr, KEYS_MAJOR: tl.constexpr,
+    BLOCK_K: tl.constexpr, LAYOUT: tl.constexpr,
 ):  # fmt: skip
     D_QK: tl.constexpr = D_V + D_R
     NUM_HB: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H
@@ -68,7 +69,10 @@ def sparse_mla_fwd_kernel(
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    if KEYS_MAJOR:
+    # LAYOUT 0: logits [heads, keys]; 1: logits [keys, heads], output accumulated as [d_v, heads];
+    # 2: logits [keys, heads], output [heads, d_v]. With 8 warps and 64 heads, [keys, heads] logits let the
+    # two warpgroups split the keys instead of both computing the same [heads, keys] tile.
+    if LAYOUT == 1:
         acc = tl.zeros([BLOCK_DV, BLOCK_H], tl.float32)
     else:
         acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
@@ -84,9 +88,7 @@ def sparse_mla_fwd_kernel(
             kv_r = tl.load(
                 kv_rows[:, None] + D_V + offs_r[None, :], mask=_row_col_mask(valid, offs_r, D_R, BLOCK_DR), other=0.0
             )
-        if KEYS_MAJOR:
-            # Logits as [keys, heads]: with 8 warps the two warpgroups split the keys instead of both
-            # computing the same [heads, keys] tile; the output accumulates transposed, [d_v, heads].
+        if LAYOUT != 0:
             s = tl.dot(kv_v, tl.trans(q_v), input_precision=DOT_PREC)
             if D_R > 0:
                 s = tl.dot(kv_r, tl.trans(q_r), s, input_precision=DOT_PREC)
@@ -96,8 +98,12 @@ def sparse_mla_fwd_kernel(
             alpha = tl.math.exp2(m_i - m_use)
             p = tl.math.exp2(s - m_use[None, :])
             l_i = l_i * alpha + tl.sum(p, 0)
-            acc = acc * alpha[None, :]
-            acc = tl.dot(tl.trans(kv_v), p.to(kv_v.dtype), acc, input_precision=DOT_PREC)
+            if LAYOUT == 1:
+                acc = acc * alpha[None, :]
+                acc = tl.dot(tl.trans(kv_v), p.to(kv_v.dtype), acc, input_precision=DOT_PREC)
+            else:
+                acc = acc * alpha[:, None]
+                acc = tl.dot(tl.trans(p.to(kv_v.dtype)), kv_v, acc, input_precision=DOT_PREC)
         else:
             s = tl.dot(q_v, tl.trans(kv_v), input_precision=DOT_PREC)
             if D_R > 0:
@@ -120,7 +126,7 @@ def sparse_mla_fwd_kernel(
         sink = tl.load(sink_ptr + offs_h, mask=mask_h, other=float("-inf")) * 1.4426950408889634
         denom = l_i + tl.math.exp2(sink - tl.where(m_i == float("-inf"), 0.0, m_i))
     inv = tl.where(has_keys, 1.0 / tl.where(has_keys, denom, 1.0), 0.0)
-    if KEYS_MAJOR:
+    if LAYOUT == 1:
         out = tl.trans(acc * inv[None, :])
     else:
         out = acc * inv[:, None]
@@ -145,8 +151,8 @@ def _autotuned_fwd():
     kernel = _AUTOTUNED.get("fwd")
     if kernel is None:
         configs = [
-            triton.Config({"BLOCK_K": bk, "KEYS_MAJOR": km}, num_warps=w, num_stages=s)
-            for bk, w, s, km in _FWD_CANDIDATES
+            triton.Config({"BLOCK_K": bk, "LAYOUT": layout}, num_warps=w, num_stages=s)
+            for bk, w, s, layout in _FWD_CANDIDATES
         ]
         # Static model dims only: token counts never re-trigger tuning.
         kernel = triton.autotune(configs=configs, key=["H", "D_V", "D_R", "BLOCK_H"])(sparse_mla_fwd_kernel)
@@ -207,7 +213,7 @@ def sparse_mla_fwd(
             *args,
             **meta,
             BLOCK_K=config.block_k,
-            KEYS_MAJOR=config.keys_major,
+            LAYOUT=_LAYOUTS[config.layout],
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
