@@ -15,6 +15,7 @@ module-level (picklable) function; it may use ``torch.distributed`` collectives 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -65,10 +66,8 @@ def _worker(rank: int, world: int, store_path: str, tasks: mp.Queue, results: mp
             except BaseException:
                 results.put((call_id, rank, False, traceback.format_exc()))
     finally:
-        try:
+        with contextlib.suppress(Exception):
             dist.destroy_process_group()
-        except Exception:
-            pass
 
 
 class GlooWorld:

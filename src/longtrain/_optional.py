@@ -147,10 +147,8 @@ def cudnn_dsa() -> Probe:
         # The namespace is lazy: touching an attribute is what imports the CuTe DSL kernels.
         getattr(dsa, "__name__", None)
     except Exception as exc:
-        return (
-            False,
-            f"cudnn.DSA unavailable ({type(exc).__name__}: {str(exc)[:120]}); pip install 'nvidia-cudnn-frontend[cutedsl]'",
-        )
+        why = f"{type(exc).__name__}: {str(exc)[:120]}"
+        return False, f"cudnn.DSA unavailable ({why}); pip install 'nvidia-cudnn-frontend[cutedsl]'"
     return _OK
 
 

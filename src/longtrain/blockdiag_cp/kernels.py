@@ -71,7 +71,6 @@ def _reraised_errors() -> tuple[type[BaseException], ...]:
     return _OOM_ERRORS + ((stop,) if stop is not None else ())
 
 
-
 def __getattr__(name: str) -> Any:
     # Import probes computed lazily so that importing this module never imports flash_attn or TE.
     if name == "HAS_FLASH_VARLEN":
