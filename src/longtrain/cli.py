@@ -51,6 +51,14 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     print()
     print("backends")
     print(_table(doctor_rows(), ("module", "backend", "available", "reason")))
+    from longtrain.blockdiag_cp.backends import resolve_varlen_backend
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    picks = ", ".join(
+        f"{str(dtype).replace('torch.', '')} -> {resolve_varlen_backend('auto', dtype, device)}"
+        for dtype in (torch.bfloat16, torch.float32)
+    )
+    print(f"\nblockdiag_cp attn_backend='auto' on {device}: {picks}")
     return 0
 
 
