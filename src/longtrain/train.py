@@ -52,7 +52,7 @@ class DemoConfigError(ValueError):
 class DemoConfig:
     """Options of ``longtrain demo`` (also the keys of its ``--config`` YAML file)."""
 
-    steps: int = 100
+    steps: int = 200
     """Optimizer steps."""
     seq_len: int = 2048
     """Tokens per packed row (the global sequence, before sharding); divisible by 2 * cp."""
