@@ -26,6 +26,7 @@ The demo's multi-GPU parity is a separate command: ``longtrain demo --cp W --dev
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import sys
@@ -39,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from blockdiag_attention import doc_lengths, mask_area  # noqa: E402
 from longtrain.blockdiag_cp import (  # noqa: E402
     backends,
     configure_cp_varlen,
@@ -46,22 +48,9 @@ from longtrain.blockdiag_cp import (  # noqa: E402
     kernels,
     make_cp_blockdiag_batch_and_ctx,
 )
+from longtrain.train import _Mesh  # noqa: E402
 
 EXCHANGES = ("allgather", "halo", "a2a")
-
-
-class _Mesh:
-    def __init__(self, group):
-        self.group = group
-
-    def size(self) -> int:
-        return dist.get_world_size(self.group)
-
-    def get_local_rank(self) -> int:
-        return dist.get_rank(self.group)
-
-    def get_group(self):
-        return self.group
 
 
 def ids_from_lengths(lengths: list[int], total: int) -> torch.Tensor:
@@ -70,33 +59,15 @@ def ids_from_lengths(lengths: list[int], total: int) -> torch.Tensor:
     return torch.cat([ids, torch.zeros(total - ids.numel(), dtype=torch.long)])
 
 
-def uniform_docs(total: int, lo: int, hi: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    out, used = [], 0
-    while used < total:
-        n = min(int(torch.randint(lo, hi + 1, (1,), generator=g)), total - used)
-        out.append(n)
-        used += n
-    return out
-
-
 def parity_layouts(total: int, world: int) -> dict[str, torch.Tensor]:
     local = total // world
-    short = uniform_docs(total - 5, 1, 9, seed=3)
+    short = doc_lengths(total - 5, 1, 9, seed=3)
     return {
-        "straddle+padding": ids_from_lengths(
-            uniform_docs(total - local // 2, local // 3, local + local // 2, 1), total
-        ),
+        "straddle+padding": ids_from_lengths(doc_lengths(total - local // 2, local // 3, local + local // 2, 1), total),
         "all-padding rank": ids_from_lengths([local // 2, local // 3], total),
         "one document": ids_from_lengths([total], total),
         "many short docs": ids_from_lengths(short, total),
     }
-
-
-def mask_area(ids: torch.Tensor) -> int:
-    _, counts = torch.unique_consecutive(ids, return_counts=True)
-    vals = torch.unique_consecutive(ids)
-    return int(sum(n * (n + 1) // 2 for v, n in zip(vals.tolist(), counts.tolist()) if v > 0))
 
 
 def cp_attention(q_full, k_full, v_full, ids, group, dout_full, *, grads: bool):
@@ -227,7 +198,7 @@ def run_scaling(args, group, device, dtype, backend) -> list[dict]:
     for per_rank in args.tokens_per_rank:
         total = per_rank * world
         layouts = {
-            "docs U[512,8192]": uniform_docs(total, min(512, per_rank), min(8192, total), seed=1),
+            "docs U[512,8192]": doc_lengths(total, min(512, per_rank), min(8192, total), seed=1),
             "one long document": [total],
         }
         for name, lengths in layouts.items():
@@ -237,13 +208,14 @@ def run_scaling(args, group, device, dtype, backend) -> list[dict]:
             k = torch.randn(1, hkv, total, d, generator=g).to(device, dtype)
             v = torch.randn(1, hkv, total, d, generator=g).to(device, dtype)
             dout = torch.randn(1, hq, total, d, generator=g).to(device, dtype)
-            flops = 4.0 * mask_area(ids.cpu()) * hq * d
+            flops = 4.0 * mask_area(lengths) * hq * d
             # Single-GPU baseline: a per_rank-token row of the same distribution, no exchange.
-            one_ids = ids_from_lengths(uniform_docs(per_rank, min(512, per_rank), min(8192, per_rank), 1), per_rank)
             if name == "one long document":
-                one_ids = ids_from_lengths([per_rank], per_rank)
-            one_ids = one_ids.to(device)
-            one_flops = 4.0 * mask_area(one_ids.cpu()) * hq * d
+                one_lengths = [per_rank]
+            else:
+                one_lengths = doc_lengths(per_rank, min(512, per_rank), min(8192, per_rank), 1)
+            one_ids = ids_from_lengths(one_lengths, per_rank).to(device)
+            one_flops = 4.0 * mask_area(one_lengths) * hq * d
             one_meta = kernels.precompute_blockdiag_varlen_meta(
                 one_ids, row_offset=0, local_len=per_rank, device=device
             )
@@ -289,30 +261,20 @@ def _dsa_step(layer, x, pos, cu, rank: int, per_rank: int, group, *, cp: bool) -
 
 def run_dsa(args, group, device, dtype) -> list[dict]:
     from longtrain.dsa.layer import DSAAttention, DSAConfig
+    from longtrain.models import TinyLMConfig
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     rows = []
     if device.type == "cuda":
         cfg = DSAConfig(hidden_size=2048, num_heads=64, q_lora_rank=1024)
     else:
-        cfg = DSAConfig(
-            hidden_size=64,
-            num_heads=4,
-            q_lora_rank=32,
-            kv_lora_rank=32,
-            qk_rope_head_dim=16,
-            qk_nope_head_dim=16,
-            v_head_dim=16,
-            index_n_heads=2,
-            index_head_dim=32,
-            index_topk=16,
-            backend="torch",
-        )
+        # the demo model's CPU-sized DSA layer
+        cfg = dataclasses.replace(TinyLMConfig().dsa_config(), index_topk=16, backend="torch")
     torch.manual_seed(0)
     layer = DSAAttention(cfg, 0, "full").to(device, dtype)
     for per_rank in args.dsa_tokens_per_rank:
         total = per_rank * world
-        lengths = uniform_docs(total, min(4096, per_rank), min(16384, total), seed=5)
+        lengths = doc_lengths(total, min(4096, per_rank), min(16384, total), seed=5)
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
         pos = torch.cat([torch.arange(n) for n in lengths]).to(device)
         x = torch.randn(total, cfg.hidden_size, device=device, dtype=dtype) * 0.1

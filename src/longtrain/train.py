@@ -155,8 +155,6 @@ def check_environment(cfg: DemoConfig) -> None:
             raise DemoConfigError(
                 f"--cp {cfg.cp} needs {cfg.cp} GPUs (one per rank), this machine has {torch.cuda.device_count()}"
             )
-    elif dtype == torch.bfloat16:
-        pass  # bf16 on CPU runs (slowly) on the reference backends
     try:
         attn = state.normalize_attn_backend(cfg.attn_backend)
         state.normalize_kv_exchange(cfg.kv_exchange)
@@ -220,10 +218,11 @@ class _Mesh:
 
 
 def _packed_cu_seqlens(doc_ids: torch.Tensor) -> torch.Tensor:
-    """``[N+1] int32`` run boundaries of a 1-D id row (a padding tail counts as its own run)."""
-    change = torch.nonzero(doc_ids[1:] != doc_ids[:-1]).flatten() + 1
-    ends = torch.tensor([doc_ids.numel()], device=doc_ids.device)
-    return torch.cat([torch.zeros(1, dtype=change.dtype, device=doc_ids.device), change, ends]).to(torch.int32)
+    """``[N+1] int32`` run boundaries of a 1-D id row (a padding tail counts as its own run), as the CP step
+    state holds them (``BlockdiagCpModelState.packed_cu_seqlens``), on the row's device."""
+    from longtrain.blockdiag_cp.batch import _packed_runs
+
+    return _packed_runs(doc_ids.cpu()).to(doc_ids.device, torch.int32)
 
 
 def _step_loss(model, input_ids, position_ids, labels, step_inputs, num_labels: int) -> torch.Tensor:

@@ -40,7 +40,7 @@ def _cp_vs_single(rank: int, world: int, layout: str, exchange: str) -> dict:
     )
     from longtrain.dsa.layer import DSAAttention
     from longtrain.models import StepInputs, TinyLM
-    from longtrain.train import _Mesh, allreduce_grads
+    from longtrain.train import _Mesh, _packed_cu_seqlens, allreduce_grads
 
     seq_len = 24 * world
     cfg = TinyLMConfig(hidden_size=32, layers="GDSG", dsa={"index_topk": 8})
@@ -54,15 +54,7 @@ def _cp_vs_single(rank: int, world: int, layout: str, exchange: str) -> dict:
     from longtrain.blockdiag_cp import disable_cp1_packed_varlen, enable_cp1_packed_varlen
 
     full = row.as_batch()
-    cu_full = torch.tensor(
-        [0]
-        + [
-            int(i) + 1
-            for i in torch.nonzero(full["_packed_seq_ids"][0, 1:] != full["_packed_seq_ids"][0, :-1]).flatten()
-        ]
-        + [seq_len],
-        dtype=torch.int32,
-    )
+    cu_full = _packed_cu_seqlens(full["_packed_seq_ids"][0])
     pad_full = full["_packed_seq_ids"][0] == 0
     enable_cp1_packed_varlen(full["_packed_seq_ids"], "dense")
     meta = DSAAttention.prepare_metadata(cu_full, seq_len, padding_mask=pad_full)
