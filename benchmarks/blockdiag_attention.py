@@ -118,18 +118,32 @@ def providers(cu: torch.Tensor, max_len: int, meta: dict, total: int):
         out["te (thd)"] = (None, te_reason)
 
     cudnn_reason = backends.varlen_backend_unavailable_reason("cudnn", torch.bfloat16, dev)
-    for label, bwd in (("cudnn (cuDNN fwd + cuDNN bwd)", "cudnn"), ("cudnn (cuDNN fwd + FA2 bwd)", "fa2")):
+    cu_k_other = cu.clone()  # a distinct cu_k object: the graph route cannot prove equal layouts -> bottom-right
+    cudnn_rows = (
+        ("cudnn (CuTe DSL route: fwd + bwd)", "flex", "auto", cu),
+        ("cudnn (graph, top-left diagonal + cuDNN bwd)", "graph", "auto", cu),
+        ("cudnn (graph, bottom-right diagonal + FA2 bwd)", "graph", "fa2", cu_k_other),
+        ("cudnn (graph, bottom-right diagonal + cuDNN bwd)", "graph", "cudnn", cu_k_other),
+    )
+    for label, route, bwd, cu_k in cudnn_rows:
 
-        def cudnn(q, k, v, bwd=bwd):
-            from longtrain.blockdiag_cp import _cudnn_varlen
+        def cudnn(q, k, v, route=route, bwd=bwd, cu_k=cu_k):
+            from longtrain.blockdiag_cp import _cudnn_varlen as cv
 
-            default, _cudnn_varlen.BACKWARD = _cudnn_varlen.BACKWARD, bwd
+            saved = cv.ROUTE, cv.BACKWARD
+            cv.ROUTE, cv.BACKWARD = route, bwd
             try:
-                return backends.cudnn_varlen_attention(q, k, v, cu, cu, max_len, max_len, meta=meta)
+                return backends.cudnn_varlen_attention(q, k, v, cu, cu_k, max_len, max_len, meta=meta)
             finally:
-                _cudnn_varlen.BACKWARD = default
+                cv.ROUTE, cv.BACKWARD = saved
 
-        out[label] = (cudnn if cudnn_reason is None else None, cudnn_reason)
+        reason = cudnn_reason
+        if reason is None and route == "flex":
+            from longtrain.blockdiag_cp._cudnn_flex import flex_unavailable_reason
+
+            probe = torch.empty(1, HQ, D, device=dev, dtype=torch.bfloat16)
+            reason = flex_unavailable_reason(probe, probe[:, :HKV])
+        out[label] = (cudnn if reason is None else None, reason)
 
     def driver(name):
         def run(q, k, v):
@@ -290,7 +304,12 @@ def main(argv: list[str] | None = None) -> int:
         "cudnn" in backends.VARLEN_BACKENDS
         and backends.varlen_backend_unavailable_reason("cudnn", torch.bfloat16, dev) is None
     ):
-        notes += f"cuDNN graph cache after the run: {backends.cudnn_graph_cache_stats()}. "
+        from longtrain.blockdiag_cp._cudnn_flex import PLAN_STATS
+
+        notes += (
+            f"cuDNN graph cache after the run: {backends.cudnn_graph_cache_stats()}; CuTe DSL mask plans: "
+            f"{PLAN_STATS} (one plan per layout and autograd mode, reused by every later call with the same meta). "
+        )
 
     md, js = write_report(args.name, rows, columns, notes, header=machine_header(), out_dir=args.out_dir,
                           title="Block-diagonal attention backends (one GPU)")  # fmt: skip

@@ -18,6 +18,7 @@ __all__ = [
     "Probe",
     "cuda_sm",
     "cudnn_dsa",
+    "cudnn_flex",
     "cudnn_frontend",
     "fla",
     "flash_attn",
@@ -153,6 +154,18 @@ def cudnn_dsa() -> Probe:
 
 
 @functools.cache
+def cudnn_flex() -> Probe:
+    """The cuDNN frontend's CuTe DSL varlen attention (``cudnn.flex_attention``), which needs the cutedsl extra."""
+    ok, reason = cudnn_frontend()
+    if not ok:
+        return False, reason
+    ok, reason = _import("cudnn.flex_attention", "flex_attn_func", "nvidia-cudnn-frontend[cutedsl]")
+    if not ok:
+        return False, f"{reason}; pip install 'nvidia-cudnn-frontend[cutedsl]'"
+    return _OK
+
+
+@functools.cache
 def flash_mla() -> Probe:
     """FlashMLA's sparse prefill kernel (``flash_mla.flash_mla_sparse_fwd``); built from source, no wheel."""
     return _import("flash_mla", "flash_mla_sparse_fwd", "FlashMLA from source (github.com/deepseek-ai/FlashMLA)")
@@ -179,6 +192,7 @@ _ALL_PROBES = (
     transformer_engine,
     cudnn_frontend,
     cudnn_dsa,
+    cudnn_flex,
     flash_mla,
     fla,
     mamba_ssm,
@@ -203,6 +217,7 @@ def package_table() -> list[tuple[str, bool, str]]:
         ("transformer_engine", *transformer_engine()),
         ("cudnn frontend", *cudnn_frontend()),
         ("cudnn frontend DSA", *cudnn_dsa()),
+        ("cudnn frontend CuTe DSL attention", *cudnn_flex()),
         ("flash_mla", *flash_mla()),
         ("fla (flash-linear-attention)", *fla()),
         ("mamba_ssm", *mamba_ssm()),

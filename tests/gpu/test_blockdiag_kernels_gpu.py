@@ -10,14 +10,25 @@ from __future__ import annotations
 import pytest
 import torch
 
-from longtrain.blockdiag_cp import backends, kernels
+from longtrain.blockdiag_cp import kernels
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
-GPU_BACKENDS = [b for b in ("flash", "te", "cudnn", "flex") if b in backends.VARLEN_BACKENDS]
+# "cudnn:<route>" runs the cudnn backend with _cudnn_varlen.ROUTE forced: the CuTe DSL route and the graph API
+# (which picks its diagonal alignment and backward from the layout).
+GPU_BACKENDS = ["flash", "te", "cudnn:flex", "cudnn:graph", "flex"]
+
+
+@pytest.fixture(autouse=True)
+def _cudnn_route(request, monkeypatch):
+    backend = request.node.callspec.params.get("backend", "") if hasattr(request.node, "callspec") else ""
+    if backend.startswith("cudnn:"):
+        from longtrain.blockdiag_cp import _cudnn_varlen
+
+        monkeypatch.setattr(_cudnn_varlen, "ROUTE", backend.split(":")[1])
 
 
 def _ids_from_lengths(lengths: list[int], pad: int) -> torch.Tensor:
@@ -41,10 +52,18 @@ def _layouts():
 LAYOUTS = _layouts()
 
 
-def _skip_unavailable(backend: str, dtype=torch.bfloat16) -> None:
-    reason = kernels._varlen_backend_unavailable_reason(backend, dtype, torch.device("cuda"))
+def _skip_unavailable(backend: str, dtype=torch.bfloat16) -> str:
+    """Skip when ``backend`` (``name`` or ``cudnn:<route>``) cannot run; return the backend name to call."""
+    name, _, route = backend.partition(":")
+    reason = kernels._varlen_backend_unavailable_reason(name, dtype, torch.device("cuda"))
+    if reason is None and route == "flex":
+        from longtrain.blockdiag_cp._cudnn_flex import flex_unavailable_reason
+
+        probe = torch.empty(1, 8, 128, device="cuda", dtype=dtype)
+        reason = flex_unavailable_reason(probe, probe)
     if reason is not None:
         pytest.skip(reason)
+    return name
 
 
 def _run(backend, q, k, v, ids, offset, meta, dout):
@@ -70,7 +89,7 @@ def _assert_flash_rule(kernel, same_dtype_ref, ref64, what):
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_backend_matches_float64_reference(backend, layout):
-    _skip_unavailable(backend)
+    backend = _skip_unavailable(backend)
     ids, world = LAYOUTS[layout]
     ids = ids.cuda()
     total = ids.numel()
@@ -97,7 +116,7 @@ def test_backend_matches_float64_reference(backend, layout):
 @pytest.mark.parametrize("prefix", [8191, 8192])
 def test_asymmetric_prefix_under_activation_checkpointing(backend, prefix):
     """One document whose first ``prefix`` tokens live on the previous rank, through non-reentrant AC."""
-    _skip_unavailable(backend)
+    backend = _skip_unavailable(backend)
     from torch.utils.checkpoint import checkpoint
 
     local = 8192
@@ -130,7 +149,7 @@ def test_asymmetric_prefix_under_activation_checkpointing(backend, prefix):
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_layer_call_with_validated_meta_makes_no_host_sync(backend):
-    _skip_unavailable(backend)
+    backend = _skip_unavailable(backend)
     ids = _ids_from_lengths([700, 300, 900, 1, 2, 500, 1100], 593).cuda()
     local = ids.numel() // 2
     meta = kernels.precompute_blockdiag_varlen_meta(ids, local, local, "cuda")

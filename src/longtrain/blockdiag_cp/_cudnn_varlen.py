@@ -1,10 +1,18 @@
-"""cuDNN SDPA over ragged (THD) documents through the cuDNN frontend Python graph API.
+"""cuDNN attention over ragged (THD) documents through the cuDNN frontend.
 
 ``cudnn_varlen_attention(q [T_q, Hq, D], k/v [T_k, Hkv, D], cu_q, cu_k, max_q, max_k, ...)`` is the ``"cudnn"``
 provider of :mod:`longtrain.blockdiag_cp.backends` (same contract: bottom-right causal per document, GQA
-native, ``scale``, differentiable), except dropout: cuDNN 9.19 refuses dropout with a bottom-right diagonal.
-The forward is cuDNN's; the backward is, by default, torch's bundled FA2 backward fed with cuDNN's output and
-log-sum-exp (measured faster than cuDNN's ragged backward; ``BACKWARD = "cudnn"`` selects cuDNN's).
+native, ``scale``, differentiable), except dropout (cuDNN 9.19 refuses dropout with a bottom-right diagonal).
+Two routes, chosen per call by ``ROUTE`` (``"auto"``: the first that can run):
+
+1. ``"flex"``: the frontend's CuTe DSL varlen attention (:mod:`longtrain.blockdiag_cp._cudnn_flex`, needs
+   ``nvidia-cudnn-frontend[cutedsl]``, SM90/SM100): forward and backward fastest of everything measured.
+2. ``"graph"``: cuDNN SDPA through the frontend's graph API (below). cuDNN's backward is fast with a top-left
+   diagonal (~440 TFLOP/s on an H200) but slow with a bottom-right one (~245), so the diagonal follows the
+   layout: when every document has as many queries as keys (known from the step's metadata without a sync:
+   ``cu_q is cu_k``, or ``first_q == first_k`` since only the first segment can straddle ranks) the two
+   alignments coincide and top-left runs with cuDNN's backward; otherwise bottom-right runs with torch's
+   bundled FA2 backward fed with cuDNN's output and log-sum-exp (``BACKWARD`` overrides the choice).
 
 Why not ``aten._cudnn_attention_forward`` with cumulative offsets: measured on an H200 (torch 2.11, cuDNN
 9.19), it rebuilds its cuDNN graph on every call (~48 ms per call at 32K tokens, identical calls included,
@@ -43,10 +51,14 @@ _LOCK = threading.Lock()
 _TLS = threading.local()
 #: None: try ragged (packed) softmax stats in the backward and fall back to a padded copy if cuDNN refuses.
 RAGGED_STATS_BWD: bool | None = None
-#: Backward kernel: "fa2" (default: torch's bundled FlashAttention-2 backward fed with the cuDNN forward's output
-#: and log-sum-exp; measured faster than cuDNN's ragged backward on an H200, see docs/blockdiag_kernels.md) or
-#: "cudnn". "fa2" falls back to "cudnn" when torch has no FA2 kernels or a deterministic backward is requested.
-BACKWARD: str = "fa2"
+#: Graph-route backward kernel: "auto" (cuDNN's with a top-left diagonal, FA2's with a bottom-right one: the
+#: faster of the two in each case on an H200, see docs/blockdiag_kernels.md), "fa2" (torch's bundled
+#: FlashAttention-2 backward fed with the cuDNN forward's output and log-sum-exp) or "cudnn". FA2 falls back to
+#: cuDNN when torch has no FA2 kernels or a deterministic backward is requested.
+BACKWARD: str = "auto"
+#: "auto" (the CuTe DSL route when it can run, else the graph API), "flex" or "graph".
+ROUTE: str = "auto"
+_ROUTES = ("auto", "flex", "graph")
 _MIN_BACKEND = 90000
 
 
@@ -162,7 +174,7 @@ def _graph_inputs(g, io, p: dict):
         "use_padding_mask": True,
         "seq_len_q": seq_q,
         "seq_len_kv": seq_k,
-        "diagonal_alignment": cudnn.diagonal_alignment.BOTTOM_RIGHT,
+        "diagonal_alignment": getattr(cudnn.diagonal_alignment, p["align"]),
         "diagonal_band_right_bound": 0,
     }
     return q, k, v, rag_q, rag_k, mask
@@ -274,13 +286,26 @@ def _padded_stats(stats: torch.Tensor, lay: dict, total_q: int) -> torch.Tensor:
     return out.transpose(1, 2).unsqueeze(-1).contiguous()
 
 
-def _params(q, k, lay, scale, deterministic, total_q, total_k):
+def _alignment(cu_q: torch.Tensor, cu_k: torch.Tensor, meta: dict | None) -> str:
+    """``"TOP_LEFT"`` when every document has as many queries as keys (decided without a sync), else bottom-right."""
+    if cu_q is cu_k:
+        return "TOP_LEFT"
+    if meta is not None and meta.get("cu_q") is cu_q and meta.get("cu_k") is cu_k:
+        first_q, first_k = meta.get("first_q"), meta.get("first_k")
+        if first_q is not None and first_q == first_k:
+            return "TOP_LEFT"  # only the first segment can hold more keys than queries
+    return "BOTTOM_RIGHT"
+
+
+def _params(q, k, lay, scale, deterministic, total_q, total_k, align="BOTTOM_RIGHT"):
     backward = BACKWARD
+    if backward == "auto":
+        backward = "cudnn" if align == "TOP_LEFT" else "fa2"
     if backward == "fa2" and (deterministic or not _optional.torch_varlen()[0]):
         backward = "cudnn"  # cuDNN's backward has a deterministic mode; FA2's follows torch's global flag
     return {
         "dtype": q.dtype, "B": lay["B"], "Hq": q.shape[1], "Hkv": k.shape[1], "Sq": lay["Sq"], "Sk": lay["Sk"],
-        "D": q.shape[2], "scale": float(scale), "deterministic": bool(deterministic),
+        "D": q.shape[2], "scale": float(scale), "deterministic": bool(deterministic), "align": align,
         "Tq": _bucket(total_q, 64, 8), "Tk": _bucket(total_k, 64, 8), "device": q.device, "backward": backward,
     }  # fmt: skip
 
@@ -288,7 +313,7 @@ def _params(q, k, lay, scale, deterministic, total_q, total_k):
 def cudnn_varlen_fwd(q, k, v, lay, p):
     """Forward: ``(out [T_q, Hq, D], stats [T_q, Hq, 1] fp32 log-sum-exp)``."""
     handle = _handle(q.device)
-    key = ("fwd", *(p[n] for n in ("dtype", "B", "Hq", "Hkv", "Sq", "Sk", "D", "scale", "device")))
+    key = ("fwd", *(p[n] for n in ("dtype", "B", "Hq", "Hkv", "Sq", "Sk", "D", "scale", "align", "device")))
     g, ws = _cached(key, lambda: _build_fwd(p, handle))
     out = torch.empty_like(q)
     stats = torch.empty(q.shape[0], q.shape[1], 1, dtype=torch.float32, device=q.device)
@@ -303,7 +328,7 @@ def cudnn_varlen_bwd(dout, q, k, v, out, stats, lay, p):
     """cuDNN backward: ``(dq, dk, dv)`` packed like ``q``/``k``/``v`` (dk/dv in the K/V head count)."""
     global RAGGED_STATS_BWD
     handle = _handle(q.device)
-    names = ("dtype", "B", "Hq", "Hkv", "Sq", "Sk", "D", "scale", "deterministic", "Tq", "Tk", "device")
+    names = ("dtype", "B", "Hq", "Hkv", "Sq", "Sk", "D", "scale", "align", "deterministic", "Tq", "Tk", "device")
     base = ("bwd", *(p[n] for n in names))
     ragged = RAGGED_STATS_BWD
     if ragged is None:
@@ -369,20 +394,35 @@ def cudnn_varlen_attention(
     deterministic: bool = False,
     meta: dict | None = None,
 ) -> torch.Tensor:
-    """Bottom-right causal varlen attention through cuDNN (SM90+, fp16/bf16), graphs cached by shape bucket.
+    """Bottom-right causal varlen attention through cuDNN (SM90+, fp16/bf16): the CuTe DSL route or the graph API.
 
     ``q: [T_q, Hq, D]``, ``k/v: [T_k, Hkv, D]`` contiguous packed documents, ``cu_q/cu_k: [n_docs+1] int32``
     with ``cu_q[-1] == T_q`` and ``cu_k[-1] == T_k``; returns ``[T_q, Hq, D]``. ``meta`` (the step's varlen
-    metadata dict) caches the per-document device tensors so repeated layer calls do no work and no sync.
-    ``dropout_p`` must be 0: cuDNN (9.19) refuses dropout together with a bottom-right causal diagonal.
+    metadata dict) caches the mask plan / per-document device tensors so repeated layer calls do no work and
+    no sync. ``dropout_p`` must be 0: cuDNN (9.19) refuses dropout together with a bottom-right causal diagonal.
     """
     if dropout_p:
         raise ValueError(
             f"the cuDNN varlen backend has no attention dropout (got dropout_p={dropout_p}): cuDNN supports a "
             "bottom-right causal diagonal only without dropout; use backend='flash' for dropout"
         )
+    if ROUTE not in _ROUTES:
+        raise ValueError(f"_cudnn_varlen.ROUTE must be one of {_ROUTES}, got {ROUTE!r}")
     hq, d = q.shape[1], q.shape[2]
+    scale = scale if scale is not None else d**-0.5
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if ROUTE != "graph":
+        from longtrain.blockdiag_cp import _cudnn_flex
+
+        reason = _cudnn_flex.flex_unavailable_reason(q, k)
+        if reason is None:
+            return _cudnn_flex.cudnn_flex_attention(
+                q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, deterministic=deterministic, meta=meta
+            )
+        if ROUTE == "flex":
+            raise RuntimeError(f"_cudnn_varlen.ROUTE='flex' but that route cannot run: {reason}")
     cache = meta.setdefault("_cudnn_cache", {}) if meta is not None else None
     lay = _layout(cu_q, cu_k, max_q, max_k, hq, k.shape[1], d, cache)
-    p = _params(q, k, lay, scale if scale is not None else d**-0.5, deterministic, q.shape[0], k.shape[0])
-    return _CudnnVarlen.apply(q.contiguous(), k.contiguous(), v.contiguous(), lay, p)
+    align = _alignment(cu_q, cu_k, meta)
+    p = _params(q, k, lay, scale, deterministic, q.shape[0], k.shape[0], align)
+    return _CudnnVarlen.apply(q, k, v, lay, p)
