@@ -36,8 +36,16 @@ from longtrain.dsa.triton import IndexerConfig, KernelConfig  # noqa: E402
 D_QK, D_V, TOPK, H_I, D_I = 576, 512, 2048, 32, 128
 
 # Candidate launch configs for the sweep: (block_k, num_warps, num_stages).
-# Forward: (block_k, num_warps, num_stages, layout index: 0 heads, 1 keys, 2 keys_logits).
-FWD_SWEEP = [(128, 8, 1, 1), (128, 8, 1, 2), (32, 8, 3, 0), (64, 8, 1, 0), (64, 8, 2, 2)]
+# Forward: (block_k, num_warps, num_stages, layout index: 0 heads, 1 keys, 2 keys_logits[, impl]); for
+# impl "sm90" num_stages is the number of gathered tiles in flight.
+FWD_SWEEP = [
+    (128, 8, 1, 2), (128, 8, 1, 1), (64, 8, 1, 0),  # portable, one stage (the previous candidates)
+    (64, 8, 2, 0), (64, 8, 2, 1), (64, 8, 2, 2), (32, 8, 2, 0), (32, 8, 3, 0), (32, 8, 4, 0), (16, 8, 6, 0),
+    (64, 16, 2, 0),
+    (64, 8, 2, 0, "sm90"), (32, 8, 2, 0, "sm90"), (32, 8, 3, 0, "sm90"), (32, 8, 4, 0, "sm90"),
+]  # fmt: skip
+# SM90 kernel with both warpgroups computing every logit (SPLIT_KEYS=False): (block_k, tiles in flight).
+FWD_SM90_DUP_SWEEP = [(64, 2), (32, 4)]
 IDX_SWEEP = [  # (block_m, block_n, num_warps, num_stages, select_block, select_warps)
     (64, 128, 8, 3, 2048, 8),
     (64, 128, 8, 2, 2048, 8),
@@ -219,7 +227,30 @@ def precompile(jobs: list[tuple], workers: int = 16) -> None:
 
 def _kcfg(t):
     layout = ("heads", "keys", "keys_logits")[t[3]] if len(t) > 3 else "heads"
-    return KernelConfig(block_k=t[0], block_h=64, num_warps=t[1], num_stages=t[2], layout=layout)
+    impl = t[4] if len(t) > 4 else "triton"
+    return KernelConfig(block_k=t[0], block_h=64, num_warps=t[1], num_stages=t[2], layout=layout, impl=impl)
+
+
+def _sm90_jobs(heads: int) -> list[tuple]:
+    from longtrain.dsa.triton.sparse_mla_fwd import _SM90_CANDIDATES
+
+    return [("fwd", (heads, D_QK, _kcfg((bk, 8, nb, 0, "sm90")))) for bk, nb in _SM90_CANDIDATES]
+
+
+def run_fwd_sm90_dup(q, kv, idx, length, block_k, num_buf):
+    """The SM90 kernel with SPLIT_KEYS=False (sweep only: each warpgroup computes all logits)."""
+    from longtrain.dsa.triton.sparse_mla_fwd import LOG2E
+    from longtrain.dsa.triton.sparse_mla_fwd_sm90 import sparse_mla_fwd_sm90_kernel
+
+    total, heads, d_qk = q.shape
+    out = torch.empty((total, heads, D_V), dtype=q.dtype, device=q.device)
+    lse = torch.empty((total, heads), dtype=torch.float32, device=q.device)
+    sparse_mla_fwd_sm90_kernel[(total * ((heads + 63) // 64),)](
+        q, kv.view(kv.shape[0], -1), idx, length, q, out, lse, kv.shape[0], idx.shape[1], D_QK**-0.5 * LOG2E,
+        H=heads, D_V=D_V, D_R=d_qk - D_V, HAS_LEN=True, HAS_SINK=False, BLOCK_K=block_k, NUM_BUF=num_buf,
+        SPLIT_KEYS=False, num_warps=8,
+    )  # fmt: skip
+    return out, lse
 
 
 def _bwd_jobs(heads: int) -> list[tuple]:
@@ -240,15 +271,17 @@ def _icfg(t):
 # ------------------------------------------------------------------------------------------------ modes
 
 
-def sweep(total: int, out_dir: Path) -> dict:
+def sweep(total: int, out_dir: Path, fwd_only: bool = False) -> dict:
     """Time every candidate config at the GLM-5.2 shape (one document of ``total`` tokens)."""
     from longtrain.dsa.triton import indexer_topk as it
     from longtrain.dsa.triton import sparse_mla_bwd as mb
     from longtrain.dsa.triton import sparse_mla_fwd as mf
+    from longtrain.dsa.triton import sparse_mla_fwd_sm90 as m90
 
     dev = torch.device("cuda")
-    jobs = [("fwd", (64, D_QK, _kcfg(c))) for c in FWD_SWEEP] + _bwd_jobs(64)
-    jobs += [("idx", _icfg(c)) for c in IDX_SWEEP]
+    jobs = [("fwd", (64, D_QK, _kcfg(c))) for c in FWD_SWEEP]
+    if not fwd_only:
+        jobs += _bwd_jobs(64) + [("idx", _icfg(c)) for c in IDX_SWEEP]
     precompile(jobs)
     result = {"fwd": [], "bwd": [], "indexer": []}
     idx, length, starts, causal = causal_index_sets([total], TOPK, dev)
@@ -257,18 +290,37 @@ def sweep(total: int, out_dir: Path) -> dict:
     fwd_flops = 2 * valid * 64 * (D_QK + D_V)
     bwd_flops = 2 * valid * 64 * (3 * D_QK + 2 * D_V)
     ref_out, ref_lse = None, None
-    for c in FWD_SWEEP:
+
+    def fwd_row(c, fn):
+        nonlocal ref_out, ref_lse
         try:
-            out, lse = run_fwd(q, kv, idx, length, _kcfg(c))
+            out, lse = fn()
             if ref_out is None:
                 ref_out, ref_lse = out, lse
             diff = (out.float() - ref_out.float()).abs().max().item()
-            ms = bench(lambda c=c: run_fwd(q, kv, idx, length, _kcfg(c)))
-            row = dict(cfg=c, ms=ms[0], p20=ms[1], p80=ms[2], tflops=fwd_flops / ms[0] / 1e9, max_diff=diff)
+            same = torch.isfinite(lse) == torch.isfinite(ref_lse)
+            lse_diff = (lse - ref_lse).abs().where(torch.isfinite(ref_lse), 0.0).max().item() if same.all() else -1
+            ms = bench(fn)
+            row = dict(cfg=c, ms=ms[0], p20=ms[1], p80=ms[2], tflops=fwd_flops / ms[0] / 1e9, max_diff=diff,
+                       lse_diff=lse_diff, finite=bool(torch.isfinite(out).all()))  # fmt: skip
         except Exception as exc:
-            row = dict(cfg=c, error=f"{type(exc).__name__}: {str(exc)[:200]}")
+            row = dict(cfg=c, error=f"{type(exc).__name__}: {str(exc)[:300]}")
         print("fwd", row, flush=True)
         result["fwd"].append(row)
+
+    for c in FWD_SWEEP:
+        fwd_row(c, lambda c=c: run_fwd(q, kv, idx, length, _kcfg(c)))
+    for bk, nb in FWD_SM90_DUP_SWEEP:
+        fwd_row(("sm90-dup", bk, nb), lambda bk=bk, nb=nb: run_fwd_sm90_dup(q, kv, idx, length, bk, nb))
+    fwd_row("default (config=None)", lambda: run_fwd(q, kv, idx, length, None))
+    for name, kernel in (("fwd", mf.sparse_mla_fwd_kernel), ("fwd_sm90", m90.sparse_mla_fwd_sm90_kernel)):
+        for r in compiled_stats(kernel):
+            print("compiled", name, r, flush=True)
+    if fwd_only:
+        result["compiled"] = {"fwd": compiled_stats(mf.sparse_mla_fwd_kernel),
+                              "fwd_sm90": compiled_stats(m90.sparse_mla_fwd_sm90_kernel)}  # fmt: skip
+        (out_dir / "sweep.json").write_text(json.dumps(result, indent=1, default=str))
+        return result
     dout = torch.randn_like(ref_out)
     # Backward: the autotuner times every candidate of each of the three kernels at this shape.
     run_bwd(q, kv, ref_out, dout, ref_lse, idx, length)
@@ -301,6 +353,7 @@ def sweep(total: int, out_dir: Path) -> dict:
         result["indexer"].append(row)
     result["compiled"] = {
         "fwd": compiled_stats(mf.sparse_mla_fwd_kernel),
+        "fwd_sm90": compiled_stats(m90.sparse_mla_fwd_sm90_kernel),
         "bwd_ds": compiled_stats(mb.sparse_mla_bwd_kernel_ds),
         "bwd_dq": compiled_stats(mb.sparse_mla_bwd_kernel_dq),
         "bwd_dkv": compiled_stats(mb.sparse_mla_bwd_kernel_dkv),
@@ -342,6 +395,14 @@ def memcheck() -> None:
                                 deterministic=det, config=cfg)  # fmt: skip
         torch.autograd.grad(out, (q, kv, sink), torch.randn_like(out))
     out, _ = sparse_mla_fwd(q.detach(), kv.detach().view(90, -1), idx, 0.1, D_V, None, None, cfg.fwd)
+    from longtrain.dsa.triton.sparse_mla_fwd import _SM90_CANDIDATES, _sm90_default
+
+    if _sm90_default(q, D_V):  # the SM90 kernel's gathers: every candidate ring depth, with and without lengths
+        for bk, nb in _SM90_CANDIDATES:
+            c90 = _kcfg((bk, 8, nb, 0, "sm90"))
+            for ln in (length, None):
+                o90, _ = sparse_mla_fwd(q.detach(), kv.detach().view(90, -1), idx, 0.1, D_V, ln, sink.detach(), c90)
+                assert bool(torch.isfinite(o90).all())
     iq, ik, iw = indexer_inputs(90, dev)
     sel = indexer_topk_triton(iq, ik, iw, starts, causal, 16, config=IndexerConfig(block_m=64, block_n=128))
     torch.cuda.synchronize()
@@ -369,9 +430,18 @@ def _mla_case(add, total: int, heads: int, topk: int, layout: str) -> None:
     def bwd():
         return run_bwd(q, kv, out, dout, lse, idx, length)
 
+    from longtrain.dsa.triton.sparse_mla_fwd import _sm90_default
+
     ms = bench(fwd)
-    add(op="sparse_mla_fwd", impl="triton (ours)", shape=shape, ms=ms[0], p20=ms[1], p80=ms[2],
+    impl = "triton (ours, SM90 Gluon kernel)" if _sm90_default(q, D_V) else "triton (ours)"
+    add(op="sparse_mla_fwd", impl=impl, shape=shape, ms=ms[0], p20=ms[1], p80=ms[2],
         tflops=fwd_flops / ms[0] / 1e9, peak_mib=peak_mib(fwd))  # fmt: skip
+    if _sm90_default(q, D_V) and total == 16384 and topk == TOPK and layout == "1doc":
+        # The portable kernel's previous default (the autotuned best before the SM90 kernel), same inputs.
+        cfg = _kcfg((128, 8, 1, 2))
+        ms = bench(lambda: run_fwd(q, kv, idx, length, cfg))
+        add(op="sparse_mla_fwd", impl="triton (ours, portable kernel, 128 keys x 1 stage)", shape=shape,
+            ms=ms[0], p20=ms[1], p80=ms[2], tflops=fwd_flops / ms[0] / 1e9)  # fmt: skip
     ms = bench(bwd)
     add(op="sparse_mla_bwd", impl="triton (ours)", shape=shape, ms=ms[0], p20=ms[1], p80=ms[2],
         tflops=bwd_flops / ms[0] / 1e9, peak_mib=peak_mib(bwd))  # fmt: skip
@@ -443,6 +513,7 @@ def print_tuning() -> None:
     from longtrain.dsa.triton import indexer_topk as it
     from longtrain.dsa.triton import sparse_mla_bwd as mb
     from longtrain.dsa.triton import sparse_mla_fwd as mf
+    from longtrain.dsa.triton import sparse_mla_fwd_sm90 as m90
 
     for name, tuned in list(mf._AUTOTUNED.items()) + list(mb._AUTOTUNED.items()):
         timings = {
@@ -452,6 +523,7 @@ def print_tuning() -> None:
         print(f"tuning {name}: best {tuned.best_config} timings {timings}", flush=True)
     kernels = {
         "fwd": mf.sparse_mla_fwd_kernel,
+        "fwd_sm90": m90.sparse_mla_fwd_sm90_kernel,
         "bwd_ds": mb.sparse_mla_bwd_kernel_ds,
         "bwd_dq": mb.sparse_mla_bwd_kernel_dq,
         "bwd_dkv": mb.sparse_mla_bwd_kernel_dkv,
@@ -523,6 +595,7 @@ def selection_overlap(a: torch.Tensor, b: torch.Tensor) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", action="store_true", help="time every candidate launch config")
+    parser.add_argument("--fwd-only", action="store_true", help="with --sweep: the forward kernels only")
     parser.add_argument("--memcheck", action="store_true", help="one small launch of each kernel")
     parser.add_argument("--precompile", action="store_true", help="compile the shipped configs in parallel first")
     parser.add_argument("--quick", action="store_true", help="first shapes only")
@@ -537,12 +610,13 @@ def main() -> None:
         memcheck()
         return
     if args.sweep:
-        sweep(args.tokens, out_dir)
+        sweep(args.tokens, out_dir, fwd_only=args.fwd_only)
         return
     if args.precompile:
         from longtrain.dsa.triton.sparse_mla_fwd import _FWD_CANDIDATES
 
         jobs = [("fwd", (h, D_QK, _kcfg(c))) for h in (64, 128) for c in _FWD_CANDIDATES]
+        jobs += _sm90_jobs(64) + _sm90_jobs(128)
         jobs += _bwd_jobs(64) + _bwd_jobs(128)
         jobs += [("idx", IndexerConfig())]
         if args.quick:

@@ -17,11 +17,14 @@ pytestmark = [
 ]
 
 
-def _configs():
+def _configs(fwd=None):
+    """Forced configs: the portable forward (pipelined, 3 stages) or ``fwd = (impl, block_k, num_stages)``."""
     from longtrain.dsa.triton import KernelConfig, SparseMLAConfig
 
+    impl, block_k, stages = fwd or ("triton", 32, 3)
     return SparseMLAConfig(
-        fwd=KernelConfig(block_k=32, num_warps=8, num_stages=3), bwd=KernelConfig(block_k=32, num_warps=8, num_stages=1)
+        fwd=KernelConfig(impl=impl, block_k=block_k, num_warps=8, num_stages=stages),
+        bwd=KernelConfig(block_k=32, num_warps=8, num_stages=1),
     )
 
 
@@ -63,37 +66,58 @@ def _max_err(x, ref):
 
 
 def _check_rule(name, got, same_dtype, ref):
-    bound = 2 * _max_err(same_dtype, ref) + ref.abs().max().item() * 2.0**-8
+    bound = 2 * _max_err(same_dtype, ref) + ref.abs().max().item() * torch.finfo(got.dtype).eps / 2
     err = _max_err(got, ref)
     assert torch.isfinite(got).all(), name
     assert err <= bound, f"{name}: kernel error {err:.3e} > bound {bound:.3e}"
 
 
-@pytest.mark.parametrize(
-    "T,T_k,H,D,d_v,K,with_sink,forced",
-    [
-        (192, 4096, 64, 576, 512, 2048, False, False),  # GLM-5.2, autotuned path
-        (128, 3000, 64, 576, 512, 2048, True, False),  # with a sink
-        (96, 2048, 128, 576, 512, 512, False, True),  # DeepSeek-V3.2 head count
-        (96, 1024, 16, 512, 512, 512, True, True),  # K = V (DSv4-style), few heads
-        (96, 1024, 32, 512, 512, 256, False, True),
-    ],
-    ids=["glm", "glm-sink", "H128", "H16-D512", "H32-D512"],
+_SM90 = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs an SM90 GPU"
 )
-def test_sparse_mla_bf16(T, T_k, H, D, d_v, K, with_sink, forced):
+
+
+@pytest.mark.parametrize(
+    "T,T_k,H,D,d_v,K,with_sink,forced,dtype",
+    [
+        (192, 4096, 64, 576, 512, 2048, False, False, torch.bfloat16),  # GLM-5.2, autotuned path (SM90 kernel)
+        (128, 3000, 64, 576, 512, 2048, True, False, torch.bfloat16),  # with a sink
+        (96, 2048, 128, 576, 512, 512, False, True, torch.bfloat16),  # DeepSeek-V3.2 head count
+        (96, 1024, 16, 512, 512, 512, True, True, torch.bfloat16),  # K = V (DSv4-style), few heads
+        (96, 1024, 32, 512, 512, 256, False, True, torch.bfloat16),
+        pytest.param(160, 4096, 64, 576, 512, 2048, True, ("sm90", 32, 4), torch.bfloat16, marks=_SM90),
+        pytest.param(96, 2048, 128, 576, 512, 1024, False, ("sm90", 32, 3), torch.bfloat16, marks=_SM90),
+        pytest.param(96, 1024, 64, 512, 512, 512, True, ("sm90", 64, 2), torch.bfloat16, marks=_SM90),
+        pytest.param(96, 2048, 64, 576, 512, 1024, True, ("sm90", 64, 2), torch.float16, marks=_SM90),
+        pytest.param(64, 1024, 96, 576, 512, 300, False, ("sm90", 64, 2), torch.bfloat16, marks=_SM90),
+    ],
+    ids=[
+        "glm",
+        "glm-sink",
+        "H128",
+        "H16-D512",
+        "H32-D512",
+        "sm90-32x4-sink",
+        "sm90-H128-32x3",
+        "sm90-D512",
+        "sm90-fp16",
+        "sm90-H96-K300",
+    ],  # fmt: skip
+)
+def test_sparse_mla_bf16(T, T_k, H, D, d_v, K, with_sink, forced, dtype):
     from longtrain.dsa.triton import sparse_mla_triton
 
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(T + H)
-    q = torch.randn((T, H, D), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
-    kv = torch.randn((T_k, 1, D), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
+    q = torch.randn((T, H, D), generator=gen, device=dev).to(dtype).requires_grad_(True)
+    kv = torch.randn((T_k, 1, D), generator=gen, device=dev).to(dtype).requires_grad_(True)
     idx, length = _index_sets(T, T_k, K, gen, dev)
     idx[5, :7] = torch.tensor([-1, T_k, 2**30, 3, 3, 3, -5], dtype=torch.int32, device=dev)  # invalid + duplicates
     sink = torch.randn(H, generator=gen, device=dev).requires_grad_(True) if with_sink else None
     scale = 192**-0.5
-    out = sparse_mla_triton(q, kv, idx, scale, d_v=d_v, topk_length=length, attn_sink=sink,
-                            config=_configs() if forced else None)  # fmt: skip
-    dout = torch.randn(out.shape, generator=gen, device=dev).to(torch.bfloat16)
+    config = None if forced is False else _configs(None if forced is True else forced)
+    out = sparse_mla_triton(q, kv, idx, scale, d_v=d_v, topk_length=length, attn_sink=sink, config=config)
+    dout = torch.randn(out.shape, generator=gen, device=dev).to(dtype)
     inputs = [q, kv] + ([sink] if with_sink else [])
     grads = torch.autograd.grad(out, inputs, dout)
 
@@ -111,6 +135,21 @@ def test_sparse_mla_bf16(T, T_k, H, D, d_v, K, with_sink, forced):
     assert empty.any()
     assert torch.equal(out[empty], torch.zeros_like(out[empty]))
     assert torch.equal(grads[0][empty], torch.zeros_like(grads[0][empty]))
+
+
+@_SM90
+def test_forced_sm90_refuses_unsupported_shapes():
+    from longtrain.dsa.triton import KernelConfig, sparse_mla_triton
+
+    dev = torch.device("cuda")
+    q = torch.randn((8, 16, 576), device=dev, dtype=torch.bfloat16)
+    kv = torch.randn((8, 1, 576), device=dev, dtype=torch.bfloat16)
+    idx = torch.zeros((8, 64), device=dev, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="at least 64 heads"):
+        sparse_mla_triton(q, kv, idx, 0.1, config=KernelConfig(impl="sm90", num_stages=2))
+    q = torch.randn((8, 64, 576), device=dev, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="exceed the 227 KiB"):
+        sparse_mla_triton(q, kv, idx, 0.1, config=KernelConfig(impl="sm90", block_k=64, num_stages=3))
 
 
 def test_sparse_mla_deterministic_bitwise():

@@ -55,6 +55,11 @@ class KernelConfig:
     layout: str = "heads"
     """Forward only: ``"heads"`` (logits ``[heads, keys]``), ``"keys"`` (logits ``[keys, heads]``, output
     accumulated transposed) or ``"keys_logits"`` (logits ``[keys, heads]``, output ``[heads, d_v]``)."""
+    impl: str = "triton"
+    """Forward only: ``"triton"`` (the portable kernel: any SM80+ GPU and the CPU interpreter) or ``"sm90"``
+    (the Hopper kernel: ``num_stages`` gathered tiles in flight through an explicit cp.async ring, wgmma; SM90,
+    bf16/fp16, >= 64 heads, power-of-two ``d_v`` in [64, 512] and rope tail 0 or 16..128, ``num_warps=8``,
+    ``num_stages >= 2``, ``layout="heads"``). ``config=None`` picks ``"sm90"`` wherever it applies."""
 
     def __post_init__(self) -> None:
         _check_pow2("block_k", self.block_k, 16, 256)
@@ -64,6 +69,14 @@ class KernelConfig:
             raise ValueError(f"num_stages must be an int in [1, 6], got {self.num_stages!r}")
         if self.layout not in ("heads", "keys", "keys_logits"):
             raise ValueError(f"layout must be one of 'heads', 'keys', 'keys_logits', got {self.layout!r}")
+        if self.impl not in ("triton", "sm90"):
+            raise ValueError(f"impl must be one of 'triton', 'sm90', got {self.impl!r}")
+        if self.impl == "sm90" and (self.num_warps != 8 or self.num_stages < 2 or self.layout != "heads"):
+            raise ValueError(
+                "impl='sm90' runs two warpgroups over a ring of >= 2 tiles with [heads, keys] logits: it needs "
+                f"num_warps=8, num_stages >= 2 and layout='heads', got num_warps={self.num_warps}, "
+                f"num_stages={self.num_stages}, layout={self.layout!r}"
+            )
 
 
 @dataclass(kw_only=True)

@@ -22,7 +22,11 @@ LN2 = 0.6931471805599453
 
 # (block_k, num_warps, num_stages, layout): candidates the autotuner tries for the (H, D) of a model, once.
 _FWD_CANDIDATES = ((128, 8, 1, 1), (128, 8, 1, 2), (64, 8, 1, 0))
+# (block_k, tiles in flight): candidates of the SM90 kernel (sparse_mla_fwd_sm90.py), tried where it applies.
+_SM90_CANDIDATES = ((64, 2), (32, 4), (32, 3))
 _LAYOUTS = {"heads": 0, "keys": 1, "keys_logits": 2}
+# Shared memory an SM90 block may use (227 KiB) minus what the kernel needs beside its tiles.
+_SM90_SMEM = 232448 - 8192
 
 
 @triton.jit
@@ -44,7 +48,7 @@ def sparse_mla_fwd_kernel(
     H: tl.constexpr, D_V: tl.constexpr, D_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
     HAS_LEN: tl.constexpr, HAS_SINK: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_K: tl.constexpr, LAYOUT: tl.constexpr,
+    BLOCK_K: tl.constexpr, LAYOUT: tl.constexpr, IDX_AHEAD: tl.constexpr,
 ):  # fmt: skip
     D_QK: tl.constexpr = D_V + D_R
     NUM_HB: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H
@@ -77,10 +81,21 @@ def sparse_mla_fwd_kernel(
     else:
         acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     idx_row = idx_ptr + t * K_slots
+    offs_k = tl.arange(0, BLOCK_K)
+    if IDX_AHEAD:
+        # The slot indices of step i+1 are loaded during step i: the gathered KV loads then depend on a
+        # loop-carried value, not on a load of the same step, so with num_stages >= 2 the software pipeliner
+        # turns them into cp.async copies one more buffer deep (the index load needs no stage of its own).
+        idx_next = tl.load(idx_row + offs_k, mask=offs_k < n_slots, other=-1)
     for k0 in range(0, n_slots, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        in_len = offs_k < n_slots
-        idx = tl.load(idx_row + offs_k, mask=in_len, other=-1)
+        if IDX_AHEAD:
+            in_len = offs_k < n_slots - k0
+            idx = idx_next
+            idx_next = tl.load(idx_row + BLOCK_K + k0 + offs_k, mask=offs_k < n_slots - k0 - BLOCK_K, other=-1)
+        else:
+            offs = k0 + offs_k
+            in_len = offs < n_slots
+            idx = tl.load(idx_row + offs, mask=in_len, other=-1)
         valid = in_len & (idx >= 0) & (idx < T_k)
         kv_rows = kv_ptr + tl.where(valid, idx, 0).to(tl.int64) * D_QK
         kv_v = tl.load(kv_rows[:, None] + offs_v[None, :], mask=_row_col_mask(valid, offs_v, D_V, BLOCK_DV), other=0.0)
@@ -151,13 +166,69 @@ def _autotuned_fwd():
     kernel = _AUTOTUNED.get("fwd")
     if kernel is None:
         configs = [
-            triton.Config({"BLOCK_K": bk, "LAYOUT": layout}, num_warps=w, num_stages=s)
+            triton.Config({"BLOCK_K": bk, "LAYOUT": layout, "IDX_AHEAD": s > 1}, num_warps=w, num_stages=s)
             for bk, w, s, layout in _FWD_CANDIDATES
         ]
         # Static model dims only: token counts never re-trigger tuning.
         kernel = triton.autotune(configs=configs, key=["H", "D_V", "D_R", "BLOCK_H"])(sparse_mla_fwd_kernel)
         _AUTOTUNED["fwd"] = kernel
     return kernel
+
+
+def _sm90_fits(block_k: int, num_buf: int, d_qk: int, itemsize: int) -> bool:
+    return (64 + num_buf * block_k) * d_qk * itemsize <= _SM90_SMEM
+
+
+def _autotuned_sm90():
+    kernel = _AUTOTUNED.get("fwd_sm90")
+    if kernel is None:
+        from longtrain.dsa.triton.sparse_mla_fwd_sm90 import sparse_mla_fwd_sm90_kernel
+
+        configs = [
+            triton.Config({"BLOCK_K": bk, "NUM_BUF": nb, "SPLIT_KEYS": True}, num_warps=8)
+            for bk, nb in _SM90_CANDIDATES
+        ]
+
+        def prune(configs, named_args, **kwargs):
+            d_qk = kwargs["D_V"] + kwargs["D_R"]
+            size = named_args["q_ptr"].element_size()
+            fit = [c for c in configs if _sm90_fits(c.kwargs["BLOCK_K"], c.kwargs["NUM_BUF"], d_qk, size)]
+            return fit or configs[-1:]
+
+        kernel = triton.autotune(
+            configs=configs, key=["H", "D_V", "D_R"], prune_configs_by={"early_config_prune": prune}
+        )(sparse_mla_fwd_sm90_kernel)
+        _AUTOTUNED["fwd_sm90"] = kernel
+    return kernel
+
+
+def _launch_sm90(q, kv2d, idx, qk_scale, d_v, topk_length, attn_sink, out, lse, config) -> None:
+    from longtrain.dsa.triton.sparse_mla_fwd_sm90 import sm90_unsupported_reason, sparse_mla_fwd_sm90_kernel
+
+    num_tokens, num_heads, d_qk = q.shape
+    grid = (num_tokens * triton.cdiv(num_heads, 64),)
+    args = (
+        q, kv2d, idx,
+        topk_length if topk_length is not None else idx,
+        attn_sink if attn_sink is not None else q,
+        out, lse, kv2d.shape[0], idx.shape[1], qk_scale,
+    )  # fmt: skip
+    meta = dict(H=num_heads, D_V=d_v, D_R=d_qk - d_v, HAS_LEN=topk_length is not None, HAS_SINK=attn_sink is not None)
+    if config is None:
+        _autotuned_sm90()[grid](*args, **meta)
+        return
+    reason = "Gluon kernels do not run in Triton's interpreter (TRITON_INTERPRET=1)" if interpreting() else None
+    reason = reason or sm90_unsupported_reason(q, d_v)
+    if reason is None and not _sm90_fits(config.block_k, config.num_stages, d_qk, q.element_size()):
+        reason = (
+            f"{config.num_stages} tiles of {config.block_k} rows plus 64 query heads of D_qk={d_qk} exceed the "
+            "227 KiB of shared memory; lower block_k or num_stages"
+        )
+    if reason is not None:
+        raise RuntimeError(f"KernelConfig(impl='sm90') cannot run here: {reason}; use impl='triton'")
+    sparse_mla_fwd_sm90_kernel[grid](
+        *args, **meta, BLOCK_K=config.block_k, NUM_BUF=config.num_stages, SPLIT_KEYS=True, num_warps=8
+    )
 
 
 def sparse_mla_fwd(
@@ -172,6 +243,9 @@ def sparse_mla_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel on validated, contiguous inputs.
 
+    ``config=None`` runs the SM90 kernel (``sparse_mla_fwd_sm90.py``) where it applies, else the autotuned
+    portable kernel; a ``KernelConfig`` forces one kernel and launch configuration.
+
     Args:
         q: ``[T, H, D_qk]``; kv2d: ``[T_k, D_qk]``; idx: ``[T, K] int32``; topk_length: ``[T]`` or None;
         attn_sink: ``[H] fp32`` or None.
@@ -184,6 +258,9 @@ def sparse_mla_fwd(
     out = torch.empty((num_tokens, num_heads, d_v), dtype=q.dtype, device=q.device)
     lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=q.device)
     if num_tokens == 0:
+        return out, lse
+    if config is not None and config.impl == "sm90" or config is None and _sm90_default(q, d_v):
+        _launch_sm90(q, kv2d, idx, softmax_scale * LOG2E, d_v, topk_length, attn_sink, out, lse, config)
         return out, lse
     block_h = fwd_block_h(num_heads, config.block_h if config is not None else 64)
     grid = (num_tokens * triton.cdiv(num_heads, block_h),)
@@ -214,9 +291,18 @@ def sparse_mla_fwd(
             **meta,
             BLOCK_K=config.block_k,
             LAYOUT=_LAYOUTS[config.layout],
+            IDX_AHEAD=config.num_stages > 1,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
     else:
         _autotuned_fwd()[grid](*args, **meta)
     return out, lse
+
+
+def _sm90_default(q: torch.Tensor, d_v: int) -> bool:
+    if interpreting() or q.device.type != "cuda":
+        return False
+    from longtrain.dsa.triton.sparse_mla_fwd_sm90 import sm90_unsupported_reason
+
+    return sm90_unsupported_reason(q, d_v) is None

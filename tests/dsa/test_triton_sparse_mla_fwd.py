@@ -1,0 +1,189 @@
+"""Sparse MLA forward launch paths: pipelined portable configs (interpreter, vs float64) and the SM90 kernel's
+routing, validation and offline compilation for Hopper (it cannot run without an SM90 GPU; its numerics are
+checked in tests/gpu/test_dsa_triton_gpu.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from longtrain.dsa.reference import sparse_mla_reference
+from longtrain.dsa.triton import KernelConfig
+
+pytestmark = pytest.mark.interpret
+
+
+def _inputs(T, H, D, T_k, K, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, H, D, generator=g).to(dtype)
+    kv = torch.randn(T_k, D, generator=g).to(dtype)
+    idx = torch.randint(0, T_k, (T, K), generator=g, dtype=torch.int32)
+    idx[torch.rand(idx.shape, generator=g) < 0.15] = -1
+    idx[1, 3:9] = torch.tensor([T_k, 2**30, -7, 2, 2, 2], dtype=torch.int32)  # out of range + duplicates
+    idx[2] = -1  # no valid slot at all
+    return q, kv, idx
+
+
+@pytest.mark.parametrize("layout", ["heads", "keys", "keys_logits"])
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_pipelined_configs_match_reference(triton_interpret, layout, num_stages):
+    """num_stages >= 2 loads the slot indices one step ahead (IDX_AHEAD); every layout must still be exact."""
+    from longtrain.dsa.triton.sparse_mla_fwd import sparse_mla_fwd
+
+    T, H, D, d_v, T_k, K = 5, 20, 48, 32, 23, 40  # two head blocks of 16, rope tail 16, three slot blocks
+    q, kv, idx = _inputs(T, H, D, T_k, K, torch.float32, seed=num_stages)
+    length = torch.tensor([40, 17, 40, 0, 33], dtype=torch.int32)  # ends mid-block, and an empty row
+    sink = torch.randn(H)
+    cfg = KernelConfig(block_k=16, block_h=16, num_warps=4, num_stages=num_stages, layout=layout)
+    out, lse = sparse_mla_fwd(q, kv, idx, 0.3, d_v, length, sink, cfg)
+    ref, ref_lse = sparse_mla_reference(
+        q.double(), kv.double()[:, None], idx, 0.3, d_v=d_v, topk_length=length, attn_sink=sink.double()
+    )
+    # fp32 kernel vs float64 oracle: fp32 rounding of 48-long dot products and 40-term sums, far below 1e-4.
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+    for row in (2, 3):  # no valid slot / zero length: exact zeros and -inf
+        assert torch.equal(out[row], torch.zeros_like(out[row]))
+        assert torch.all(lse[row] == float("-inf"))
+
+
+def test_pipelined_config_fp16_flash_attention_rule(triton_interpret):
+    from longtrain.dsa.triton.sparse_mla_fwd import sparse_mla_fwd
+
+    q, kv, idx = _inputs(4, 16, 48, 30, 48, torch.float16, seed=5)
+    cfg = KernelConfig(block_k=16, block_h=16, num_warps=4, num_stages=2)
+    out, _ = sparse_mla_fwd(q, kv, idx, 0.25, 32, None, None, cfg)
+    ref64, _ = sparse_mla_reference(q.double(), kv.double()[:, None], idx, 0.25, d_v=32)
+    same, _ = sparse_mla_reference(q, kv[:, None], idx, 0.25, d_v=32)
+    # Flash-attention rule: at most twice the same-dtype reference's error plus one fp16 rounding step.
+    bound = 2 * (same.double() - ref64).abs().max() + ref64.abs().max() * 2.0**-11
+    assert (out.double() - ref64).abs().max() <= bound
+
+
+def test_kernel_config_impl_validation():
+    assert KernelConfig().impl == "triton"
+    KernelConfig(impl="sm90", block_k=32, num_stages=4)
+    with pytest.raises(ValueError, match="impl must be one of 'triton', 'sm90'"):
+        KernelConfig(impl="gluon")
+    for bad in (dict(num_warps=4), dict(num_stages=1), dict(layout="keys")):
+        with pytest.raises(ValueError, match="impl='sm90'.*num_warps=8, num_stages >= 2 and layout='heads'"):
+            KernelConfig(impl="sm90", **bad)
+
+
+def test_forced_sm90_refuses_the_interpreter(triton_interpret):
+    from longtrain.dsa.triton import sparse_mla_triton
+
+    q, kv, idx = _inputs(3, 64, 576, 8, 16, torch.float32, seed=1)
+    cfg = KernelConfig(impl="sm90", num_stages=2)
+    with pytest.raises(RuntimeError, match="impl='sm90'.*interpreter.*impl='triton'"):
+        sparse_mla_triton(q, kv[:, None], idx, 0.1, d_v=512, config=cfg)
+
+
+def test_default_path_never_picks_sm90_off_gpu(triton_interpret):
+    from longtrain.dsa.triton.sparse_mla_fwd import _sm90_default
+
+    assert not _sm90_default(torch.zeros(1, 64, 576, dtype=torch.bfloat16), 512)
+
+
+def _fake_q(H=64, D=576, dtype=torch.bfloat16):
+    return SimpleNamespace(shape=(3, H, D), dtype=dtype, device=torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize(
+    "cap,kwargs,d_v,match",
+    [
+        ((9, 0), {}, 512, None),
+        ((9, 0), dict(D=512), 512, None),  # K = V, no rope tail
+        ((9, 0), dict(H=128), 512, None),
+        ((8, 0), {}, 512, "needs an SM90 \\(Hopper\\) GPU, cuda:0 is SM80"),
+        ((10, 0), {}, 512, "SM100"),
+        ((9, 0), dict(dtype=torch.float32), 512, "bf16/fp16"),
+        ((9, 0), dict(H=32), 512, "at least 64 heads"),
+        ((9, 0), dict(D=448), 448, "power-of-two d_v"),
+        ((9, 0), dict(D=560), 512, "rope tail .* got 48"),
+        ((9, 0), dict(D=1024), 512, "rope tail .* got 512"),
+    ],
+)
+def test_sm90_support_rules(monkeypatch, cap, kwargs, d_v, match):
+    from longtrain.dsa.triton import sparse_mla_fwd_sm90 as sm90
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+    reason = sm90.sm90_unsupported_reason(_fake_q(**kwargs), d_v)
+    if match is None:
+        assert reason is None
+    else:
+        assert re.search(match, reason), reason
+    assert "not on cpu" in sm90.sm90_unsupported_reason(torch.zeros(1, 64, 576, dtype=torch.bfloat16), 512)
+
+
+def test_sm90_candidates_fit_shared_memory():
+    from longtrain.dsa.triton.sparse_mla_fwd import _SM90_CANDIDATES, _sm90_fits
+
+    for d_qk in (576, 512):
+        assert all(_sm90_fits(bk, nb, d_qk, 2) for bk, nb in _SM90_CANDIDATES)
+    assert not _sm90_fits(64, 3, 576, 2)  # 64 queries + 3 x 64 rows of 576 bf16 = 288 KiB
+    assert not _sm90_fits(128, 2, 576, 2)
+
+
+_COMPILE_SM90 = """
+import json, re, subprocess, sys, tempfile
+from pathlib import Path
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from longtrain.dsa.triton.sparse_mla_fwd_sm90 import sparse_mla_fwd_sm90_kernel as kernel
+
+block_k, num_buf, d_qk, d_v = map(int, sys.argv[1:5])
+types = ["*bf16", "*bf16", "*i32", "*i32", "*fp32", "*bf16", "*fp32", "i32", "i32", "fp32"]
+sig = dict(zip(kernel.arg_names, types))
+consts = dict(H=64, D_V=d_v, D_R=d_qk - d_v, HAS_LEN=True, HAS_SINK=True, BLOCK_K=block_k, NUM_BUF=num_buf,
+              SPLIT_KEYS=True, num_warps=8)
+sig.update({name: "constexpr" for name in consts})
+attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(types) if t.startswith("*")}
+compiled = triton.compile(GluonASTSource(kernel, sig, constexprs=consts, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
+tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+    f.write(compiled.asm["cubin"])
+    f.flush()
+    usage = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
+m = re.search(r"REG:(\\d+) STACK:(\\d+) SHARED:\\d+ LOCAL:(\\d+)", usage)
+ptx = compiled.asm["ptx"]
+print(json.dumps(dict(shared=compiled.metadata.shared, regs=int(m[1]), stack=int(m[2]), local=int(m[3]),
+                      cp_async="cp.async.cg.shared.global" in ptx, wgmma="wgmma.mma_async" in ptx)))
+"""
+
+
+def _cuobjdump() -> Path | None:
+    if importlib.util.find_spec("triton") is None:
+        return None
+    import triton
+
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return path if path.exists() else None
+
+
+@pytest.mark.skipif(_cuobjdump() is None, reason="needs triton with its bundled NVIDIA toolchain (ptxas, cuobjdump)")
+def test_sm90_kernel_compiles_for_hopper_without_spills():
+    """The GLM-5.2 default candidate, compiled for sm_90a on this CPU-only machine (in a fresh process: the
+    interpreter tests leave Triton's language patched): cp.async ring + wgmma, no spills to local memory,
+    shared memory within the 227 KiB an SM90 block can have."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2] / "src"),
+                                                      env.get("PYTHONPATH")]))  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", _COMPILE_SM90, "64", "2", "576", "512"], capture_output=True,
+                          text=True, env=env, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    stats = json.loads(done.stdout.strip().splitlines()[-1])
+    assert stats["cp_async"] and stats["wgmma"], stats
+    assert stats["shared"] <= 232448, stats
+    assert stats["stack"] == 0 and stats["local"] == 0, stats
