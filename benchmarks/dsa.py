@@ -279,9 +279,9 @@ def sweep(total: int, out_dir: Path, fwd_only: bool = False) -> dict:
     from longtrain.dsa.triton import sparse_mla_fwd_sm90 as m90
 
     dev = torch.device("cuda")
-    jobs = [("fwd", (64, D_QK, _kcfg(c))) for c in FWD_SWEEP]
+    jobs = [("fwd", (64, D_QK, _kcfg(c))) for c in FWD_SWEEP] + _bwd_jobs(64)
     if not fwd_only:
-        jobs += _bwd_jobs(64) + [("idx", _icfg(c)) for c in IDX_SWEEP]
+        jobs += [("idx", _icfg(c)) for c in IDX_SWEEP]
     precompile(jobs)
     result = {"fwd": [], "bwd": [], "indexer": []}
     idx, length, starts, causal = causal_index_sets([total], TOPK, dev)
