@@ -141,13 +141,17 @@ def test_kernel_mode_is_deterministic_and_syncs_nothing():
     first = tv.triton_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, config=cfg)
     torch.cuda.synchronize()
     fresh_q, fresh_k = cu_q.clone(), cu_k.clone()  # new metadata objects: the work lists are rebuilt on device
+    overlap = tv.TritonVarlenBwdConfig(overlap=True)
+    tv.triton_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, config=overlap)  # compile
+    torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         again = tv.triton_varlen_bwd(dout, q, k, v, out, lse, fresh_q, fresh_k, max_q, max_k, scale, config=cfg)
+        side = tv.triton_varlen_bwd(dout, q, k, v, out, lse, fresh_q, fresh_k, max_q, max_k, scale, config=overlap)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    for a, b in zip(first, again):
-        assert torch.equal(a, b)
+    for a, b, c in zip(first, again, side):
+        assert torch.equal(a, b) and torch.equal(a, c)
 
 
 def test_cudnn_stats_as_input(poisoned):

@@ -63,11 +63,11 @@ class TritonVarlenBwdConfig:
 
     dkv_block_m: int = 32
     """Query rows per inner step of the dK/dV kernel."""
-    dkv_block_n: int = 128
+    dkv_block_n: int = 64
     """Keys per dK/dV program (the resident K/V block)."""
-    dkv_warps: int = 8
+    dkv_warps: int = 4
     """Warps per dK/dV program."""
-    dkv_stages: int = 2
+    dkv_stages: int = 3
     """Software-pipelining depth of the dK/dV kernel's query-block loads."""
     dq_block_m: int = 128
     """Query rows per dQ program (the resident Q/dO block); unused with ``dq_mode="atomic"``."""
@@ -75,11 +75,14 @@ class TritonVarlenBwdConfig:
     """Keys per inner step of the dQ kernel."""
     dq_warps: int = 8
     """Warps per dQ program."""
-    dq_stages: int = 2
+    dq_stages: int = 3
     """Software-pipelining depth of the dQ kernel's key-block loads."""
     dq_mode: str = "kernel"
     """``"kernel"``: a separate deterministic dQ kernel; ``"atomic"``: dQ added by the dK/dV kernel with fp32
     atomics (no extra matmuls, not bitwise deterministic)."""
+    overlap: bool = False
+    """CUDA, ``dq_mode="kernel"``: launch the dQ kernel on a side stream so it runs alongside the dK/dV kernel
+    (each fills the other's tail; results are unchanged, the two kernels write disjoint outputs)."""
 
     def __post_init__(self) -> None:
         for name in ("dkv_block_m", "dkv_block_n", "dq_block_m", "dq_block_n"):
@@ -90,6 +93,8 @@ class TritonVarlenBwdConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 6:
                 raise ValueError(f"TritonVarlenBwdConfig.{name} must be an int in [1, 6], got {value!r}")
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"TritonVarlenBwdConfig.overlap must be a bool, got {self.overlap!r}")
         if self.dq_mode not in _DQ_MODES:
             raise ValueError(
                 f"TritonVarlenBwdConfig.dq_mode must be one of {', '.join(_DQ_MODES)}, got {self.dq_mode!r}"
@@ -100,14 +105,16 @@ class TritonVarlenBwdConfig:
         dkv = f"dkv{self.dkv_block_m}x{self.dkv_block_n}w{self.dkv_warps}s{self.dkv_stages}"
         if self.dq_mode == "atomic":
             return f"{dkv}/dq-atomic"
-        return f"{dkv}/dq{self.dq_block_m}x{self.dq_block_n}w{self.dq_warps}s{self.dq_stages}"
+        dq = f"dq{self.dq_block_m}x{self.dq_block_n}w{self.dq_warps}s{self.dq_stages}"
+        return f"{dkv}/{dq}" + ("/overlap" if self.overlap else "")
 
 
 #: Configurations the autotuner times on the first call of each static shape (head dim, heads, dtype, device).
 CANDIDATES: tuple[TritonVarlenBwdConfig, ...] = (
     TritonVarlenBwdConfig(),
-    TritonVarlenBwdConfig(dkv_block_m=16, dkv_stages=3, dq_block_n=32, dq_stages=3),
-    TritonVarlenBwdConfig(dkv_block_m=64, dq_stages=3),
+    TritonVarlenBwdConfig(overlap=True),
+    TritonVarlenBwdConfig(dkv_stages=4, overlap=True),
+    TritonVarlenBwdConfig(dkv_block_m=64, dkv_block_n=128, dkv_warps=8, dq_stages=4, overlap=True),
 )
 #: The forced configuration under the Triton interpreter (small tiles keep CPU tests quick).
 INTERPRET_CONFIG = TritonVarlenBwdConfig(
@@ -462,6 +469,14 @@ def _launch_all(
         )  # fmt: skip
     dqa = torch.zeros((t_q, hq, d), dtype=torch.float32, device=dev) if atomic else delta
     qk_scale = scale * LOG2E
+    run_dq = not atomic and t_q > 0 and "dq" in kernels
+    dq_args = (q, k, v, dout, dq, lse2, delta, dq_table, t_q, qk_scale, scale, cfg, group, block_d, dot_prec)
+    side = None
+    if run_dq and cfg.overlap and dev.type == "cuda" and t_k and "dkdv" in kernels:
+        main = torch.cuda.current_stream(dev)
+        side = _side_stream(dev)
+        ready = torch.cuda.Event()
+        ready.record(main)  # the preprocess's delta / lse2 and the caller's inputs; not the dK/dV kernel below
     if t_k and "dkdv" in kernels:
         triton_varlen_bwd_kernel_dkdv[(dkv_table.shape[0] * hkv,)](
             q, k, v, dout, dk, dv, lse2, delta, dqa, dkv_table, t_q, qk_scale, scale,
@@ -473,15 +488,36 @@ def _launch_all(
         )  # fmt: skip
     if atomic:
         dq.copy_(dqa)
-    elif t_q and "dq" in kernels:
-        triton_varlen_bwd_kernel_dq[(dq_table.shape[0] * hq,)](
-            q, k, v, dout, dq, lse2, delta, dq_table, t_q, qk_scale, scale,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0),
-            dout.stride(1), dq.stride(0), dq.stride(1),
-            H_Q=hq, GROUP=group, D=d, BLOCK_D=block_d, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
-            DOT_PREC=dot_prec, num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
-        )  # fmt: skip
+    elif side is not None:
+        # Launched after the dK/dV kernel, so the block scheduler hands it SMs as the dK/dV kernel's tail frees them.
+        side.wait_event(ready)
+        with torch.cuda.stream(side):
+            _launch_dq(*dq_args)
+        main.wait_stream(side)  # every buffer used on the side stream is freed after this point on `main`
+    elif run_dq:
+        _launch_dq(*dq_args)
     return dq, dk, dv
+
+
+def _launch_dq(q, k, v, dout, dq, lse2, delta, dq_table, t_q, qk_scale, scale, cfg, group, block_d, dot_prec):
+    hq, d = q.shape[1], q.shape[2]
+    triton_varlen_bwd_kernel_dq[(dq_table.shape[0] * hq,)](
+        q, k, v, dout, dq, lse2, delta, dq_table, t_q, qk_scale, scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0),
+        dout.stride(1), dq.stride(0), dq.stride(1),
+        H_Q=hq, GROUP=group, D=d, BLOCK_D=block_d, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
+        DOT_PREC=dot_prec, num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
+    )  # fmt: skip
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
 
 
 _TUNED: dict[tuple, TritonVarlenBwdConfig] = {}
