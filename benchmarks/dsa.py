@@ -437,11 +437,11 @@ def _mla_case(add, total: int, heads: int, topk: int, layout: str) -> None:
     add(op="sparse_mla_fwd", impl=impl, shape=shape, ms=ms[0], p20=ms[1], p80=ms[2],
         tflops=fwd_flops / ms[0] / 1e9, peak_mib=peak_mib(fwd))  # fmt: skip
     if _sm90_default(q, D_V) and total == 16384 and topk == TOPK and layout == "1doc":
-        # The portable kernel's previous default (the autotuned best before the SM90 kernel), same inputs.
-        cfg = _kcfg((128, 8, 1, 2))
-        ms = bench(lambda: run_fwd(q, kv, idx, length, cfg))
-        add(op="sparse_mla_fwd", impl="triton (ours, portable kernel, 128 keys x 1 stage)", shape=shape,
-            ms=ms[0], p20=ms[1], p80=ms[2], tflops=fwd_flops / ms[0] / 1e9)  # fmt: skip
+        # The portable kernel on the same inputs: its best config here, and its previous default.
+        for c, what in (((64, 8, 2, 0), "64 keys x 2 stages, idx ahead"), ((128, 8, 1, 2), "128 keys x 1 stage")):
+            ms = bench(lambda c=c: run_fwd(q, kv, idx, length, _kcfg(c)))
+            add(op="sparse_mla_fwd", impl=f"triton (ours, portable kernel, {what})", shape=shape, ms=ms[0],
+                p20=ms[1], p80=ms[2], tflops=fwd_flops / ms[0] / 1e9)  # fmt: skip
     ms = bench(bwd)
     add(op="sparse_mla_bwd", impl="triton (ours)", shape=shape, ms=ms[0], p20=ms[1], p80=ms[2],
         tflops=bwd_flops / ms[0] / 1e9, peak_mib=peak_mib(bwd))  # fmt: skip

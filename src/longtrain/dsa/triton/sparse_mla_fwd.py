@@ -21,8 +21,11 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
 # (block_k, num_warps, num_stages, layout): candidates the autotuner tries for the (H, D) of a model, once.
-_FWD_CANDIDATES = ((128, 8, 1, 1), (128, 8, 1, 2), (64, 8, 1, 0))
+# H200, GLM-5.2 shape (benchmarks/results/dsa_fwd_sweep_2026-11-29.md): (64, 8, 2, 0) 276 TFLOP/s, (128, 8, 1, 2)
+# 250; the one-stage configs stay for GPUs whose shared memory cannot hold two 64-row tiles (SM80: 164 KiB).
+_FWD_CANDIDATES = ((128, 8, 1, 1), (128, 8, 1, 2), (64, 8, 1, 0), (64, 8, 2, 0))
 # (block_k, tiles in flight): candidates of the SM90 kernel (sparse_mla_fwd_sm90.py), tried where it applies.
+# H200, same shape: (64, 2) 337 TFLOP/s, (32, 4) 255, (32, 3) 255; 32-row tiles cover rope tails up to 128.
 _SM90_CANDIDATES = ((64, 2), (32, 4), (32, 3))
 _LAYOUTS = {"heads": 0, "keys": 1, "keys_logits": 2}
 # Shared memory an SM90 block may use (227 KiB) minus what the kernel needs beside its tiles.
