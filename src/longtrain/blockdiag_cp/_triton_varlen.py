@@ -38,7 +38,10 @@ import triton.language as tl
 from longtrain import _optional
 
 __all__ = [
+    "CANDIDATES",
+    "INTERPRET_CONFIG",
     "TritonVarlenBwdConfig",
+    "config_from_dict",
     "triton_varlen_bwd",
     "triton_varlen_bwd_kernel_dkdv",
     "triton_varlen_bwd_kernel_dq",
