@@ -122,6 +122,7 @@ def providers(cu: torch.Tensor, max_len: int, meta: dict, total: int):
     cudnn_rows = (
         ("cudnn (CuTe DSL route: fwd + bwd)", "flex", "auto", cu),
         ("cudnn (graph, top-left diagonal + cuDNN bwd)", "graph", "auto", cu),
+        ("cudnn (graph, bottom-right diagonal + Triton bwd)", "graph", "triton", cu_k_other),
         ("cudnn (graph, bottom-right diagonal + FA2 bwd)", "graph", "fa2", cu_k_other),
         ("cudnn (graph, bottom-right diagonal + cuDNN bwd)", "graph", "cudnn", cu_k_other),
     )

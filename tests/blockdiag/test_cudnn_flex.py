@@ -177,9 +177,17 @@ def test_graph_alignment_and_backward_follow_the_layout(monkeypatch):
     q, k = torch.empty(10, 4, 8, dtype=torch.bfloat16), torch.empty(10, 2, 8, dtype=torch.bfloat16)
     monkeypatch.setattr(cv._optional, "torch_varlen", lambda: (True, ""))
     assert cv._params(q, k, lay, 0.3, False, 10, 10, "TOP_LEFT")["backward"] == "cudnn"
+    # CPU tensors: our Triton backward is not used by this backend off CUDA, so bottom-right takes FA2's
+    assert "CUDA" in cv._triton_bwd_reason(q)
     assert cv._params(q, k, lay, 0.3, False, 10, 10, "BOTTOM_RIGHT")["backward"] == "fa2"
+    monkeypatch.setattr(cv, "_triton_bwd_reason", lambda q_: None)
+    assert cv._params(q, k, lay, 0.3, False, 10, 10, "BOTTOM_RIGHT")["backward"] == "triton"
+    assert cv._params(q, k, lay, 0.3, True, 10, 10, "BOTTOM_RIGHT")["backward"] == "triton"  # deterministic too
     monkeypatch.setattr(cv, "BACKWARD", "fa2")
     assert cv._params(q, k, lay, 0.3, False, 10, 10, "TOP_LEFT")["backward"] == "fa2"
+    monkeypatch.setattr(cv, "BACKWARD", "fastest")
+    with pytest.raises(ValueError, match="'auto', 'triton', 'fa2', 'cudnn'"):
+        cv._params(q, k, lay, 0.3, False, 10, 10, "TOP_LEFT")
 
 
 def test_reasons_without_the_package(monkeypatch):

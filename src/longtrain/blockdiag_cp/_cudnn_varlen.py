@@ -11,8 +11,9 @@ Two routes, chosen per call by ``ROUTE`` (``"auto"``: the first that can run):
    diagonal (~440 TFLOP/s on an H200) but slow with a bottom-right one (~245), so the diagonal follows the
    layout: when every document has as many queries as keys (known from the step's metadata without a sync:
    ``cu_q is cu_k``, or ``first_q == first_k`` since only the first segment can straddle ranks) the two
-   alignments coincide and top-left runs with cuDNN's backward; otherwise bottom-right runs with torch's
-   bundled FA2 backward fed with cuDNN's output and log-sum-exp (``BACKWARD`` overrides the choice).
+   alignments coincide and top-left runs with cuDNN's backward; otherwise bottom-right runs with our Triton
+   varlen backward (:mod:`longtrain.blockdiag_cp._triton_varlen`, ~340 TFLOP/s) or, without Triton, torch's
+   bundled FA2 backward, both fed with cuDNN's output and log-sum-exp (``BACKWARD`` overrides the choice).
 
 Why not ``aten._cudnn_attention_forward`` with cumulative offsets: measured on an H200 (torch 2.11, cuDNN
 9.19), it rebuilds its cuDNN graph on every call (~48 ms per call at 32K tokens, identical calls included,
@@ -51,11 +52,13 @@ _LOCK = threading.Lock()
 _TLS = threading.local()
 #: None: try ragged (packed) softmax stats in the backward and fall back to a padded copy if cuDNN refuses.
 RAGGED_STATS_BWD: bool | None = None
-#: Graph-route backward kernel: "auto" (cuDNN's with a top-left diagonal, FA2's with a bottom-right one: the
-#: faster of the two in each case on an H200, see docs/blockdiag_kernels.md), "fa2" (torch's bundled
-#: FlashAttention-2 backward fed with the cuDNN forward's output and log-sum-exp) or "cudnn". FA2 falls back to
-#: cuDNN when torch has no FA2 kernels or a deterministic backward is requested.
+#: Graph-route backward kernel: "auto" (cuDNN's with a top-left diagonal; with a bottom-right one our Triton
+#: backward, else FA2's: the fastest available in each case on an H200, see docs/blockdiag_kernels.md), "triton"
+#: (ours, fed with the cuDNN forward's output and log-sum-exp; deterministic), "fa2" (torch's bundled
+#: FlashAttention-2 backward, fed the same way) or "cudnn". Triton falls back to FA2 when it cannot run here, FA2
+#: to cuDNN when torch has no FA2 kernels or a deterministic backward is requested.
 BACKWARD: str = "auto"
+_BACKWARDS = ("auto", "triton", "fa2", "cudnn")
 #: "auto" (the CuTe DSL route when it can run, else the graph API), "flex" or "graph".
 ROUTE: str = "auto"
 _ROUTES = ("auto", "flex", "graph")
@@ -297,10 +300,22 @@ def _alignment(cu_q: torch.Tensor, cu_k: torch.Tensor, meta: dict | None) -> str
     return "BOTTOM_RIGHT"
 
 
+def _triton_bwd_reason(q: torch.Tensor) -> str | None:
+    if q.device.type != "cuda":  # the interpreter path is for the kernel's own tests, never this backend
+        return f"the Triton varlen backward runs on CUDA here, got device={q.device}"
+    from longtrain.blockdiag_cp._triton_varlen import triton_varlen_unavailable_reason
+
+    return triton_varlen_unavailable_reason(q.dtype, q.device)
+
+
 def _params(q, k, lay, scale, deterministic, total_q, total_k, align="BOTTOM_RIGHT"):
     backward = BACKWARD
+    if backward not in _BACKWARDS:
+        raise ValueError(f"_cudnn_varlen.BACKWARD must be one of {_BACKWARDS}, got {backward!r}")
     if backward == "auto":
-        backward = "cudnn" if align == "TOP_LEFT" else "fa2"
+        backward = "cudnn" if align == "TOP_LEFT" else "triton"
+    if backward == "triton" and _triton_bwd_reason(q) is not None:
+        backward = "fa2"
     if backward == "fa2" and (deterministic or not _optional.torch_varlen()[0]):
         backward = "cudnn"  # cuDNN's backward has a deterministic mode; FA2's follows torch's global flag
     return {
@@ -364,6 +379,18 @@ def fa2_bwd_from_cudnn(dout, q, k, v, out, stats, lay, p):
     return dq, dk, dv
 
 
+def triton_bwd_from_cudnn(dout, q, k, v, out, stats, lay, p):
+    """Our Triton varlen backward from the cuDNN forward's output and natural-log log-sum-exp ``[T_q, Hq]``."""
+    from longtrain.blockdiag_cp._triton_varlen import triton_varlen_bwd
+
+    return triton_varlen_bwd(
+        dout, q, k, v, out, stats[:, :, 0], lay["cu_q"], lay["cu_k"], lay["max_q"], lay["max_k"], p["scale"]
+    )
+
+
+_BACKWARD_FNS = {"triton": triton_bwd_from_cudnn, "fa2": fa2_bwd_from_cudnn, "cudnn": cudnn_varlen_bwd}
+
+
 class _CudnnVarlen(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, lay, p):
@@ -375,8 +402,7 @@ class _CudnnVarlen(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, stats = ctx.saved_tensors
-        bwd = fa2_bwd_from_cudnn if ctx.p["backward"] == "fa2" else cudnn_varlen_bwd
-        dq, dk, dv = bwd(dout.contiguous(), q, k, v, out, stats, ctx.lay, ctx.p)
+        dq, dk, dv = _BACKWARD_FNS[ctx.p["backward"]](dout.contiguous(), q, k, v, out, stats, ctx.lay, ctx.p)
         return dq, dk, dv, None, None
 
 
