@@ -81,10 +81,13 @@ def warmup(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     finite = bool(torch.isfinite(out).all()) and all(bool(torch.isfinite(g).all()) for g in grads)
+    from longtrain.dsa.triton.sparse_mla_fwd import _sm90_default
+
+    fwd_kernel = "sparse_mla_fwd_sm90_kernel" if _sm90_default(q, d_v) else "sparse_mla_fwd_kernel"
     del q, kv, out, grads, iq, ik, selected
     return {
         "kernels": [
-            "sparse_mla_fwd_kernel",
+            fwd_kernel,
             "sparse_mla_bwd_kernel_preprocess",
             "sparse_mla_bwd_kernel_ds",
             "sparse_mla_bwd_kernel_dq",
