@@ -68,7 +68,8 @@ def machine_header() -> dict[str, str]:
     head["driver"] = driver.splitlines()[0] if driver else "n/a"
     head["python"] = platform.python_version()
     repo = Path(__file__).resolve().parent.parent
-    commit = _run(["git", "-C", str(repo), "rev-parse", "--short=12", "HEAD"]) or os.environ.get("LONGTRAIN_COMMIT")
+    # LONGTRAIN_COMMIT first: a copy of the tree run elsewhere may carry a stale .git
+    commit = os.environ.get("LONGTRAIN_COMMIT") or _run(["git", "-C", str(repo), "rev-parse", "--short=12", "HEAD"])
     head["commit"] = commit or "n/a"
     head["date"] = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     order = ("gpu", "sm", "driver", "cuda", "torch", "triton", "cudnn", "python", "commit", "date")

@@ -410,7 +410,6 @@ def memcheck() -> None:
 
 
 def _mla_case(add, total: int, heads: int, topk: int, layout: str) -> None:
-    from longtrain import _optional
     from longtrain.dsa import ops
 
     dev = torch.device("cuda")
@@ -445,6 +444,8 @@ def _mla_case(add, total: int, heads: int, topk: int, layout: str) -> None:
     ms = bench(bwd)
     add(op="sparse_mla_bwd", impl="triton (ours)", shape=shape, ms=ms[0], p20=ms[1], p80=ms[2],
         tflops=bwd_flops / ms[0] / 1e9, peak_mib=peak_mib(bwd))  # fmt: skip
+    if heads == 64 and topk == TOPK and layout == "1doc":
+        _cudnn_rows(add, q, kv, idx, length, dout, shape, fwd_flops + bwd_flops)
     if not (total == 4096 and heads == 64 and topk == TOPK):
         return
     ms = bench(lambda: run_bwd(q, kv, out, dout, lse, idx, length, deterministic=True), rep_ms=50)
@@ -463,23 +464,33 @@ def _mla_case(add, total: int, heads: int, topk: int, layout: str) -> None:
     ms = bench(torch_bwd, rep_ms=300)
     add(op="sparse_mla_bwd", impl="torch reference (gather, autograd)", shape=shape, ms=ms[0], p20=ms[1],
         p80=ms[2], tflops=bwd_flops / ms[0] / 1e9, peak_mib=peak_mib(torch_bwd))  # fmt: skip
+
+
+def _cudnn_rows(add, q, kv, idx, length, dout, shape: str, flops: float) -> None:
+    """Forward + backward through ``sparse_mla_attention``: backend "cudnn" (FlashMLA's forward, or ours where
+    FlashMLA is not installed, with cuDNN's backward) next to backend "triton" on the same inputs."""
+    from longtrain import _optional
+    from longtrain.dsa import ops
+
     ok, why = _optional.cudnn_dsa()
-    if not ok:
-        add(op="sparse_mla_bwd", impl="cuDNN frontend", shape=shape, note=f"unavailable: {why}")
-        return
+    fwd_name = "FlashMLA fwd" if _optional.flash_mla()[0] else "our Triton fwd"
     qc = q.detach().requires_grad_(True)
     kvc = kv.detach().requires_grad_(True)
+    for backend, impl in (("cudnn", f"cudnn backend: {fwd_name} + cuDNN frontend bwd"), ("triton", "triton (ours)")):
+        if backend == "cudnn" and not ok:
+            add(op="sparse_mla_fwd+bwd", impl="cudnn backend", shape=shape, note=f"unavailable: {why}")
+            continue
 
-    def cudnn_fwd_bwd():
-        o = ops.sparse_mla_attention(qc, kvc, idx, D_QK**-0.5, d_v=D_V, topk_length=length, backend="cudnn")
-        torch.autograd.grad(o, (qc, kvc), dout)
+        def fwd_bwd(backend=backend):
+            o = ops.sparse_mla_attention(qc, kvc, idx, D_QK**-0.5, d_v=D_V, topk_length=length, backend=backend)
+            torch.autograd.grad(o, (qc, kvc), dout)
 
-    try:
-        ms = bench(cudnn_fwd_bwd)
-        add(op="sparse_mla_fwd+bwd", impl="cuDNN frontend (+FlashMLA fwd)", shape=shape, ms=ms[0], p20=ms[1],
-            p80=ms[2], tflops=(fwd_flops + bwd_flops) / ms[0] / 1e9)  # fmt: skip
-    except Exception as exc:
-        add(op="sparse_mla_bwd", impl="cuDNN frontend", shape=shape, note=f"failed: {exc!s:.150}")
+        try:
+            ms = bench(fwd_bwd)
+            add(op="sparse_mla_fwd+bwd", impl=impl, shape=shape, ms=ms[0], p20=ms[1], p80=ms[2],
+                tflops=flops / ms[0] / 1e9)  # fmt: skip
+        except Exception as exc:
+            add(op="sparse_mla_fwd+bwd", impl=impl, shape=shape, note=f"failed: {exc!s:.150}")
 
 
 def _indexer_case(add, total: int, layout: str) -> None:
@@ -601,6 +612,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="first shapes only")
     parser.add_argument("--tokens", type=int, default=16384, help="sweep token count")
     parser.add_argument("--out-dir", default=None, help="report folder (default benchmarks/results)")
+    parser.add_argument("--case", action="append", default=None, metavar="T,H,K,LAYOUT",
+                        help="only these sparse MLA cases (e.g. 16384,64,2048,1doc); report dsa_cases_<date>")  # fmt: skip
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/dsa.py needs a CUDA GPU")
@@ -636,6 +649,13 @@ def main() -> None:
     def flush(rows):
         return write_report("dsa", rows, columns, notes, out_dir=out_dir, title=title)
 
+    if args.case:
+        rows: list[dict] = []
+        for case in args.case:
+            total, heads, topk, layout = case.split(",")
+            _mla_case(lambda **row: (rows.append(row), print(row, flush=True)), int(total), int(heads), int(topk), layout)
+        print("report:", *write_report("dsa_cases", rows, columns, notes, out_dir=out_dir, title=title))
+        return
     rows = full(quick=args.quick, flush=flush)
     print("report:", *flush(rows))
 

@@ -248,3 +248,20 @@ def test_split_path_against_float64(heads, mode):
     _assert_flash_rule("dkv", dkv, dkv_bf, dkv64)
     via_ops = ops.sparse_mla_attention(q, kv, idx, scale, topk_length=lengths, backend="cudnn")
     assert torch.equal(via_ops, out)
+
+
+@pytest.mark.skipif(_FLASH_MLA[0], reason="FlashMLA is installed: backend='cudnn' runs the split path instead")
+@pytest.mark.parametrize("heads,mode", [(64, "full"), (16, "with_empty"), (128, "ragged")], ids=lambda v: str(v))
+def test_cudnn_backend_with_our_triton_forward_against_float64(heads, mode):
+    """Without FlashMLA, ``sparse_mla_attention(backend="cudnn")`` = our Triton forward + cuDNN's backward."""
+    rows, keys, k, scale = 256, 2048, 512, 0.0589
+    q, kv, idx, lengths = _inputs(rows, heads, keys, k, seed=heads + 7, lengths_mode=mode)
+    grad = (torch.randn(rows, heads, 512, device=DEV) / 4).bfloat16()
+    out, dq, dkv = _grads(lambda a, b: ops.sparse_mla_attention(a, b, idx, scale, backend="cudnn"), q, kv, grad)
+    out64, dq64, dkv64 = _exact_grads(q, kv, idx, scale, lengths, grad)
+    out_bf, dq_bf, dkv_bf = _grads(lambda a, b: _bf16_torch(a, b, idx, scale, lengths), q, kv, grad)
+    _assert_flash_rule("out", out, out_bf, out64)
+    _assert_flash_rule("dq", dq, dq_bf, dq64)
+    _assert_flash_rule("dkv", dkv, dkv_bf, dkv64)
+    empty = lengths == 0
+    assert (out[empty] == 0).all() and (dq[empty] == 0).all()

@@ -277,6 +277,56 @@ def _pad_rows_to_heads(tensor: torch.Tensor, padded_heads: int) -> torch.Tensor:
     return padded
 
 
+def _split_forward(
+    ctx,
+    q,
+    kv_latent,
+    topk_indices,
+    softmax_scale,
+    padded_heads,
+    topk_length,
+    all_rows_nonempty,
+    valid_row_indices,
+    forward,
+) -> torch.Tensor:
+    """The body of ``_CudnnSparseAttention.forward`` with the forward kernel given (``flash_mla_sparse_fwd``'s
+    call convention), shared with :class:`_CudnnSparseAttentionWithForward`."""
+    num_heads = q.shape[1]
+    kv = kv_latent.reshape(kv_latent.shape[0], kv_latent.shape[-1]).contiguous()
+    if topk_length is None:
+        indices, topk_length = _compact_and_sort_indices(topk_indices[:, 0, :], kv.shape[0])
+    else:
+        indices = topk_indices[:, 0, :]
+    width = indices.shape[-1]
+    padded_width = -(-width // _FLASH_MLA_TOPK_ALIGNMENT) * _FLASH_MLA_TOPK_ALIGNMENT
+    if padded_width != width:
+        indices = torch.cat([indices, indices.new_full((indices.shape[0], padded_width - width), -1)], dim=-1)
+    indices = indices.contiguous()
+    sink = torch.full((num_heads,), float("-inf"), dtype=torch.float32, device=q.device)
+    q_padded, sink_padded = _pad_attention_heads(q, sink, padded_heads)
+    out, _max_logits, lse = forward(
+        q_padded,
+        kv[:, None, :],
+        indices[:, None, :],
+        softmax_scale,
+        d_v=_VALUE_HEAD_DIM,
+        attn_sink=sink_padded,
+        topk_length=topk_length,
+        indexer_topk=0,
+    )
+    out = out[:, :num_heads].contiguous()
+    lse = lse[:, :num_heads].contiguous()
+    if not all_rows_nonempty:
+        out.masked_fill_((topk_length == 0)[:, None, None], 0)
+    cached_rows = valid_row_indices if valid_row_indices is not None else q.new_empty((0,), dtype=torch.int64)
+    ctx.save_for_backward(q, kv, out, lse, sink, indices.clamp_min(0), topk_length, cached_rows)
+    ctx.softmax_scale = softmax_scale
+    ctx.padded_heads = padded_heads
+    ctx.all_rows_nonempty = all_rows_nonempty
+    ctx.has_cached_valid_rows = valid_row_indices is not None
+    return out
+
+
 class _CudnnSparseAttention(torch.autograd.Function):
     """Pair FlashMLA forward with cuDNN backward for latent THD attention."""
 
@@ -307,40 +357,10 @@ class _CudnnSparseAttention(torch.autograd.Function):
         Returns:
             ``[T_q, H, 512]`` CUDA bf16 latent values.
         """
-        num_heads = q.shape[1]
-        kv = kv_latent.reshape(kv_latent.shape[0], kv_latent.shape[-1]).contiguous()
-        if topk_length is None:
-            indices, topk_length = _compact_and_sort_indices(topk_indices[:, 0, :], kv.shape[0])
-        else:
-            indices = topk_indices[:, 0, :]
-        width = indices.shape[-1]
-        padded_width = -(-width // _FLASH_MLA_TOPK_ALIGNMENT) * _FLASH_MLA_TOPK_ALIGNMENT
-        if padded_width != width:
-            indices = torch.cat([indices, indices.new_full((indices.shape[0], padded_width - width), -1)], dim=-1)
-        indices = indices.contiguous()
-        sink = torch.full((num_heads,), float("-inf"), dtype=torch.float32, device=q.device)
-        q_padded, sink_padded = _pad_attention_heads(q, sink, padded_heads)
-        out, _max_logits, lse = _flash_mla_sparse_fwd()(
-            q_padded,
-            kv[:, None, :],
-            indices[:, None, :],
-            softmax_scale,
-            d_v=_VALUE_HEAD_DIM,
-            attn_sink=sink_padded,
-            topk_length=topk_length,
-            indexer_topk=0,
-        )
-        out = out[:, :num_heads].contiguous()
-        lse = lse[:, :num_heads].contiguous()
-        if not all_rows_nonempty:
-            out.masked_fill_((topk_length == 0)[:, None, None], 0)
-        cached_rows = valid_row_indices if valid_row_indices is not None else q.new_empty((0,), dtype=torch.int64)
-        ctx.save_for_backward(q, kv, out, lse, sink, indices.clamp_min(0), topk_length, cached_rows)
-        ctx.softmax_scale = softmax_scale
-        ctx.padded_heads = padded_heads
-        ctx.all_rows_nonempty = all_rows_nonempty
-        ctx.has_cached_valid_rows = valid_row_indices is not None
-        return out
+        return _split_forward(
+            ctx, q, kv_latent, topk_indices, softmax_scale, padded_heads, topk_length, all_rows_nonempty,
+            valid_row_indices, _flash_mla_sparse_fwd(),
+        )  # fmt: skip
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
@@ -597,3 +617,40 @@ def cudnn_sparse_attention(
         all_rows_nonempty,
         valid_row_indices,
     )
+
+
+def _cudnn_sparse_attention_with_forward(
+    q: torch.Tensor,
+    kv_latent: torch.Tensor,
+    topk_indices: torch.Tensor,
+    softmax_scale: float,
+    forward_fn: Any,
+) -> torch.Tensor:
+    """:func:`cudnn_sparse_attention` with ``forward_fn`` (``flash_mla_sparse_fwd``'s convention) instead of FlashMLA.
+
+    Same validation, head/width padding, row compaction and cuDNN backward; needs only the cuDNN frontend DSA.
+    ``longtrain.dsa.ops`` uses it with our Triton forward where FlashMLA is not installed.
+    """
+    if not _has_cudnn_dsa():
+        _require_available()
+    padded_heads = _validate_sparse_attention(q, kv_latent, topk_indices, softmax_scale, None, False, None)
+    return _CudnnSparseAttentionWithForward.apply(
+        q.contiguous(), kv_latent.contiguous(), topk_indices.contiguous(), float(softmax_scale), padded_heads,
+        None, False, None, forward_fn,
+    )  # fmt: skip
+
+
+class _CudnnSparseAttentionWithForward(_CudnnSparseAttention):
+    """:class:`_CudnnSparseAttention` with the forward kernel passed in (one more input, no gradient)."""
+
+    @staticmethod
+    def forward(ctx, q, kv_latent, topk_indices, softmax_scale, padded_heads, topk_length, all_rows_nonempty,
+                valid_row_indices, forward_fn):  # fmt: skip
+        return _split_forward(
+            ctx, q, kv_latent, topk_indices, softmax_scale, padded_heads, topk_length, all_rows_nonempty,
+            valid_row_indices, forward_fn,
+        )  # fmt: skip
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        return (*_CudnnSparseAttention.backward(ctx, grad_output), None)

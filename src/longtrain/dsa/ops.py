@@ -5,7 +5,8 @@
 - ``"triton"``: our kernels (:mod:`longtrain.dsa.triton`), CUDA SM80+ (and the Triton interpreter on CPU
   when requested explicitly).
 - ``"cudnn"``: the split cuDNN-frontend + FlashMLA path (:mod:`longtrain.dsa.cudnn_dsa`): CUDA SM90+, bf16,
-  GLM-5.2 widths only (indexer 32/64 heads x 128, latent 576, value 512, no sink).
+  GLM-5.2 widths only (indexer 32/64 heads x 128, latent 576, value 512, no sink). Where FlashMLA is not
+  installed, sparse MLA runs our Triton forward in its place (same call convention) with cuDNN's backward.
 - ``"torch"``: the plain-torch reference math applied to row chunks; any device, float32/float64 (and
   bf16/fp16, accumulated in float32). It is the oracle: exact, deterministic, and it synchronizes.
 - ``"auto"``: on CUDA, triton when available, else cudnn when it can run this call, else torch; on CPU,
@@ -63,12 +64,15 @@ def _triton_reason(device: torch.device) -> str | None:
 
 
 def _cudnn_reason(device: torch.device | None = None) -> str | None:
-    """Why the cuDNN/FlashMLA split path cannot run (packages, CUDA, SM90+); ``None`` when it can."""
+    """Why the cuDNN split path cannot run (packages, CUDA, SM90+); ``None`` when it can.
+
+    FlashMLA is needed only where our Triton forward cannot stand in for it (no Triton, or not CUDA SM80+).
+    """
     from longtrain import _optional
     from longtrain.dsa import cudnn_dsa
 
     missing = cudnn_dsa.unavailable_reason()
-    if missing:
+    if missing and (not cudnn_dsa._has_cudnn_dsa() or _triton_reason(device or torch.device("cuda")) is not None):
         return missing
     if device is not None and device.type != "cuda":
         return "needs CUDA tensors"
@@ -348,7 +352,9 @@ def sparse_mla_attention(
     if chosen == "cudnn":
         from longtrain.dsa import cudnn_dsa
 
-        cudnn_dsa._require_available()
+        flash_mla = cudnn_dsa._has_flash_mla()
+        if not flash_mla and (not cudnn_dsa._has_cudnn_dsa() or _triton_reason(q.device) is not None):
+            cudnn_dsa._require_available()
         if attn_sink is not None or d_v != 512:
             raise ValueError(
                 f"backend='cudnn' supports d_v=512 without attn_sink (GLM-5.2), got d_v={d_v}, "
@@ -359,7 +365,12 @@ def sparse_mla_attention(
             # letting it canonicalize keeps this op's contract (any -1 positions) exact.
             slot = torch.arange(indices.shape[1], device=indices.device)
             indices = torch.where(slot[None, :] < topk_length[:, None], indices, -1)
-        return cudnn_dsa.cudnn_sparse_attention(q, kv, indices.to(torch.int32)[:, None, :], float(softmax_scale))
+        indices = indices.to(torch.int32)[:, None, :]
+        if flash_mla:
+            return cudnn_dsa.cudnn_sparse_attention(q, kv, indices, float(softmax_scale))
+        from longtrain.dsa.triton.sparse_mla import flash_mla_style_fwd
+
+        return cudnn_dsa._cudnn_sparse_attention_with_forward(q, kv, indices, float(softmax_scale), flash_mla_style_fwd)
     if chosen == "triton":
         module = _require_triton(q.device)
         return module.sparse_mla_triton(

@@ -15,7 +15,7 @@ from longtrain.dsa.triton._common import (
     require_available,
 )
 
-__all__ = ["SparseMLAFunction", "sparse_mla_triton"]
+__all__ = ["SparseMLAFunction", "flash_mla_style_fwd", "sparse_mla_triton"]
 
 _MAX_D = 1024
 
@@ -166,3 +166,36 @@ def sparse_mla_triton(
         q.contiguous(), kv2d, idx, float(softmax_scale), d_v, length, sink, bool(deterministic), config
     )
     return out
+
+
+def flash_mla_style_fwd(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    *,
+    d_v: int,
+    attn_sink: torch.Tensor | None,
+    topk_length: torch.Tensor | None,
+    indexer_topk: int = 0,
+) -> tuple[torch.Tensor, None, torch.Tensor]:
+    """Our sparse MLA forward behind FlashMLA's ``flash_mla_sparse_fwd`` call convention (no autograd).
+
+    Args:
+        q: ``[T, H, D_qk]`` bf16/fp16; kv: ``[T_k, 1, D_qk]``; indices: ``[T, 1, K]`` int32 (``-1`` = unused);
+        attn_sink: ``[H]`` fp32 (``-inf`` = none) or None; topk_length: ``[T]`` int32 or None;
+        indexer_topk: unused (FlashMLA's fused-indexer switch; must be 0).
+
+    Returns:
+        ``(out [T, H, d_v], None, lse [T, H] fp32)``: natural-log, sink-excluded log-sum-exp, ``+inf`` for rows
+        without keys (FlashMLA's convention; their ``out`` is zero). No max-logits output.
+    """
+    from longtrain.dsa.triton.sparse_mla_fwd import sparse_mla_fwd
+
+    if indexer_topk:
+        raise ValueError(f"flash_mla_style_fwd has no fused indexer: indexer_topk must be 0, got {indexer_topk}")
+    kv2d = kv.reshape(kv.shape[0], kv.shape[-1]).contiguous()
+    out, lse = sparse_mla_fwd(
+        q.contiguous(), kv2d, indices[:, 0].contiguous(), float(sm_scale), d_v, topk_length, attn_sink, None
+    )
+    return out, None, torch.where(torch.isneginf(lse), math.inf, lse)
