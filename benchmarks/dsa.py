@@ -612,8 +612,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="first shapes only")
     parser.add_argument("--tokens", type=int, default=16384, help="sweep token count")
     parser.add_argument("--out-dir", default=None, help="report folder (default benchmarks/results)")
-    parser.add_argument("--case", action="append", default=None, metavar="T,H,K,LAYOUT",
-                        help="only these sparse MLA cases (e.g. 16384,64,2048,1doc); report dsa_cases_<date>")  # fmt: skip
+    parser.add_argument(
+        "--case", action="append", default=None, metavar="T,H,K,LAYOUT",
+        help="only these sparse MLA cases (e.g. 16384,64,2048,1doc); report dsa_cases_<date>",
+    )  # fmt: skip
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/dsa.py needs a CUDA GPU")
@@ -651,9 +653,14 @@ def main() -> None:
 
     if args.case:
         rows: list[dict] = []
+
+        def add(**row):
+            rows.append(row)
+            print(row, flush=True)
+
         for case in args.case:
             total, heads, topk, layout = case.split(",")
-            _mla_case(lambda **row: (rows.append(row), print(row, flush=True)), int(total), int(heads), int(topk), layout)
+            _mla_case(add, int(total), int(heads), int(topk), layout)
         print("report:", *write_report("dsa_cases", rows, columns, notes, out_dir=out_dir, title=title))
         return
     rows = full(quick=args.quick, flush=flush)
