@@ -100,3 +100,17 @@ def test_cudnn_reason_accepts_the_triton_forward_in_place_of_flash_mla(monkeypat
     monkeypatch.setattr(cd, "_HAS_CUDNN_DSA", False)
     monkeypatch.setattr(ops, "_triton_reason", lambda device: None)
     assert "cudnn" in ops._cudnn_reason(torch.device("cuda")).lower()
+
+
+def test_ops_cudnn_indexer_needs_no_flash_mla(fakes, monkeypatch):  # noqa: F811 (fixture)
+    from tests.dsa.test_cudnn_dsa import _bf16_inputs, i32
+
+    monkeypatch.setattr(cd, "_HAS_FLASH_MLA", False)
+    q, keys, w = _bf16_inputs(15, 15, seed=3)
+    cu = i32([0, 5, 14, 15])
+    out = ops.indexer_topk(q, keys, w, cu, 3, backend="cudnn")
+    want = ops.indexer_topk(q.float(), keys.float(), w, cu, 3, backend="torch")
+    assert torch.equal(out, want) and [c["op"] for c in fakes.dsa.calls] == ["scores", "topk"]
+    monkeypatch.setattr(cd, "_HAS_CUDNN_DSA", False)
+    with pytest.raises(RuntimeError, match="requires both nvidia-cudnn-frontend"):
+        ops.indexer_topk(q, keys, w, cu, 3, backend="cudnn")

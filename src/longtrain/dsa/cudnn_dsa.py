@@ -448,6 +448,23 @@ def cudnn_indexer_topk(
         ValueError: if tensor shapes or compact packed metadata are invalid.
     """
     _require_available()
+    return _cudnn_indexer_topk_unchecked(
+        index_q, index_k, head_weights, cu_seqlens, index_topk, query_indices, cu_seqlens_padded, packed_metadata
+    )
+
+
+def _cudnn_indexer_topk_unchecked(
+    index_q: torch.Tensor,
+    index_k: torch.Tensor,
+    head_weights: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    index_topk: int,
+    query_indices: torch.Tensor | None = None,
+    cu_seqlens_padded: torch.Tensor | None = None,
+    packed_metadata: CudnnDsaPackedMetadata | None = None,
+) -> torch.Tensor:
+    """:func:`cudnn_indexer_topk` after its package check: the indexer needs only the cuDNN frontend DSA (FlashMLA
+    is the attention forward's), so ``longtrain.dsa.ops`` calls this where FlashMLA is not installed."""
     _validate_topk(index_topk)
     major, _minor = _require_cuda_tensors("cuDNN DSA indexer", index_q, index_k, head_weights, cu_seqlens)
     if index_q.dtype != torch.bfloat16 or index_k.dtype != torch.bfloat16:

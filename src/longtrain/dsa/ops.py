@@ -184,7 +184,10 @@ def indexer_topk(
     if chosen == "cudnn":
         from longtrain.dsa import cudnn_dsa
 
-        out = cudnn_dsa.cudnn_indexer_topk(
+        # The indexer uses no FlashMLA kernel: with the cuDNN frontend DSA alone, skip the split path's check.
+        only_cudnn = cudnn_dsa._has_cudnn_dsa() and not cudnn_dsa._has_flash_mla()
+        indexer = cudnn_dsa._cudnn_indexer_topk_unchecked if only_cudnn else cudnn_dsa.cudnn_indexer_topk
+        out = indexer(
             index_q,
             index_k,
             head_weights,
