@@ -201,3 +201,67 @@ def test_reasons_without_the_package(monkeypatch):
     finally:
         monkeypatch.undo()
         _optional.reset_probe_cache()
+
+
+def test_a_failing_cute_forward_falls_back_to_the_graph_route_once(monkeypatch, caplog):
+    monkeypatch.setattr(cv, "_FAILED", {})
+    seg = [3, 4]
+    q, k, v = (t.detach().bfloat16() for t in _inputs(seg, seg))
+    cu = _cu(seg)
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("cute compile failed for this head count")
+
+    class GraphReached(Exception):
+        pass
+
+    def graph(*args, **kwargs):
+        raise GraphReached
+
+    monkeypatch.setattr(cf, "flex_unavailable_reason", lambda q_, k_: None)
+    monkeypatch.setattr(cf, "cudnn_flex_attention", broken)
+    monkeypatch.setattr(cv, "_layout", graph)
+    with caplog.at_level("WARNING", logger=cv.__name__), pytest.raises(GraphReached):
+        cv.cudnn_varlen_attention(q, k, v, cu, cu, 4, 4)
+    assert "cute compile failed" in caplog.text and "using the graph API" in caplog.text
+    with pytest.raises(GraphReached):  # remembered: the CuTe route is not tried again for this shape
+        cv.cudnn_varlen_attention(q, k, v, cu, cu, 4, 4)
+    assert len(calls) == 1
+    monkeypatch.setattr(cv, "ROUTE", "flex")  # forced: the error is the caller's to see
+    with pytest.raises(RuntimeError, match="cute compile failed"):
+        cv.cudnn_varlen_attention(q, k, v, cu, cu, 4, 4)
+
+
+def test_a_failing_triton_backward_falls_back_to_fa2(monkeypatch):
+    monkeypatch.setattr(cv, "_FAILED", {})
+    seg_q, seg_k = [3, 4], [6, 4]
+    q, k, v = _inputs(seg_q, seg_k)
+    cu_q, cu_k = _cu(seg_q), _cu(seg_k)
+    used = []
+
+    def forward(q_, k_, v_, lay, p):
+        out = backends.reference_varlen_attention(q_, k_, v_, cu_q, cu_k, scale=p["scale"])
+        return out, torch.zeros(q_.shape[0], q_.shape[1], 1)
+
+    def broken(*args):
+        used.append("triton")
+        raise RuntimeError("no Triton config fits")
+
+    def fa2(dout, q_, k_, v_, out, stats, lay, p):
+        used.append("fa2")
+        return torch.ones_like(q_), torch.ones_like(k_), torch.ones_like(v_)
+
+    monkeypatch.setattr(cv, "cudnn_varlen_fwd", forward)
+    monkeypatch.setattr(cv, "triton_bwd_from_cudnn", broken)
+    monkeypatch.setitem(cv._BACKWARD_FNS, "fa2", fa2)
+    monkeypatch.setattr(cv._optional, "torch_varlen", lambda: (True, ""))
+    p = {"scale": 0.3, "backward": "triton", "deterministic": False}
+    out = cv._CudnnVarlen.apply(q, k, v, {}, p)
+    dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
+    assert used == ["triton", "fa2"] and bool((dq == 1).all())
+    assert ("triton", 4, 2, 8, torch.float64) in cv._FAILED
+    monkeypatch.setattr(cv, "_triton_bwd_reason", lambda q_: None)  # would otherwise be chosen again
+    lay = {"B": 8, "Sq": 64, "Sk": 64}
+    assert cv._params(q, k, lay, 0.3, False, 7, 10, "BOTTOM_RIGHT")["backward"] == "fa2"

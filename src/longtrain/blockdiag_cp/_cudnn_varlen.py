@@ -30,6 +30,7 @@ no host syncs per layer.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -50,6 +51,10 @@ _GRAPHS_MAX = 256
 _CACHE_STATS = {"hits": 0, "misses": 0, "build_s": 0.0}
 _LOCK = threading.Lock()
 _TLS = threading.local()
+logger = logging.getLogger(__name__)
+#: Static shapes ``(Hq, Hkv, D, dtype)`` whose CuTe DSL forward, or Triton backward, raised under ROUTE /
+#: BACKWARD "auto" -> the reason; later calls of that shape take the next option (warned once).
+_FAILED: dict[tuple, str] = {}
 #: None: try ragged (packed) softmax stats in the backward and fall back to a padded copy if cuDNN refuses.
 RAGGED_STATS_BWD: bool | None = None
 #: Graph-route backward kernel: "auto" (cuDNN's with a top-left diagonal; with a bottom-right one our Triton
@@ -300,6 +305,15 @@ def _alignment(cu_q: torch.Tensor, cu_k: torch.Tensor, meta: dict | None) -> str
     return "BOTTOM_RIGHT"
 
 
+def _failed(shape: tuple, what: str, instead: str, exc: BaseException) -> str:
+    """Remember that ``what`` raised for this static shape (same on every rank: shapes are replicated) and warn."""
+    reason = f"the {what} raised {type(exc).__name__}: {str(exc)[:200]}"
+    _FAILED[shape] = reason
+    logger.warning("cudnn varlen backend: %s for Hq=%s Hkv=%s D=%s %s; using %s from now on", reason,
+                   *shape[1:], instead)  # fmt: skip
+    return reason
+
+
 def _triton_bwd_reason(q: torch.Tensor) -> str | None:
     if q.device.type != "cuda":  # the interpreter path is for the kernel's own tests, never this backend
         return f"the Triton varlen backward runs on CUDA here, got device={q.device}"
@@ -308,13 +322,17 @@ def _triton_bwd_reason(q: torch.Tensor) -> str | None:
     return triton_varlen_unavailable_reason(q.dtype, q.device)
 
 
+def _static(q: torch.Tensor, k: torch.Tensor) -> tuple:
+    return (q.shape[1], k.shape[1], q.shape[2], q.dtype)
+
+
 def _params(q, k, lay, scale, deterministic, total_q, total_k, align="BOTTOM_RIGHT"):
     backward = BACKWARD
     if backward not in _BACKWARDS:
         raise ValueError(f"_cudnn_varlen.BACKWARD must be one of {_BACKWARDS}, got {backward!r}")
     if backward == "auto":
         backward = "cudnn" if align == "TOP_LEFT" else "triton"
-    if backward == "triton" and _triton_bwd_reason(q) is not None:
+    if backward == "triton" and (_FAILED.get(("triton", *_static(q, k))) or _triton_bwd_reason(q)) is not None:
         backward = "fa2"
     if backward == "fa2" and (deterministic or not _optional.torch_varlen()[0]):
         backward = "cudnn"  # cuDNN's backward has a deterministic mode; FA2's follows torch's global flag
@@ -402,7 +420,17 @@ class _CudnnVarlen(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, stats = ctx.saved_tensors
-        dq, dk, dv = _BACKWARD_FNS[ctx.p["backward"]](dout.contiguous(), q, k, v, out, stats, ctx.lay, ctx.p)
+        name, dout = ctx.p["backward"], dout.contiguous()
+        if name == "triton" and BACKWARD == "auto":
+            try:
+                dq, dk, dv = triton_bwd_from_cudnn(dout, q, k, v, out, stats, ctx.lay, ctx.p)
+                return dq, dk, dv, None, None
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as exc:
+                _failed(("triton", *_static(q, k)), "Triton varlen backward", "FA2's backward", exc)
+                name = "cudnn" if ctx.p["deterministic"] or not _optional.torch_varlen()[0] else "fa2"
+        dq, dk, dv = _BACKWARD_FNS[name](dout, q, k, v, out, stats, ctx.lay, ctx.p)
         return dq, dk, dv, None, None
 
 
@@ -440,11 +468,20 @@ def cudnn_varlen_attention(
     if ROUTE != "graph":
         from longtrain.blockdiag_cp import _cudnn_flex
 
-        reason = _cudnn_flex.flex_unavailable_reason(q, k)
+        shape = ("flex", hq, k.shape[1], d, q.dtype)
+        reason = _FAILED.get(shape) if ROUTE == "auto" else None
+        reason = reason or _cudnn_flex.flex_unavailable_reason(q, k)
         if reason is None:
-            return _cudnn_flex.cudnn_flex_attention(
-                q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, deterministic=deterministic, meta=meta
-            )
+            try:
+                return _cudnn_flex.cudnn_flex_attention(
+                    q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, deterministic=deterministic, meta=meta
+                )
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as exc:
+                if ROUTE != "auto":
+                    raise
+                reason = _failed(shape, "CuTe DSL attention", "the graph API", exc)
         if ROUTE == "flex":
             raise RuntimeError(f"_cudnn_varlen.ROUTE='flex' but that route cannot run: {reason}")
     cache = meta.setdefault("_cudnn_cache", {}) if meta is not None else None
