@@ -18,9 +18,11 @@ Canonical backend names (``VARLEN_BACKENDS``):
 ``flash``      ``flash_attn.flash_attn_varlen_func`` when flash-attn is installed (driven through the
                long-prefix guard of :mod:`longtrain.blockdiag_cp.kernels`), otherwise torch's bundled
                FlashAttention-2 (``aten._flash_attention_forward/_backward``, GQA native) on CUDA SM80+.
-``cudnn``      cuDNN SDPA forward over ragged documents through the cuDNN frontend graph API (bottom-right
-               diagonal, graphs cached per shape bucket: :mod:`longtrain.blockdiag_cp._cudnn_varlen`), FA2
-               backward by default. CUDA SM90+, no dropout.
+``cudnn``      the cuDNN frontend (:mod:`longtrain.blockdiag_cp._cudnn_varlen`): its CuTe DSL varlen
+               attention when ``nvidia-cudnn-frontend[cutedsl]`` is installed, else cuDNN SDPA over ragged
+               documents through the graph API (graphs cached per shape bucket; top-left diagonal + cuDNN's
+               backward when every document has as many queries as keys, else bottom-right + our Triton
+               backward). CUDA SM90+, no dropout.
 ``te``         TransformerEngine ``DotProductAttention`` in ``thd`` format (built and cached by
                :func:`longtrain.blockdiag_cp.kernels._te_varlen_dpa`).
 ``flex``       FlexAttention with a document block mask derived from the segmentation (compiled on CUDA;
