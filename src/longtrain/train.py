@@ -339,7 +339,10 @@ def run_rank(cfg: DemoConfig) -> dict[str, Any]:
     if cfg.prewarm not in (None, False):
         section = cfg.prewarm
         if section is True:
-            section = {"cublas_backward": True, "fla_gdn_autotune": True, "dsa_autotune": True, "comm_groups": True}
+            section = {
+                "cublas_backward": True, "fla_gdn_autotune": True, "dsa_autotune": True, "blockdiag_autotune": True,
+                "comm_groups": True,
+            }  # fmt: skip
         # run_prewarms is what PrewarmConfig.apply runs; the demo prints its report.
         report = run_prewarms(PrewarmConfig.from_dict(section), [model], device, batch_size=1)
         if rank == 0:

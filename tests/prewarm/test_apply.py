@@ -16,6 +16,7 @@ WORKERS = {
     "fla_gdn_autotune": "_prewarm_fla_gdn_autotune",
     "mamba_ssd_autotune": "_prewarm_mamba_ssd_autotune",
     "dsa_autotune": "_prewarm_dsa_autotune",
+    "blockdiag_autotune": "_prewarm_blockdiag_autotune",
     "comm_groups": "_prewarm_comm_groups",
 }
 MESSAGES = {
@@ -23,9 +24,10 @@ MESSAGES = {
     "fla_gdn_autotune": "fla GDN autotune prewarm failed; continuing without it.",
     "mamba_ssd_autotune": "Mamba SSD autotune prewarm failed; continuing without it.",
     "dsa_autotune": "DSA autotune prewarm failed; continuing without it.",
+    "blockdiag_autotune": "Block-diagonal attention autotune prewarm failed; continuing without it.",
     "comm_groups": "Communication-group prewarm failed; continuing without it.",
 }
-ALL_ON = PrewarmConfig(True, True, True, True, dsa_autotune=True)
+ALL_ON = PrewarmConfig(True, True, True, True, dsa_autotune=True, blockdiag_autotune=True)
 
 
 @pytest.fixture
@@ -61,6 +63,7 @@ def test_fixed_order_and_exact_call_shapes(recorded):
     assert by_name["fla_gdn_autotune"] == ((parts, "cuda:1"), {"batch_size": 4})
     assert by_name["mamba_ssd_autotune"] == ((parts, "cuda:1"), {})
     assert by_name["dsa_autotune"] == ((parts, "cuda:1"), {})
+    assert by_name["blockdiag_autotune"] == ((parts, "cuda:1"), {})
     assert by_name["comm_groups"] == ((parts, "cuda:1"), {"pp_mesh": mesh})
     assert by_name["fla_gdn_autotune"][0][0] is parts
 

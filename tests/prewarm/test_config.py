@@ -55,6 +55,7 @@ def test_from_dict_off_sections(section):
 def test_from_dict_subset_keeps_defaults_and_full_section():
     assert PrewarmConfig.from_dict({"comm_groups": True}) == PrewarmConfig(comm_groups=True)
     full = {name: True for name in DOCUMENTED} | {"dsa_autotune": True, "fla_gdn_seq_len": 8192}
+    full["blockdiag_autotune"] = True
     cfg = PrewarmConfig.from_dict(full)
     assert cfg.to_dict() == full
     assert PrewarmConfig.from_dict(cfg.to_dict()) == cfg

@@ -141,6 +141,13 @@ class GQAAttention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, kv * d, bias=False)
         self.o_proj = nn.Linear(h * d, config.hidden_size, bias=False)
 
+    def blockdiag_attention_shape(self) -> dict:
+        """Static attention shape, for ``longtrain.blockdiag_cp.warmup.warmup(**shape, device=...)`` (prewarm)."""
+        c = self.c
+        return dict(
+            num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=self.q_proj.weight.dtype
+        )
+
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         b, length, _ = x.shape
         c = self.c

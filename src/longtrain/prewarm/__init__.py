@@ -24,6 +24,7 @@ submodules. Everything logs to ``logger`` (``logging.getLogger("longtrain.prewar
 """
 
 from longtrain.prewarm._common import _resolve_cuda_device, logger, safe_import, safe_import_from
+from longtrain.prewarm.blockdiag import _collect_blockdiag_attention_shapes, _prewarm_blockdiag_autotune
 from longtrain.prewarm.comm import _prewarm_comm_groups
 from longtrain.prewarm.config import PrewarmConfig, PrewarmConfigError
 from longtrain.prewarm.cublas import _prewarm_cublas_backward
@@ -71,9 +72,11 @@ __all__ = [
     "_GDNAttention",
     "_MambaSSDContextParallel",
     "_MambaSSDMixer",
+    "_collect_blockdiag_attention_shapes",
     "_collect_dsa_autotune_shapes",
     "_collect_gdn_autotune_shapes",
     "_collect_mamba_ssd_autotune_shapes",
+    "_prewarm_blockdiag_autotune",
     "_prewarm_comm_groups",
     "_prewarm_cublas_backward",
     "_prewarm_dsa_autotune",

@@ -262,3 +262,28 @@ def _cdiv(a: int, b: int) -> int:
 
 def _next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def _shape_key(shape: Any, keys: tuple[str, ...], method: str, name: str) -> tuple:
+    """Validate the dict a module's ``<method>()`` returned: exactly ``keys``, positive ints then a ``dtype``.
+
+    Returns the values as a tuple in ``keys`` order (a dedup key). Raises ``TypeError``/``ValueError`` naming
+    the module ``name``.
+    """
+    where = f"{name}.{method}()"
+    if not isinstance(shape, dict):
+        raise TypeError(f"{where} must return a dict, got {type(shape).__name__}")
+    missing = [k for k in keys if k not in shape]
+    extra = sorted(set(shape) - set(keys))
+    if missing or extra:
+        raise ValueError(f"{where} must return exactly the keys {list(keys)}; missing {missing}, unexpected {extra}")
+    dtype = shape[keys[-1]]
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{where}[{keys[-1]!r}] must be a torch.dtype, got {dtype!r}")
+    ints = []
+    for k in keys[:-1]:
+        value = shape[k]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{where}[{k!r}] must be a positive int, got {value!r}")
+        ints.append(value)
+    return (*ints, dtype)

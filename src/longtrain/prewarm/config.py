@@ -19,7 +19,9 @@ class PrewarmConfigError(ValueError, TypeError):
     """An invalid ``prewarm:`` section (a ``ValueError`` and a ``TypeError``, so either ``except`` catches it)."""
 
 
-_SWITCHES = ("cublas_backward", "fla_gdn_autotune", "mamba_ssd_autotune", "comm_groups", "dsa_autotune")
+_SWITCHES = (
+    "cublas_backward", "fla_gdn_autotune", "mamba_ssd_autotune", "comm_groups", "dsa_autotune", "blockdiag_autotune",
+)  # fmt: skip
 _IGNORED_KEYS = frozenset({"_target_"})
 
 
@@ -48,6 +50,9 @@ class PrewarmConfig:
     """Per-rank training tokens per sample (the packed length for packed batches, after CP sharding). When set
     with ``fla_gdn_autotune``, also warms fla's fused l2-norm kernels, whose key is a bucket of
     ``batch * seq_len * heads``. None: those kernels tune at step 1 when that bucket is above the first."""
+    blockdiag_autotune: bool = False
+    """longtrain's block-diagonal varlen attention backend (the one ``configure_cp_varlen`` selected), per
+    ``blockdiag_attention_shape()`` found in the model: JIT compiles, cuDNN graphs, autotuning. Needs CUDA."""
 
     def __post_init__(self) -> None:
         for name in _SWITCHES:
@@ -117,7 +122,10 @@ class PrewarmConfig:
     @property
     def enabled(self) -> list[str]:
         """Names of the enabled prewarms, in run order."""
-        order = ("cublas_backward", "fla_gdn_autotune", "mamba_ssd_autotune", "dsa_autotune", "comm_groups")
+        order = (
+            "cublas_backward", "fla_gdn_autotune", "mamba_ssd_autotune", "dsa_autotune", "blockdiag_autotune",
+            "comm_groups",
+        )  # fmt: skip
         return [name for name in order if getattr(self, name)]
 
     def apply(

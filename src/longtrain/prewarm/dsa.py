@@ -6,32 +6,24 @@ from typing import Any
 
 import torch
 
-from longtrain.prewarm._common import _log, _log_failure, _note_shapes, _note_skip, _pkg, _release, _rng_neutral, _skip
+from longtrain.prewarm._common import (
+    _log,
+    _log_failure,
+    _note_shapes,
+    _note_skip,
+    _pkg,
+    _release,
+    _rng_neutral,
+    _shape_key,
+    _skip,
+)
 
 DSA_SHAPE_KEYS = ("num_heads", "d_qk", "d_v", "topk", "index_heads", "index_dim", "dtype")
 DSAShape = tuple[int, int, int, int, int, int, torch.dtype]
 
 
 def _dsa_shape_key(shape: Any, name: str) -> DSAShape:
-    if not isinstance(shape, dict):
-        raise TypeError(f"{name}.dsa_autotune_shape() must return a dict, got {type(shape).__name__}")
-    missing = [k for k in DSA_SHAPE_KEYS if k not in shape]
-    extra = sorted(set(shape) - set(DSA_SHAPE_KEYS))
-    if missing or extra:
-        raise ValueError(
-            f"{name}.dsa_autotune_shape() must return exactly the keys {list(DSA_SHAPE_KEYS)}; "
-            f"missing {missing}, unexpected {extra}"
-        )
-    dtype = shape["dtype"]
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"{name}.dsa_autotune_shape()['dtype'] must be a torch.dtype, got {dtype!r}")
-    ints = []
-    for k in DSA_SHAPE_KEYS[:-1]:
-        value = shape[k]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}.dsa_autotune_shape()[{k!r}] must be a positive int, got {value!r}")
-        ints.append(value)
-    return (*ints, dtype)  # type: ignore[return-value]
+    return _shape_key(shape, DSA_SHAPE_KEYS, "dsa_autotune_shape", name)  # type: ignore[return-value]
 
 
 def _collect_dsa_autotune_shapes(model_parts: list[torch.nn.Module]) -> dict[DSAShape, str]:

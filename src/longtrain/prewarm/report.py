@@ -165,6 +165,7 @@ _FAILURE_MESSAGES = {
     "fla_gdn_l2norm_bucket": "fla GDN l2norm bucket prewarm failed; continuing without it.",
     "mamba_ssd_autotune": "Mamba SSD autotune prewarm failed; continuing without it.",
     "dsa_autotune": "DSA autotune prewarm failed; continuing without it.",
+    "blockdiag_autotune": "Block-diagonal attention autotune prewarm failed; continuing without it.",
     "comm_groups": "Communication-group prewarm failed; continuing without it.",
 }
 
@@ -198,6 +199,8 @@ def _planned_steps(
         steps.append(("mamba_ssd_autotune", lambda: pkg._prewarm_mamba_ssd_autotune(model_parts, device)))
     if config.dsa_autotune:
         steps.append(("dsa_autotune", lambda: pkg._prewarm_dsa_autotune(model_parts, device)))
+    if config.blockdiag_autotune:
+        steps.append(("blockdiag_autotune", lambda: pkg._prewarm_blockdiag_autotune(model_parts, device)))
     if config.comm_groups:  # last: the only collective, issued once every local warmup is done
         steps.append(("comm_groups", lambda: pkg._prewarm_comm_groups(model_parts, device, pp_mesh=pp_mesh)))
     return steps

@@ -47,5 +47,6 @@ def backend_status() -> list[tuple[str, str | None]]:
         ("fla_gdn_autotune", _needs(_optional.fla(), cuda_reason)),
         ("mamba_ssd_autotune", _needs(_optional.mamba_ssm(), cuda_reason)),
         ("dsa_autotune", _needs(_optional.triton(), cuda_reason, _dsa_warmup_probe())),
+        ("blockdiag_autotune", _needs(cuda_reason)),
         ("comm_groups", _needs(_comm_probe())),
     ]

@@ -1,0 +1,95 @@
+"""Compile and autotune the block-diagonal varlen attention backend for a model's static shape before step 1.
+
+The backends' one-time work is keyed on static dims only (heads, head dim, dtype): the cuDNN frontend's CuTe DSL
+kernels are JIT-compiled on first use (about 20 s on an H200), the graph route builds its cuDNN graphs, the
+Triton varlen backward times its candidate configurations on its first call (holding extra gradient-sized
+buffers while it does), FlexAttention compiles. :func:`warmup` does all of it on a small synthetic step, so a
+training run's step 1 finds every cache warm. ``longtrain.prewarm``'s ``blockdiag_autotune`` switch calls it for
+every attention module exposing ``blockdiag_attention_shape()``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from longtrain.blockdiag_cp import backends, kernels
+from longtrain.blockdiag_cp.state import cp_varlen_runtime_config
+
+__all__ = ["BLOCKDIAG_SHAPE_KEYS", "warmup"]
+
+#: Keys of a model's attention shape, as ``blockdiag_attention_shape()`` returns them (and ``warmup`` takes them).
+BLOCKDIAG_SHAPE_KEYS = ("num_heads", "num_kv_heads", "head_dim", "dtype")
+
+
+def warmup(
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    backend: str | None = None,
+    num_tokens: int = 1024,
+) -> dict[str, Any]:
+    """Run the varlen backend forward + backward on two simulated context-parallel ranks of ``num_tokens`` rows.
+
+    Documents of ``num_tokens // 2``, ``num_tokens`` and ``num_tokens // 2`` tokens over two ranks: rank 0 holds
+    whole documents (every document has as many queries as keys), rank 1 starts inside the middle document
+    (its first segment has more keys than queries: the bottom-right path). Both go through
+    :func:`longtrain.blockdiag_cp.kernels._cp_blockdiag_varlen` with a precomputed meta, exactly as a layer call.
+
+    Args:
+        num_heads, num_kv_heads, head_dim: the attention's static shape (``num_heads % num_kv_heads == 0``).
+        dtype: the attention inputs' dtype (the fast backends need fp16/bf16).
+        device: where training runs.
+        backend: a varlen backend name; None = the one ``configure_cp_varlen`` set (``"auto"`` by default).
+        num_tokens: rows per simulated rank (>= 8).
+
+    Returns:
+        ``{"backend": the resolved name, "layouts": 2, "fell_back": bool, "finite": bool, "seconds": float}``;
+        ``fell_back`` is True when the backend declined a layout (the dense path ran instead).
+    """
+    for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 8:
+        raise ValueError(f"num_tokens must be an int >= 8, got {num_tokens!r}")
+    dev = backends.resolve_device(device)
+    name = backend if backend is not None else cp_varlen_runtime_config()["attn_backend"]
+    resolved = backends.resolve_varlen_backend(name, dtype, dev) if name == "auto" else name
+    start = time.perf_counter()
+    half = num_tokens // 2
+    lengths = [half, num_tokens, 2 * num_tokens - half - num_tokens]
+    ids = torch.repeat_interleave(torch.arange(1, 4), torch.tensor(lengths)).to(dev)
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(1, num_kv_heads, 2 * num_tokens, head_dim, generator=gen).to(dev, dtype)
+    v = torch.randn(1, num_kv_heads, 2 * num_tokens, head_dim, generator=gen).to(dev, dtype)
+    finite, fell_back = True, False
+    for rank in range(2):
+        offset = rank * num_tokens
+        q = torch.randn(1, num_heads, num_tokens, head_dim, generator=gen).to(dev, dtype).requires_grad_()
+        kk, vv = k.detach().requires_grad_(), v.detach().requires_grad_()
+        meta = kernels.precompute_blockdiag_varlen_meta(ids, offset, num_tokens, dev)
+        with torch.enable_grad():
+            out = kernels._cp_blockdiag_varlen(q, kk, vv, ids, offset, backend=name, meta=meta)
+            if out is None:
+                fell_back = True
+                continue
+            grads = torch.autograd.grad(out, (q, kk, vv), torch.ones_like(out))
+        finite = finite and bool(torch.isfinite(out).all()) and all(bool(torch.isfinite(g).all()) for g in grads)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return {
+        "backend": resolved,
+        "layouts": 2,
+        "fell_back": fell_back,
+        "finite": finite,
+        "seconds": time.perf_counter() - start,
+    }
