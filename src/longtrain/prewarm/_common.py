@@ -287,3 +287,41 @@ def _shape_key(shape: Any, keys: tuple[str, ...], method: str, name: str) -> tup
             raise ValueError(f"{where}[{k!r}] must be a positive int, got {value!r}")
         ints.append(value)
     return (*ints, dtype)
+
+
+def _collect_shapes(model_parts: list[torch.nn.Module], method: str, keys: tuple[str, ...]) -> dict[tuple, str]:
+    """``shape tuple -> first module name`` for every module exposing a callable ``<method>()``, deduplicated, in
+    discovery order; a malformed shape dict raises ``TypeError``/``ValueError`` naming the module."""
+    shapes: dict[tuple, str] = {}
+    for part in model_parts:
+        for name, module in part.named_modules():
+            fn = getattr(module, method, None)
+            if callable(fn):
+                shapes.setdefault(_shape_key(fn(), keys, method, name or "<root>"), name)
+    return shapes
+
+
+def _warm_each_shape(
+    dev: torch.device, shapes: dict[tuple, str], keys: tuple[str, ...], warmup: Any, what: str, kernels: str
+) -> bool:
+    """Call ``warmup(**shape, device=dev)`` once per shape, RNG-neutral, each failure logged and isolated.
+
+    ``what`` names the prewarm in the failure / finish lines, ``kernels`` what is being warmed. Returns True if
+    at least one shape ran.
+    """
+    _note_shapes([" ".join(f"{k}={v}" for k, v in zip(keys, key)) + f" ({n or '<root>'})" for key, n in shapes.items()])
+    ran = False
+    with _rng_neutral(dev):
+        for key, name in shapes.items():
+            kwargs = dict(zip(keys, key))
+            _log().info("Prewarming %s | module=%s %s", kernels, name, kwargs)
+            try:
+                result = warmup(**kwargs, device=dev)
+                _log().info("%s warmed: %s", kernels, result)
+                ran = True
+            except Exception:
+                _log_failure("%s prewarm failed for %s; continuing.", what, name)
+            finally:
+                _release(dev)
+    _log().info("Finished %s prewarm.", what)
+    return ran

@@ -7,15 +7,13 @@ from typing import Any
 import torch
 
 from longtrain.prewarm._common import (
+    _collect_shapes,
     _log,
-    _log_failure,
-    _note_shapes,
     _note_skip,
     _pkg,
-    _release,
-    _rng_neutral,
     _shape_key,
     _skip,
+    _warm_each_shape,
 )
 
 DSA_SHAPE_KEYS = ("num_heads", "d_qk", "d_v", "topk", "index_heads", "index_dim", "dtype")
@@ -32,14 +30,7 @@ def _collect_dsa_autotune_shapes(model_parts: list[torch.nn.Module]) -> dict[DSA
 
     A malformed shape dict raises ``TypeError``/``ValueError`` naming the module (the caller logs it).
     """
-    shapes: dict[DSAShape, str] = {}
-    for part in model_parts:
-        for name, module in part.named_modules():
-            fn = getattr(module, "dsa_autotune_shape", None)
-            if not callable(fn):
-                continue
-            shapes.setdefault(_dsa_shape_key(fn(), name or "<root>"), name)
-    return shapes
+    return _collect_shapes(model_parts, "dsa_autotune_shape", DSA_SHAPE_KEYS)  # type: ignore[return-value]
 
 
 def _prewarm_dsa_autotune(model_parts: list[torch.nn.Module], device: torch.device | int | str | None) -> bool:
@@ -67,20 +58,4 @@ def _prewarm_dsa_autotune(model_parts: list[torch.nn.Module], device: torch.devi
     if not ok or not callable(warmup):
         _skip("Skipping DSA autotune prewarm: longtrain.dsa.triton.warmup is not available.")
         return False
-    _note_shapes(
-        [" ".join(f"{k}={v}" for k, v in zip(DSA_SHAPE_KEYS, key)) + f" ({n or '<root>'})" for key, n in shapes.items()]
-    )
-    ran = False
-    with _rng_neutral(dev):
-        for key, name in shapes.items():
-            kwargs = dict(zip(DSA_SHAPE_KEYS, key))
-            _log().info("Prewarming DSA Triton kernels | module=%s %s", name, kwargs)
-            try:
-                warmup(**kwargs, device=dev)
-                ran = True
-            except Exception:
-                _log_failure("DSA autotune prewarm failed for %s; continuing.", name)
-            finally:
-                _release(dev)
-    _log().info("Finished DSA autotune prewarm.")
-    return ran
+    return _warm_each_shape(dev, shapes, DSA_SHAPE_KEYS, warmup, "DSA autotune", "DSA Triton kernels")
