@@ -265,3 +265,12 @@ def test_a_failing_triton_backward_falls_back_to_fa2(monkeypatch):
     monkeypatch.setattr(cv, "_triton_bwd_reason", lambda q_: None)  # would otherwise be chosen again
     lay = {"B": 8, "Sq": 64, "Sk": 64}
     assert cv._params(q, k, lay, 0.3, False, 7, 10, "BOTTOM_RIGHT")["backward"] == "fa2"
+
+
+def test_doctor_row_names_the_cudnn_route(monkeypatch):
+    monkeypatch.setattr(backends, "varlen_backend_unavailable_reason", lambda name, dtype, device: None)
+    monkeypatch.setattr(cf, "flex_unavailable_reason", lambda q, k: None)
+    names = [name for name, _ in backends.backend_status()]
+    assert names[names.index("cudnn") + 1] == "cudnn route -> CuTe DSL"
+    monkeypatch.setattr(cf, "flex_unavailable_reason", lambda q, k: "no cutlass")
+    assert "cudnn route -> graph API (CuTe DSL: no cutlass)" in dict(backends.backend_status())

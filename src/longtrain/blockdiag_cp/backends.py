@@ -195,8 +195,19 @@ def backend_status() -> list[tuple[str, str | None]]:
             ok, why = _optional.transformer_engine()
             reason = "needs CUDA" + ("" if ok else f" ({why})")
         rows.append((name, reason))
+        if name == "cudnn" and reason is None:
+            rows.append((_cudnn_route_row(device), None))
     rows.append(("dense", None))
     return rows
+
+
+def _cudnn_route_row(device: torch.device) -> str:
+    """Which route the ``cudnn`` backend takes here (for ``longtrain doctor``)."""
+    from longtrain.blockdiag_cp._cudnn_flex import flex_unavailable_reason
+
+    probe = torch.empty(1, 8, 128, device=device, dtype=torch.bfloat16)
+    why = flex_unavailable_reason(probe, probe)
+    return "cudnn route -> CuTe DSL" if why is None else f"cudnn route -> graph API (CuTe DSL: {why})"
 
 
 # ----------------------------------------------------------------------------------------------------------
