@@ -188,7 +188,8 @@ def _graph_inputs(g, io, p: dict):
     return q, k, v, rag_q, rag_k, mask
 
 
-def _build_fwd(p: dict, handle):
+def _new_graph(p: dict, handle):
+    """An empty graph with the call's I/O dtype and fp32 intermediates: ``(graph, io_data_type)``."""
     import cudnn
 
     io = cudnn.data_type.BFLOAT16 if p["dtype"] == torch.bfloat16 else cudnn.data_type.HALF
@@ -198,6 +199,13 @@ def _build_fwd(p: dict, handle):
         intermediate_data_type=cudnn.data_type.FLOAT,
         compute_data_type=cudnn.data_type.FLOAT,
     )
+    return g, io
+
+
+def _build_fwd(p: dict, handle):
+    import cudnn
+
+    g, io = _new_graph(p, handle)
     q, k, v, rag_q, _, mask = _graph_inputs(g, io, p)
     b, hq, sq, d = p["B"], p["Hq"], p["Sq"], p["D"]
     o, stats = g.sdpa(name="sdpa", q=q, k=k, v=v, generate_stats=True, attn_scale=p["scale"], **mask)
@@ -214,13 +222,7 @@ def _build_fwd(p: dict, handle):
 def _build_bwd(p: dict, handle, ragged_stats: bool):
     import cudnn
 
-    io = cudnn.data_type.BFLOAT16 if p["dtype"] == torch.bfloat16 else cudnn.data_type.HALF
-    g = cudnn.pygraph(
-        handle=handle,
-        io_data_type=io,
-        intermediate_data_type=cudnn.data_type.FLOAT,
-        compute_data_type=cudnn.data_type.FLOAT,
-    )
+    g, io = _new_graph(p, handle)
     q, k, v, rag_q, rag_k, mask = _graph_inputs(g, io, p)
     b, hq, hkv, sq, sk, d = p["B"], p["Hq"], p["Hkv"], p["Sq"], p["Sk"], p["D"]
     o = g.tensor(name="o", dim=[b, hq, sq, d], stride=_thd_stride(hq, sq, d), data_type=io, uid=_O)
