@@ -63,6 +63,13 @@ def _triton_reason(device: torch.device) -> str | None:
     return _TRITON_REASONS[key]
 
 
+def _triton_stands_in_for_flash_mla(device: torch.device) -> bool:
+    """Whether backend "cudnn" can run sparse MLA here without FlashMLA (cuDNN DSA + our Triton forward)."""
+    from longtrain.dsa import cudnn_dsa
+
+    return cudnn_dsa._has_cudnn_dsa() and _triton_reason(device) is None
+
+
 def _cudnn_reason(device: torch.device | None = None) -> str | None:
     """Why the cuDNN split path cannot run (packages, CUDA, SM90+); ``None`` when it can.
 
@@ -72,7 +79,7 @@ def _cudnn_reason(device: torch.device | None = None) -> str | None:
     from longtrain.dsa import cudnn_dsa
 
     missing = cudnn_dsa.unavailable_reason()
-    if missing and (not cudnn_dsa._has_cudnn_dsa() or _triton_reason(device or torch.device("cuda")) is not None):
+    if missing and not _triton_stands_in_for_flash_mla(device or torch.device("cuda")):
         return missing
     if device is not None and device.type != "cuda":
         return "needs CUDA tensors"
@@ -356,7 +363,7 @@ def sparse_mla_attention(
         from longtrain.dsa import cudnn_dsa
 
         flash_mla = cudnn_dsa._has_flash_mla()
-        if not flash_mla and (not cudnn_dsa._has_cudnn_dsa() or _triton_reason(q.device) is not None):
+        if not flash_mla and not _triton_stands_in_for_flash_mla(q.device):
             cudnn_dsa._require_available()
         if attn_sink is not None or d_v != 512:
             raise ValueError(
