@@ -27,7 +27,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import machine_header, write_report  # noqa: E402
-from longtrain.blockdiag_cp import backends, kernels  # noqa: E402
+from longtrain.blockdiag_cp import (  # noqa: E402
+    build_cp_step,
+    cp_varlen_attention,
+    kernels,
+    providers,
+    runtime,
+    varlen_attention,  # noqa: E402
+)
+from longtrain.blockdiag_cp.meta import meta_from_dict, validate_meta_dict  # noqa: E402
+from longtrain.blockdiag_cp.providers import cudnn, cudnn_cute, cudnn_graph, flash  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 LAYOUTS = {"long": (512, 8192, 1), "short": (64, 2048, 2)}
@@ -61,15 +70,17 @@ def _varlen_attn_fn():
     return (varlen_attn, params), None
 
 
-def providers(cu: torch.Tensor, max_len: int, meta: dict, total: int):
-    """name -> (callable(q, k, v) -> out, reason-if-unavailable). q/k/v are packed THD tensors."""
+def backends(meta, total: int):
+    """name -> (callable(q, k, v) -> out, reason-if-unavailable). q/k/v are packed THD tensors of one row."""
     out: dict[str, tuple] = {}
-    dev = cu.device
+    dev = meta.cu_q.device
+    cu, max_len = meta.cu_q, meta.max_q
 
-    def torch_fa2(q, k, v):
-        return backends.torch_flash_varlen(q, k, v, cu, cu, max_len, max_len)
+    def provider(name, **kw):
+        return lambda q, k, v: runtime.attend(q, k, v, meta, name, **kw)
 
-    out["flash (torch FA2, GQA native)"] = (torch_fa2, backends._torch_flash_reason())
+    out["flash (torch FA2, GQA native)"] = (lambda q, k, v: flash.torch_flash_varlen(q, k, v, cu, cu, max_len, max_len),
+                                            flash.torch_flash_reason())  # fmt: skip
 
     va, why = _varlen_attn_fn()
     if va is None:
@@ -89,83 +100,63 @@ def providers(cu: torch.Tensor, max_len: int, meta: dict, total: int):
         name = "torch varlen_attn" + (" (enable_gqa)" if gqa else " (K/V repeated)")
         out[name] = (torch_varlen, None)
 
-    fa = backends.flash_attn_module()
+    fa = flash.flash_attn_module()
     if fa is None:
         out["flash_attn package"] = (None, "flash_attn not installed")
     else:
+        out["flash_attn package"] = (
+            lambda q, k, v: fa.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=True),
+            None,
+        )
+    for name, label in (("flex", "flex (compiled, block mask)"), ("te", "te (thd)"), ("fa4", "fa4 (FlashAttention-4)")):
+        out[label] = (provider(name), providers.unavailable_reason(name, torch.bfloat16, dev))
 
-        def flash_pkg(q, k, v):
-            return fa.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=True)
-
-        out["flash_attn package"] = (flash_pkg, None)
-
-    def flex(q, k, v):
-        res = backends.flex_blockdiag_attention(_bhsd(q), _bhsd(k), _bhsd(v), meta)
-        return res.squeeze(0).transpose(0, 1)
-
-    out["flex (compiled, block mask)"] = (flex, backends.varlen_backend_unavailable_reason("flex", torch.bfloat16, dev))
-
-    te_reason = backends.varlen_backend_unavailable_reason("te", torch.bfloat16, dev)
-    if te_reason is None:
-
-        def te(q, k, v):
-            dpa = kernels._te_varlen_dpa(HQ, HKV, D, D**-0.5, q.device, q.dtype)
-            res = dpa(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len, max_seqlen_kv=max_len)
-            return res.reshape(q.shape)
-
-        out["te (thd)"] = (te, None)
-    else:
-        out["te (thd)"] = (None, te_reason)
-
-    cudnn_reason = backends.varlen_backend_unavailable_reason("cudnn", torch.bfloat16, dev)
-    cu_k_other = cu.clone()  # a distinct cu_k object: the graph route cannot prove equal layouts -> bottom-right
+    cudnn_reason = providers.unavailable_reason("cudnn", torch.bfloat16, dev)
     cudnn_rows = (
-        ("cudnn (CuTe DSL route: fwd + bwd)", "flex", "auto", cu),
-        ("cudnn (graph, top-left diagonal + cuDNN bwd)", "graph", "auto", cu),
-        ("cudnn (graph, bottom-right diagonal + Triton bwd)", "graph", "triton", cu_k_other),
-        ("cudnn (graph, bottom-right diagonal + FA2 bwd)", "graph", "fa2", cu_k_other),
-        ("cudnn (graph, bottom-right diagonal + cuDNN bwd)", "graph", "cudnn", cu_k_other),
+        ("cudnn (CuTe DSL route: fwd + bwd)", "cute", "auto", None),
+        ("cudnn (graph, top-left diagonal + cuDNN bwd)", "graph", "auto", None),
+        ("cudnn (graph, bottom-right diagonal + Triton bwd)", "graph", "triton", "BOTTOM_RIGHT"),
+        ("cudnn (graph, bottom-right diagonal + FA2 bwd)", "graph", "fa2", "BOTTOM_RIGHT"),
+        ("cudnn (graph, bottom-right diagonal + cuDNN bwd)", "graph", "cudnn", "BOTTOM_RIGHT"),
     )
-    for label, route, bwd, cu_k in cudnn_rows:
+    for label, route, bwd, align in cudnn_rows:
 
-        def cudnn(q, k, v, route=route, bwd=bwd, cu_k=cu_k):
-            from longtrain.blockdiag_cp import _cudnn_varlen as cv
-
-            saved = cv.ROUTE, cv.BACKWARD
-            cv.ROUTE, cv.BACKWARD = route, bwd
+        def run_cudnn(q, k, v, route=route, bwd=bwd, align=align):
+            saved = cudnn.ROUTE, cudnn_graph.BACKWARD
+            cudnn.ROUTE, cudnn_graph.BACKWARD = route, bwd
             try:
-                return backends.cudnn_varlen_attention(q, k, v, cu, cu_k, max_len, max_len, meta=meta)
+                if route == "cute":
+                    return cudnn.attention(q, k, v, meta)
+                return cudnn_graph.graph_attention(q, k, v, meta, scale=D**-0.5, align=align)
             finally:
-                cv.ROUTE, cv.BACKWARD = saved
+                cudnn.ROUTE, cudnn_graph.BACKWARD = saved
 
         reason = cudnn_reason
-        if reason is None and route == "flex":
-            from longtrain.blockdiag_cp._cudnn_flex import flex_unavailable_reason
-
+        if reason is None and route == "cute":
             probe = torch.empty(1, HQ, D, device=dev, dtype=torch.bfloat16)
-            reason = flex_unavailable_reason(probe, probe[:, :HKV])
-        out[label] = (cudnn if reason is None else None, reason)
+            reason = cudnn_cute.cute_unavailable_reason(probe, probe[:, :HKV])
+        out[label] = (run_cudnn if reason is None else None, reason)
 
-    def driver(name):
-        def run(q, k, v):
-            res = kernels._cp_blockdiag_varlen(_bhsd(q), _bhsd(k), _bhsd(v), meta["_ids"], 0, backend=name, meta=meta)
-            if res is None:
-                raise RuntimeError(f"_cp_blockdiag_varlen(backend={name!r}) fell back (returned None)")
-            return res.squeeze(0).transpose(0, 1)  # squeeze, not [0]: a select's backward would add a copy
+    ids = meta.cache["_bench_ids"]
+    step = build_cp_step(ids, None, device=dev, attn_backend="auto")
 
-        return run
+    def driver(q, k, v):
+        res = kernels._cp_blockdiag_varlen(
+            _bhsd(q), _bhsd(k), _bhsd(v), ids, 0, backend="auto", meta=meta.cache["_dict"]
+        )
+        if res is None:
+            raise RuntimeError("_cp_blockdiag_varlen(backend='auto') fell back (returned None)")
+        return res.squeeze(0).transpose(0, 1)  # squeeze, not [0]: a select's backward would add a copy
 
-    out["driver _cp_blockdiag_varlen(auto)"] = (driver("auto"), None)
-
-    def dense(q, k, v):
-        return kernels.dense_blockdiag_sdpa(_bhsd(q), _bhsd(k), _bhsd(v), meta["_ids"], 0).squeeze(0).transpose(0, 1)
-
-    out["dense mask + SDPA (efficient)"] = (dense, None)
-
-    def reference(q, k, v):
-        return backends.reference_varlen_attention(q, k, v, cu, cu)
-
-    out["reference (per-doc math SDPA)"] = (reference, None if total <= 32768 else "skipped above 32K tokens (oracle)")
+    out["driver _cp_blockdiag_varlen(auto)"] = (driver, None)
+    out["cp_varlen_attention (W=1 step, auto)"] = (lambda q, k, v: cp_varlen_attention(q, k, v, step), None)
+    out["varlen_attention(auto)"] = (lambda q, k, v: varlen_attention(q, k, v, cu, cu, max_len, max_len), None)
+    out["dense mask + SDPA (efficient)"] = (
+        lambda q, k, v: kernels.dense_blockdiag_sdpa(_bhsd(q), _bhsd(k), _bhsd(v), ids, 0).squeeze(0).transpose(0, 1),
+        None,
+    )
+    oracle = None if total <= 32768 else "skipped above 32K tokens (oracle)"
+    out["reference (per-doc math SDPA)"] = (provider("reference"), oracle)
     return out
 
 
@@ -240,9 +231,11 @@ def main(argv: list[str] | None = None) -> int:
             lo, hi, seed = LAYOUTS[layout]
             lengths = doc_lengths(total, lo, hi, seed)
             ids = torch.repeat_interleave(torch.arange(1, len(lengths) + 1), torch.tensor(lengths))
-            meta = kernels.precompute_blockdiag_varlen_meta(ids, 0, total, dev)
-            meta["_ids"] = ids.to(dev)
-            cu, max_len = meta["cu_q"], int(meta["max_q"])
+            meta_dict = kernels.precompute_blockdiag_varlen_meta(ids, 0, total, dev)
+            assert validate_meta_dict(meta_dict, total, total, dev) is None
+            meta = meta_from_dict(meta_dict)
+            meta.cache.update(_bench_ids=ids.to(dev), _dict=meta_dict)
+            max_len = meta.max_q
             flops = 4.0 * mask_area(lengths) * HQ * D
             gen = torch.Generator(device=dev).manual_seed(0)
             q = torch.randn(total, HQ, D, device=dev, dtype=torch.bfloat16, generator=gen).requires_grad_()
@@ -250,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             v = torch.randn(total, HKV, D, device=dev, dtype=torch.bfloat16, generator=gen).requires_grad_()
             dout = torch.randn(total, HQ, D, device=dev, dtype=torch.bfloat16, generator=gen)
             base = {"tokens": total, "layout": f"U[{lo},{hi}] seed {seed}", "docs": len(lengths), "max_doc": max_len}
-            for name, (fn, reason) in providers(cu, max_len, meta, total).items():
+            for name, (fn, reason) in backends(meta, total).items():
                 if args.only and not any(s in name for s in args.only):
                     continue
                 row = {**base, "backend": name}
@@ -298,18 +291,16 @@ def main(argv: list[str] | None = None) -> int:
         "sum L(L+1)/2, backward 2.5x forward; backward time = median(fwd+bwd) - median(fwd). do_bench medians "
         "(p20/p80) after warm-up; peak memory = max allocated during one forward+backward minus the inputs. "
         "'torch varlen_attn (K/V repeated)' includes the repeat_interleave of K/V (torch 2.11 has no enable_gqa). "
-        "'driver' rows go through kernels._cp_blockdiag_varlen with a precomputed meta, including the SDPA-layout "
-        "packing copies. Functions slower than 400 ms per forward+backward are timed as the median of 3 calls. "
+        "The 'driver' row goes through kernels._cp_blockdiag_varlen with a precomputed meta, including the "
+        "SDPA-layout packing copies; 'cp_varlen_attention' runs a one-rank CPStep, 'varlen_attention' the public "
+        "THD function (offsets validated once, then cached). Functions slower than 400 ms per forward+backward are "
+        "timed as the median of 3 calls. "
     )
-    if (
-        "cudnn" in backends.VARLEN_BACKENDS
-        and backends.varlen_backend_unavailable_reason("cudnn", torch.bfloat16, dev) is None
-    ):
-        from longtrain.blockdiag_cp._cudnn_flex import PLAN_STATS
-
+    if providers.unavailable_reason("cudnn", torch.bfloat16, dev) is None:
         notes += (
-            f"cuDNN graph cache after the run: {backends.cudnn_graph_cache_stats()}; CuTe DSL mask plans: "
-            f"{PLAN_STATS} (one plan per layout and autograd mode, reused by every later call with the same meta). "
+            f"cuDNN graph cache after the run: {cudnn_graph.cudnn_graph_cache_stats()}; CuTe DSL mask plans: "
+            f"{cudnn_cute.PLAN_STATS} (one plan per layout and autograd mode, reused by every later call with the "
+            "same meta). "
         )
 
     md, js = write_report(args.name, rows, columns, notes, header=machine_header(), out_dir=args.out_dir,

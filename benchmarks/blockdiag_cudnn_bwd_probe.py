@@ -31,8 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from blockdiag_attention import doc_lengths, mask_area  # noqa: E402
-from longtrain.blockdiag_cp import _cudnn_varlen as cv  # noqa: E402
-from longtrain.blockdiag_cp import backends  # noqa: E402
+from longtrain.blockdiag_cp.providers import cudnn_graph as cv  # noqa: E402
+from longtrain.blockdiag_cp.providers.reference import reference_varlen_attention  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 ROWS: list[dict] = []
@@ -210,10 +210,10 @@ def flex_route(dev) -> None:
     torch.cuda.synchronize()
     print(f"flex first call (JIT compile): {time.perf_counter() - t0:.1f} s", flush=True)
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-    r = backends.reference_varlen_attention(q64, k64, v64, cq, ck, scale=scale)
+    r = reference_varlen_attention(q64, k64, v64, cq, ck, scale=scale)
     r_grads = torch.autograd.grad(r, (q64, k64, v64), dout.double())
     qb, kb, vb = (t.clone().requires_grad_() for t in (q, k, v))
-    rb = backends.reference_varlen_attention(qb, kb, vb, cq, ck, scale=scale)
+    rb = reference_varlen_attention(qb, kb, vb, cq, ck, scale=scale)
     rb_grads = torch.autograd.grad(rb, (qb, kb, vb), dout)
     for name, a, want, same in zip(("o", "dq", "dk", "dv"), (o, *grads), (r, *r_grads), (rb, *rb_grads)):
         err = (a.double() - want).abs().max().item()

@@ -27,12 +27,26 @@ from pathlib import Path
 
 import torch
 
-from longtrain.blockdiag_cp import backends
+from longtrain.blockdiag_cp import providers
+from longtrain.blockdiag_cp.providers import flash
+from longtrain.blockdiag_cp.providers.reference import reference_varlen_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from blockdiag_attention import doc_lengths as layout  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
+
+
+def _cudnn_cu(q, k, v, cu_q, cu_k, max_q=None, max_k=None, dropout_p=0.0):
+    """The ``cudnn`` provider over raw offsets (the probe's layouts have documents with Lk >= Lq)."""
+    from longtrain.blockdiag_cp.meta import VarlenMeta
+    from longtrain.blockdiag_cp.providers import cudnn
+
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    seg_q = tuple(b - a for a, b in zip(cq[:-1], cq[1:]))
+    seg_k = tuple(b - a for a, b in zip(ck[:-1], ck[1:]))
+    meta = VarlenMeta(n_real=cq[-1], real_end=ck[-1], seg_q=seg_q, seg_k=seg_k, cu_q=cu_q, cu_k=cu_k)
+    return cudnn.attention(q, k, v, meta, dropout_p=dropout_p)
 
 
 def cu_of(lengths, dev):
@@ -52,11 +66,11 @@ def probe_backend() -> None:
     """The ``cudnn`` backend of this package: parity (flash-attention rule vs float64), stats layout, timing."""
     from triton.testing import do_bench
 
-    from longtrain.blockdiag_cp import _cudnn_varlen as cv
+    from longtrain.blockdiag_cp.providers import cudnn_graph as cv
 
     dev = torch.device("cuda")
     print("torch", torch.__version__, "cudnn", torch.backends.cudnn.version(), torch.cuda.get_device_name())
-    print("cudnn backend reason:", backends.varlen_backend_unavailable_reason("cudnn", torch.bfloat16, dev))
+    print("cudnn backend reason:", providers.unavailable_reason("cudnn", torch.bfloat16, dev))
     gen = torch.Generator(device=dev).manual_seed(0)
     modes = {"ragged-stats": ("cudnn", None), "padded-stats": ("cudnn", False), "fa2-bwd": ("fa2", None)}
     cases = {"straddle+tiny": ([300, 5, 1, 700], [1000, 5, 1, 700]), "40 one-token + 900": ([1] * 40 + [900],) * 2}
@@ -72,13 +86,13 @@ def probe_backend() -> None:
             o = fn(qq, kk, vv)
             return [o.detach().double(), *(g.double() for g in torch.autograd.grad(o, (qq, kk, vv), dout.to(dtype)))]
 
-        ref64 = grads(lambda a, b, c: backends.reference_varlen_attention(a, b, c, cq, ck), torch.float64)
-        ref16 = grads(lambda a, b, c: backends.reference_varlen_attention(a, b, c, cq, ck), torch.bfloat16)
+        ref64 = grads(lambda a, b, c: reference_varlen_attention(a, b, c, cq, ck), torch.float64)
+        ref16 = grads(lambda a, b, c: reference_varlen_attention(a, b, c, cq, ck), torch.bfloat16)
         for mname, (bwd, ragged) in modes.items():
             cv.BACKWARD, cv.RAGGED_STATS_BWD = bwd, ragged
             try:
                 got = grads(
-                    lambda a, b, c: backends.cudnn_varlen_attention(a, b, c, cq, ck, max(segq), max(segk)),
+                    lambda a, b, c: _cudnn_cu(a, b, c, cq, ck, max(segq), max(segk)),
                     torch.bfloat16,
                 )
                 verdict = []
@@ -96,8 +110,8 @@ def probe_backend() -> None:
         qq = torch.randn(800, HQ, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
         kk = torch.randn(800, HKV, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
         vv = torch.randn(800, HKV, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
-        a = backends.cudnn_varlen_attention(qq, kk, vv, cq, cq, 500, 500)
-        b = backends.cudnn_varlen_attention(qq, kk, vv, cq, cq, 500, 500, dropout_p=0.2)
+        a = _cudnn_cu(qq, kk, vv, cq, cq, 500, 500)
+        b = _cudnn_cu(qq, kk, vv, cq, cq, 500, 500, dropout_p=0.2)
         gs = torch.autograd.grad(b.float().sum(), (qq, kk, vv))
         print(
             f"dropout 0.2: changed {not torch.allclose(a, b)}, grads finite {all(torch.isfinite(g).all().item() for g in gs)}"
@@ -113,12 +127,12 @@ def probe_backend() -> None:
         v = torch.randn(32768, HKV, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
         dout = torch.randn_like(q)
         fl = 4 * sum(n * (n + 1) // 2 for n in lens) * HQ * D
-        variants = {"FA2": lambda: backends.torch_flash_varlen(q, k, v, cu, cu, m, m)}
+        variants = {"FA2": lambda: flash.torch_flash_varlen(q, k, v, cu, cu, m, m)}
         for mname, (bwd, ragged) in modes.items():
 
             def run(bwd=bwd, ragged=ragged):
                 cv.BACKWARD, cv.RAGGED_STATS_BWD = bwd, ragged
-                return backends.cudnn_varlen_attention(q, k, v, cu, cu, m, m)
+                return _cudnn_cu(q, k, v, cu, cu, m, m)
 
             variants[f"cudnn {mname}"] = run
         for vname, fn in variants.items():
@@ -169,11 +183,11 @@ def main() -> None:
             t_rep = timed(call, 5)
             t_other = timed(lambda: call(cub, mb))
             t_other_rep = timed(lambda: call(cub, mb), 3)
-            fa = backends.torch_flash_varlen(q, k, v, cua, cua, ma, ma, scale=scale)
+            fa = flash.torch_flash_varlen(q, k, v, cua, cua, ma, ma, scale=scale)
             diff = (call().float() - fa.float()).abs().max().item()
             print(
                 f"{label}: first {t_first:.1f} ms, repeat {t_rep:.1f} ms, other layout {t_other:.1f} ms "
-                f"(repeat {t_other_rep:.1f}); max|diff| vs FA2 {diff:.4f}; FA2 {timed(lambda: backends.torch_flash_varlen(q, k, v, cua, cua, ma, ma), 5):.2f} ms"
+                f"(repeat {t_other_rep:.1f}); max|diff| vs FA2 {diff:.4f}; FA2 {timed(lambda: flash.torch_flash_varlen(q, k, v, cua, cua, ma, ma), 5):.2f} ms"
             )
         except Exception as exc:
             print(f"{label}: failed: {type(exc).__name__}: {str(exc)[:300]}")
@@ -185,7 +199,7 @@ def main() -> None:
         o = torch.ops.aten._cudnn_attention_forward(
             qs, ks, vs, None, cq, ck, 3, 7, True, 0.0, True, False, scale=scale
         )[0]
-        br = backends.reference_varlen_attention(qs.double(), ks.double(), vs.double(), cq, ck, scale=scale)
+        br = reference_varlen_attention(qs.double(), ks.double(), vs.double(), cq, ck, scale=scale)
         print(
             f"aten cudnn asymmetric segment: max|diff| vs bottom-right reference {(o.double() - br).abs().max().item():.4f}"
         )
@@ -216,8 +230,8 @@ def main() -> None:
         kk = k[: sum(segk)].contiguous()
         vv = v[: sum(segk)].contiguous()
         o, _ = fe(qq, kk, vv, cq, ck, max(segq), max(segk))
-        ref = backends.reference_varlen_attention(qq.double(), kk.double(), vv.double(), cq, ck, scale=scale)
-        ref16 = backends.reference_varlen_attention(qq, kk, vv, cq, ck, scale=scale).double()
+        ref = reference_varlen_attention(qq.double(), kk.double(), vv.double(), cq, ck, scale=scale)
+        ref16 = reference_varlen_attention(qq, kk, vv, cq, ck, scale=scale).double()
         print(
             f"frontend THD bottom-right GQA: err {(o.double() - ref).abs().max().item():.4f} (bf16 ref err {(ref16 - ref).abs().max().item():.4f})"
         )
@@ -234,7 +248,7 @@ def main() -> None:
         dout = torch.randn_like(og)
         gq, gk, gv = torch.autograd.grad(og, (qg, kg, vg), dout)
         q64, k64, v64 = (t.detach().double().requires_grad_() for t in (qq, kk, vv))
-        r = backends.reference_varlen_attention(q64, k64, v64, cq, ck, scale=scale)
+        r = reference_varlen_attention(q64, k64, v64, cq, ck, scale=scale)
         rq, rk, rv = torch.autograd.grad(r, (q64, k64, v64), dout.double())
         print(
             "frontend bwd err dq/dk/dv",

@@ -1,4 +1,4 @@
-"""Triton varlen attention backward (``_triton_varlen``) vs torch's FA2 backward and cuDNN's, on one GPU.
+"""Triton varlen attention backward (``providers.triton_varlen_bwd``) vs torch's FA2 backward and cuDNN's, on one GPU.
 
 Packed documents of lengths from U[512, 8192] (seed 1) and U[64, 2048] (seed 2) filling 32K and 64K tokens
 (``blockdiag_attention.doc_lengths``); Hq=32, Hkv=8, D=128, bf16, per-document causal. Every backward gets the
@@ -35,7 +35,7 @@ HQ, HKV, D = 32, 8, 128
 
 
 def _tv():
-    from longtrain.blockdiag_cp import _triton_varlen
+    from longtrain.blockdiag_cp.providers import triton_varlen_bwd as _triton_varlen
 
     return _triton_varlen
 
@@ -78,7 +78,7 @@ def fa2_bwd(inp: dict):
 
 def cudnn_bwd(inp: dict):
     """cuDNN's ragged backward fed by cuDNN's forward, or ``(None, reason)``."""
-    from longtrain.blockdiag_cp import _cudnn_varlen as cv
+    from longtrain.blockdiag_cp.providers import cudnn_graph as cv
 
     reason = cv.cudnn_unavailable_reason(torch.bfloat16, torch.device("cuda"))
     if reason is not None:

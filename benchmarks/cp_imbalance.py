@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import machine_header, write_report  # noqa: E402
 from blockdiag_attention import HKV, HQ, LAYOUTS, D, doc_lengths  # noqa: E402
-from longtrain.blockdiag_cp import backends, kernels  # noqa: E402
+from longtrain.blockdiag_cp import kernels, resolve_backend  # noqa: E402
 
 NO_CUDA = "n/a (no CUDA)"
 
@@ -109,7 +109,7 @@ def _imbalance(values: list[float]) -> float:
 
 def run(worlds: list[int], token_counts: list[int]) -> tuple[list[dict], str]:
     cuda = torch.cuda.is_available()
-    backend = backends.resolve_varlen_backend("auto", torch.bfloat16, "cuda") if cuda else None
+    backend = resolve_backend("auto", torch.bfloat16, "cuda") if cuda else None
     rows = []
     for tokens in token_counts:
         for layout, (lo, hi, seed) in LAYOUTS.items():

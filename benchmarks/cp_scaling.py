@@ -42,11 +42,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from blockdiag_attention import doc_lengths, mask_area  # noqa: E402
 from longtrain.blockdiag_cp import (  # noqa: E402
-    backends,
     configure_cp_varlen,
     cp_blockdiag_sdpa,
     kernels,
     make_cp_blockdiag_batch_and_ctx,
+    resolve_backend,
 )
 from longtrain.train import _Mesh  # noqa: E402
 
@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("nccl" if cuda else "gloo")
     group = dist.group.WORLD
     dtype = torch.bfloat16 if cuda else torch.float32
-    backend = backends.resolve_varlen_backend(args.backend, dtype, device)
+    backend = resolve_backend(args.backend, dtype, device)
     rows = run_parity(args, group, device, dtype, backend)
     rows += run_scaling(args, group, device, dtype, backend)
     if args.dsa:

@@ -17,8 +17,9 @@ import os
 __all__ = [
     "Probe",
     "cuda_sm",
+    "fa4",
     "cudnn_dsa",
-    "cudnn_flex",
+    "cudnn_cute",
     "cudnn_frontend",
     "fla",
     "flash_attn",
@@ -109,6 +110,15 @@ flash_attn_varlen = flash_attn
 
 
 @functools.cache
+def fa4() -> Probe:
+    """FlashAttention-4 (``flash_attn.cute``, the flash-attn-4 package: CuTe DSL kernels for SM90/SM100)."""
+    ok, reason = _import("flash_attn.cute", "flash_attn_varlen_func", "flash-attn-4")
+    if not ok and "not installed" in reason:
+        return False, "flash_attn.cute not installed (pip install flash-attn-4)"
+    return ok, reason
+
+
+@functools.cache
 def torch_varlen() -> Probe:
     """torch's bundled FlashAttention-2 varlen op (``aten._flash_attention_forward``), usable on CUDA SM80+."""
     import torch
@@ -154,7 +164,7 @@ def cudnn_dsa() -> Probe:
 
 
 @functools.cache
-def cudnn_flex() -> Probe:
+def cudnn_cute() -> Probe:
     """The cuDNN frontend's CuTe DSL varlen attention (``cudnn.flex_attention``), which needs the cutedsl extra."""
     ok, reason = cudnn_frontend()
     if not ok:
@@ -188,11 +198,12 @@ _ALL_PROBES = (
     cuda_sm,
     triton,
     flash_attn,
+    fa4,
     torch_varlen,
     transformer_engine,
     cudnn_frontend,
     cudnn_dsa,
-    cudnn_flex,
+    cudnn_cute,
     flash_mla,
     fla,
     mamba_ssm,
@@ -217,7 +228,8 @@ def package_table() -> list[tuple[str, bool, str]]:
         ("transformer_engine", *transformer_engine()),
         ("cudnn frontend", *cudnn_frontend()),
         ("cudnn frontend DSA", *cudnn_dsa()),
-        ("cudnn frontend CuTe DSL attention", *cudnn_flex()),
+        ("cudnn frontend CuTe DSL attention", *cudnn_cute()),
+        ("flash_attn.cute (FlashAttention-4)", *fa4()),
         ("flash_mla", *flash_mla()),
         ("fla (flash-linear-attention)", *fla()),
         ("mamba_ssm", *mamba_ssm()),

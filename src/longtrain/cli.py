@@ -9,7 +9,7 @@ import sys
 # Each module that has backends exposes ``backend_status() -> list[tuple[str, str | None]]``:
 # (backend name, None when available else the reason it is not).
 BACKEND_MODULES: tuple[tuple[str, str], ...] = (
-    ("blockdiag_cp", "longtrain.blockdiag_cp.backends"),
+    ("blockdiag_cp", "longtrain.blockdiag_cp.providers"),
     ("dsa", "longtrain.dsa.ops"),
     ("prewarm", "longtrain.prewarm"),
 )
@@ -51,11 +51,12 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     print()
     print("backends")
     print(_table(doctor_rows(), ("module", "backend", "available", "reason")))
-    from longtrain.blockdiag_cp.backends import resolve_varlen_backend
+    from longtrain.blockdiag_cp.providers import auto_choice
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    picks = ", ".join(
-        f"{str(dtype).replace('torch.', '')} -> {resolve_varlen_backend('auto', dtype, device)}"
+    picks = "; ".join(
+        f"{str(dtype).replace('torch.', '')}: long documents -> {auto_choice(dtype, device, 'long')}, short -> "
+        f"{auto_choice(dtype, device, 'short')}, with dropout -> {auto_choice(dtype, device, 'long', 0.1)}"
         for dtype in (torch.bfloat16, torch.float32)
     )
     print(f"\nblockdiag_cp attn_backend='auto' on {device}: {picks}")

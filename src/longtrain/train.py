@@ -143,7 +143,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def check_environment(cfg: DemoConfig) -> None:
     """Fail fast, before any process starts, on options this machine cannot run."""
-    from longtrain.blockdiag_cp import backends, state
+    from longtrain.blockdiag_cp import providers, state
     from longtrain.dsa import ops
 
     device = resolve_device(cfg)
@@ -161,7 +161,7 @@ def check_environment(cfg: DemoConfig) -> None:
     except ValueError as exc:
         raise DemoConfigError(str(exc)) from None
     if attn not in ("auto", "dense"):
-        reason = backends.varlen_backend_unavailable_reason(attn, dtype, device)
+        reason = providers.unavailable_reason(attn, dtype, device)
         if reason is not None:
             raise DemoConfigError(f"--attn-backend {cfg.attn_backend}: not available here ({reason}); try auto")
     if cfg.dsa_backend not in ops.BACKENDS:
@@ -220,9 +220,9 @@ class _Mesh:
 def _packed_cu_seqlens(doc_ids: torch.Tensor) -> torch.Tensor:
     """``[N+1] int32`` run boundaries of a 1-D id row (a padding tail counts as its own run), as the CP step
     state holds them (``BlockdiagCpModelState.packed_cu_seqlens``), on the row's device."""
-    from longtrain.blockdiag_cp.batch import _packed_runs
+    from longtrain.blockdiag_cp.step import packed_runs
 
-    return _packed_runs(doc_ids.cpu()).to(doc_ids.device, torch.int32)
+    return packed_runs(doc_ids.cpu()).to(doc_ids.device, torch.int32)
 
 
 def _step_loss(model, input_ids, position_ids, labels, step_inputs, num_labels: int) -> torch.Tensor:

@@ -41,3 +41,25 @@ def brute_segments(ids: list[int], row_offset: int, local_len: int):
         p -= 1
     seg_k = [seg_q[0] + back, *seg_q[1:]]
     return n_real, row_offset - back, seg_q, seg_k
+
+
+def patch_provider(monkeypatch, name: str, attention) -> None:
+    """Replace the ``attention`` call of registry entry ``name`` for one test (failure injection, call capture)."""
+    from dataclasses import replace
+
+    from longtrain.blockdiag_cp import providers
+
+    monkeypatch.setitem(providers.PROVIDERS, name, replace(providers.PROVIDERS[name], attention=attention))
+
+
+def meta_from_lengths(seg_q: list[int], seg_k: list[int], device="cpu"):
+    """A :class:`VarlenMeta` of segments with these query / key counts (key coordinates from 0)."""
+    from longtrain.blockdiag_cp.meta import VarlenMeta
+
+    def cu(lengths):
+        return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+    return VarlenMeta(
+        n_real=sum(seg_q), s_first=0, real_end=sum(seg_k), seg_q=tuple(seg_q), seg_k=tuple(seg_k),
+        cu_q=cu(seg_q), cu_k=cu(seg_k),
+    )  # fmt: skip

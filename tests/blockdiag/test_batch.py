@@ -3,8 +3,6 @@ semantic fills, document-id sources, validation before mutation and the step con
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,6 +11,7 @@ from hypothesis import strategies as st
 
 from longtrain.blockdiag_cp import (
     BlockdiagCpModelState,
+    CPStep,
     ShardLayout,
     current_blockdiag_cp_state,
     make_cp_blockdiag_batch_and_ctx,
@@ -54,16 +53,18 @@ def test_worked_example(group_world):
     torch.testing.assert_close(batch["inputs_embeds"][:, :1], emb[:, 4:5], rtol=0, atol=0)
     assert torch.equal(batch["inputs_embeds"][:, 1:], torch.zeros(1, 3, 3))
     assert state._CP_BLOCKDIAG_STATE.get() is None
-    with factory():
+    with factory() as published:
         step = state._CP_BLOCKDIAG_STATE.get()
-        assert step["doc_ids"].tolist() == [[1, 1, 2, 0, 0, 0, 0, 0]]
-        assert step["packed_cu_seqlens"].tolist() == [0, 2, 3, 8]
-        assert step["varlen_meta"]["n_real"] == 0 and step["row_offset"] == 4 and step["seq_dim"] == 2
-        assert step["attn_backend"] == state.cp_varlen_runtime_config()["attn_backend"]
+        assert isinstance(step, CPStep) and published is step and layout.step is step
+        assert step.doc_ids.tolist() == [[1, 1, 2, 0, 0, 0, 0, 0]]
+        assert step.packed_cu_seqlens.tolist() == [0, 2, 3, 8]
+        assert step.varlen_meta.n_real == 0 and step.row_offset == 4 and step.local_len == 4
+        assert (step.rank, step.world_size) == (1, 2)
+        assert step.attn_backend == state.cp_varlen_runtime_config()["attn_backend"]
         ms = current_blockdiag_cp_state()
         assert isinstance(ms, BlockdiagCpModelState)
-        assert ms.packed_cu_seqlens is step["packed_cu_seqlens"]
-        assert ms.packed_cu_seqlens_cpu is step["packed_cu_seqlens_cpu"] and ms.group is step["group"]
+        assert ms.packed_cu_seqlens is step.packed_cu_seqlens
+        assert ms.packed_cu_seqlens_cpu is step.packed_cu_seqlens_cpu and ms.group is step.group
         assert torch.utils.checkpoint._enable_checkpoint_early_stop is False
     assert state._CP_BLOCKDIAG_STATE.get() is None and current_blockdiag_cp_state() is None
     assert torch.utils.checkpoint._enable_checkpoint_early_stop is None
@@ -106,13 +107,22 @@ def test_semantic_fills_and_loss_mask(group_world):
     assert out["pixel_values"] is pixels  # not sequence-aligned: untouched
 
 
-def test_world_one_returns_batch_untouched():
-    batch = {"input_ids": torch.ones(2, 9, dtype=torch.int64), "attention_mask": torch.ones(2, 9)}
-    keys = dict(batch)
-    factory, out, layout = _shard(batch, 1, 0)
-    assert factory is contextlib.nullcontext and out is batch and batch == keys
-    assert layout == ShardLayout(9, 9)
-    assert _shard({"labels": torch.ones(1, 3)}, 1, 0)[2] is None
+@pytest.mark.parametrize("mesh", ["none", "one_rank"])
+def test_world_one_is_the_same_path_without_padding(mesh):
+    ids = torch.arange(1, 10)[None]
+    batch = {"input_ids": ids, "attention_mask": torch.ones(1, 9), "_packed_seq_ids": torch.tensor([[1] * 4 + [2] * 5])}
+    cp_mesh = None if mesh == "none" else FakeMesh(1, 0)
+    factory, out, layout = make_cp_blockdiag_batch_and_ctx(cp_mesh, None, batch)
+    assert out is batch and layout == ShardLayout(9, 9) and "attention_mask" not in batch
+    assert batch["input_ids"].tolist() == ids.tolist() and batch["padding_mask"].tolist() == [[False] * 9]
+    with factory() as step:
+        assert (step.world_size, step.rank, step.row_offset, step.local_len, step.kv_plan) == (1, 0, 0, 9, None)
+        assert step.varlen_meta.seg_q == (4, 5) and current_blockdiag_cp_state() is step.model_state
+    # B != 1 and a batch without a primary stream are the same clear errors as with more ranks
+    with pytest.raises(ValueError, match="local_batch_size=1"):
+        make_cp_blockdiag_batch_and_ctx(cp_mesh, None, {"input_ids": torch.ones(2, 9, dtype=torch.int64)})
+    with pytest.raises(ValueError, match="exactly one of"):
+        make_cp_blockdiag_batch_and_ctx(cp_mesh, None, {"labels": torch.ones(1, 3)})
 
 
 def _snapshot(batch: dict) -> dict:
@@ -258,6 +268,6 @@ def test_nested_contexts_restore_the_outer_state(group_world):
     with f1():
         outer = state._CP_BLOCKDIAG_STATE.get()
         with f2():
-            assert state._CP_BLOCKDIAG_STATE.get()["row_offset"] == 6
+            assert state._CP_BLOCKDIAG_STATE.get().row_offset == 6
         assert state._CP_BLOCKDIAG_STATE.get() is outer
     assert state._CP_BLOCKDIAG_STATE.get() is None

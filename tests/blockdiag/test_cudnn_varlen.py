@@ -1,4 +1,4 @@
-"""The ``cudnn`` varlen backend's call contract on CPU, through a fake ``cudnn`` frontend module.
+"""The ``cudnn`` provider's graph route on CPU, through a fake ``cudnn`` frontend module.
 
 The fake records every graph (dims, strides, ragged offsets, mask attributes) and executes a graph by reading
 the per-document lengths and ragged element offsets out of the variant pack and running the float64
@@ -14,9 +14,11 @@ import types
 import pytest
 import torch
 
-from longtrain.blockdiag_cp import _cudnn_varlen as cv
-from longtrain.blockdiag_cp import backends, kernels
-from tests.blockdiag._kernels_util import ids_from_lengths
+from longtrain.blockdiag_cp import kernels, providers
+from longtrain.blockdiag_cp.providers import cudnn
+from longtrain.blockdiag_cp.providers import cudnn_graph as cv
+from longtrain.blockdiag_cp.providers.reference import reference_varlen_attention
+from tests.blockdiag._kernels_util import ids_from_lengths, meta_from_lengths, patch_provider
 
 
 class _T:
@@ -90,15 +92,15 @@ class _Graph:
         assert torch.equal(pack[cv._SEQ_Q].flatten(), (cu_q[1:] - cu_q[:-1]))
         keep = torch.cat([torch.tensor([True]), cu_q[1:] > cu_q[:-1]])  # drop zero-length padding documents
         cu_q, cu_k = cu_q[keep].contiguous(), cu_k[keep].contiguous()
-        scale = self.kw["attn_scale"]
+        scale, causal = self.kw["attn_scale"], "diagonal_alignment" in self.kw
         if self.op == "fwd":
             with torch.no_grad():
-                pack[cv._O].copy_(backends.reference_varlen_attention(q, k, v, cu_q, cu_k, scale=scale))
+                pack[cv._O].copy_(reference_varlen_attention(q, k, v, cu_q, cu_k, scale=scale, causal=causal))
                 pack[cv._STATS].fill_(0.5)
             return
         qq, kk, vv = (t.detach().double().requires_grad_() for t in (q, k, v))
         with torch.enable_grad():
-            out = backends.reference_varlen_attention(qq, kk, vv, cu_q, cu_k, scale=scale)
+            out = reference_varlen_attention(qq, kk, vv, cu_q, cu_k, scale=scale, causal=causal)
             dq, dk, dv = torch.autograd.grad(out, (qq, kk, vv), pack[cv._DO].double())
         pack[cv._DQ].copy_(dq)
         pack[cv._DK].copy_(dk)
@@ -129,13 +131,13 @@ def fake_cudnn(monkeypatch):
 
 
 def _packed(lengths_q, lengths_k, hq=4, hkv=2, d=8, dtype=torch.float64, seed=0):
+    """q/k/v of packed segments and their :class:`VarlenMeta` (whose ``cu_q``/``cu_k`` are returned too)."""
     gen = torch.Generator().manual_seed(seed)
-    cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32)
-    cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32)
-    q = torch.randn(int(cu_q[-1]), hq, d, generator=gen, dtype=dtype)
-    k = torch.randn(int(cu_k[-1]), hkv, d, generator=gen, dtype=dtype)
-    v = torch.randn(int(cu_k[-1]), hkv, d, generator=gen, dtype=dtype)
-    return q, k, v, cu_q, cu_k
+    meta = meta_from_lengths(lengths_q, lengths_k)
+    q = torch.randn(sum(lengths_q), hq, d, generator=gen, dtype=dtype)
+    k = torch.randn(sum(lengths_k), hkv, d, generator=gen, dtype=dtype)
+    v = torch.randn(sum(lengths_k), hkv, d, generator=gen, dtype=dtype)
+    return q, k, v, meta
 
 
 def test_bucket_rounding():
@@ -150,11 +152,11 @@ def test_bucket_rounding():
 @pytest.mark.parametrize("refuse_ragged", [False, True], ids=["ragged_stats", "padded_stats"])
 def test_fake_graph_contract_forward_backward_and_cache(fake_cudnn, monkeypatch, refuse_ragged):
     monkeypatch.setattr(sys.modules[__name__], "_FAKE_REFUSES_RAGGED_BWD", refuse_ragged)
-    q, k, v, cu_q, cu_k = _packed([3, 1, 5], [7, 1, 5])  # first document straddles: 3 queries over 7 keys
-    meta: dict = {}
+    q, k, v, meta = _packed([3, 1, 5], [7, 1, 5])  # first document straddles: 3 queries over 7 keys
+    cu_q, cu_k = meta.cu_q, meta.cu_k
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-    out = cv.cudnn_varlen_attention(qg, kg, vg, cu_q, cu_k, 5, 7, meta=meta)
-    ref = backends.reference_varlen_attention(q, k, v, cu_q, cu_k)
+    out = cudnn.attention(qg, kg, vg, meta)
+    ref = reference_varlen_attention(q, k, v, cu_q, cu_k)
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)  # the fake runs the same float64 reference
     fwd = _Graph.built[0]
     assert fwd.op == "fwd" and fwd.kw["diagonal_alignment"] == "BR" and fwd.kw["diagonal_band_right_bound"] == 0
@@ -163,7 +165,7 @@ def test_fake_graph_contract_forward_backward_and_cache(fake_cudnn, monkeypatch,
     assert b == 8 and next(t for t in fwd.tensors if t.uid == cv._K).dim[2] == 64  # bucketed docs and max len
     grads = torch.autograd.grad(out, (qg, kg, vg), torch.ones_like(out))
     q64, k64, v64 = (t.clone().requires_grad_() for t in (q, k, v))
-    want = torch.autograd.grad(backends.reference_varlen_attention(q64, k64, v64, cu_q, cu_k), (q64, k64, v64),
+    want = torch.autograd.grad(reference_varlen_attention(q64, k64, v64, cu_q, cu_k), (q64, k64, v64),
                                torch.ones_like(out))  # fmt: skip
     for g, w in zip(grads, want):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
@@ -174,9 +176,9 @@ def test_fake_graph_contract_forward_backward_and_cache(fake_cudnn, monkeypatch,
         assert bwd.stats_seen.shape == (8, 4, 64, 1)  # padded [B, Hq, Sq, 1]
     # a second call with another layout in the same buckets reuses both graphs
     before = cv.cudnn_graph_cache_stats()
-    q2, k2, v2, cu_q2, cu_k2 = _packed([2, 2, 2, 6], [2, 2, 2, 6], seed=1)
+    q2, k2, v2, meta2 = _packed([2, 2, 1, 6], [2, 4, 1, 6], seed=1)
     q2.requires_grad_()
-    out2 = cv.cudnn_varlen_attention(q2, k2, v2, cu_q2, cu_k2, 6, 6)
+    out2 = cudnn.attention(q2, k2, v2, meta2)
     torch.autograd.grad(out2.sum(), q2)
     after = cv.cudnn_graph_cache_stats()
     assert after["misses"] == before["misses"] and after["hits"] == before["hits"] + 2
@@ -184,24 +186,34 @@ def test_fake_graph_contract_forward_backward_and_cache(fake_cudnn, monkeypatch,
 
 
 def test_layout_is_cached_in_meta_and_pads_zero_length_documents(fake_cudnn):
-    q, k, v, cu_q, cu_k = _packed([4, 4, 1], [9, 4, 1])
-    meta: dict = {}
-    cv.cudnn_varlen_attention(q, k, v, cu_q, cu_k, 4, 9, meta=meta)
-    (lay,) = meta["_cudnn_cache"].values()
+    q, k, v, meta = _packed([4, 4, 1], [9, 4, 1])
+    cudnn.attention(q, k, v, meta)
+    (lay,) = [val for key, val in meta.cache.items() if key[0] == "cudnn_layout"]
     assert lay["seq_q"].flatten().tolist() == [4, 4, 1, 0, 0, 0, 0, 0]
     assert (lay["rag_k"].flatten() // (2 * 8)).tolist() == [0, 9, 13, 14, 14, 14, 14, 14, 14]
     assert (lay["rag_stats"].flatten() // 4).tolist() == [0, 4, 8, 9, 9, 9, 9, 9, 9]
-    cv.cudnn_varlen_attention(q, k, v, cu_q, cu_k, 4, 9, meta=meta)
-    assert len(meta["_cudnn_cache"]) == 1
+    cudnn.attention(q, k, v, meta)
+    assert len([key for key in meta.cache if key[0] == "cudnn_layout"]) == 1
+
+
+def test_diagonal_follows_the_layout_and_causal_false(fake_cudnn):
+    q, k, v, meta = _packed([4, 4, 1], [4, 4, 1])  # every document square: top-left + cuDNN's backward
+    cudnn.attention(q, k, v, meta)
+    assert _Graph.built[-1].kw["diagonal_alignment"] == "TL"
+    q, k, v, meta = _packed([2, 4], [5, 4])
+    out = cudnn.attention(q, k, v, meta, causal=False)
+    assert "diagonal_alignment" not in _Graph.built[-1].kw
+    torch.testing.assert_close(out, reference_varlen_attention(q, k, v, meta.cu_q, meta.cu_k, causal=False),
+                               rtol=1e-12, atol=1e-12)  # fmt: skip
 
 
 def test_dropout_is_refused_and_auto_avoids_cudnn(fake_cudnn, monkeypatch):
-    q, k, v, cu_q, cu_k = _packed([5], [5])
+    q, k, v, meta = _packed([5], [5])
     with pytest.raises(ValueError, match="no attention dropout"):
-        cv.cudnn_varlen_attention(q, k, v, cu_q, cu_k, 5, 5, dropout_p=0.2)
-    monkeypatch.setattr(backends, "varlen_backend_unavailable_reason", lambda b, dt, dev: None)
-    assert backends.resolve_varlen_backend("auto", torch.bfloat16, "cuda") == "cudnn"
-    assert backends.resolve_varlen_backend("auto", torch.bfloat16, "cuda", dropout_p=0.1) == "flash"
+        cudnn.attention(q, k, v, meta, dropout_p=0.2)
+    monkeypatch.setattr(providers, "unavailable_reason", lambda *a, **kw: None)
+    assert providers.resolve_backend("auto", torch.bfloat16, "cuda") == "cudnn"
+    assert providers.resolve_backend("auto", torch.bfloat16, "cuda", dropout_p=0.1) == "flash"
 
 
 def test_backward_choice(monkeypatch):
@@ -220,14 +232,15 @@ def test_backward_choice(monkeypatch):
 def test_driver_dispatches_cudnn_with_meta(monkeypatch):
     calls = []
 
-    def fake(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, dropout_p=0.0, deterministic=False, meta=None):
-        calls.append({"meta": meta, "deterministic": deterministic, "dropout_p": dropout_p, "max": (max_q, max_k)})
-        return backends.reference_varlen_attention(q, k, v, cu_q, cu_k, scale=scale, dropout_p=dropout_p)
+    def fake(q, k, v, meta, *, scale=None, dropout_p=0.0, causal=True, deterministic=False):
+        calls.append({"meta": meta, "deterministic": deterministic, "dropout_p": dropout_p,
+                      "max": (meta.max_q, meta.max_k)})  # fmt: skip
+        return reference_varlen_attention(q, k, v, meta.cu_q, meta.cu_k, scale=scale, dropout_p=dropout_p)
 
-    real_reason = backends.varlen_backend_unavailable_reason
-    monkeypatch.setattr(backends, "varlen_backend_unavailable_reason",
-                        lambda b, dt, dev: None if b == "cudnn" else real_reason(b, dt, dev))  # fmt: skip
-    monkeypatch.setattr(backends, "cudnn_varlen_attention", fake)
+    real_reason = providers.unavailable_reason
+    monkeypatch.setattr(providers, "unavailable_reason",
+                        lambda b, *a, **kw: None if b == "cudnn" else real_reason(b, *a, **kw))  # fmt: skip
+    patch_provider(monkeypatch, "cudnn", fake)
     monkeypatch.setattr(kernels, "_CP_FLASH_DETERMINISTIC", True)
     ids = ids_from_lengths([11, 3, 6], 4)
     meta = kernels.precompute_blockdiag_varlen_meta(ids, 8, 8, "cpu")
@@ -238,7 +251,7 @@ def test_driver_dispatches_cudnn_with_meta(monkeypatch):
     got = kernels._cp_blockdiag_varlen(q, k, v, ids, 8, backend="cudnn", meta=meta)
     want = kernels._cp_blockdiag_varlen(q, k, v, ids, 8, backend="reference", meta=meta)
     torch.testing.assert_close(got, want, rtol=0, atol=0)  # same math on the same bf16 inputs
-    assert calls[0]["meta"] is meta and calls[0]["deterministic"] is True and calls[0]["max"] == (3, 11)
+    assert calls[0]["meta"].cu_q is meta["cu_q"] and calls[0]["deterministic"] is True and calls[0]["max"] == (3, 11)
     assert kernels._cp_blockdiag_varlen(q.float(), k.float(), v.float(), ids, 8, backend="cudnn", meta=meta) is None
     assert kernels._cp_blockdiag_varlen(q, k, v, ids, 8, backend="cudnn", dropout_p=0.1, meta=meta) is None
 
@@ -249,4 +262,5 @@ def test_cudnn_reasons_on_cpu():
     assert r("cudnn", torch.bfloat16, torch.device("cpu")) == "varlen CP attention requires CUDA, got device=cpu"
     if not torch.cuda.is_available():
         assert "SM90" in r("cudnn", torch.bfloat16, torch.device("cuda"))
-        assert "needs CUDA SM90+" in dict(backends.backend_status())["cudnn"]
+        assert "needs CUDA" in dict(providers.backend_status())["cudnn"]
+        assert "SM90+" in dict(providers.backend_status())["cudnn"]

@@ -1,6 +1,6 @@
 """K/V exchange pieces that need no process group: the all-gather autograd with stub collectives, the
-replicated exchange plan, the all-to-all-v splits and the collective emulation used on backends without
-``reduce_scatter``. (The exchanges themselves run on gloo in ``test_runtime_dist.py``.)"""
+replicated exchange plan (:class:`ExchangePlan`), the all-to-all-v splits and the collective emulation used on
+backends without ``reduce_scatter``. (The exchanges themselves run on gloo in ``test_runtime_dist.py``.)"""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from longtrain.blockdiag_cp import exchange, kernels
+from longtrain.blockdiag_cp.step import exchange_plan
 
 
 def _ids(*runs: tuple[int, int]) -> torch.Tensor:
@@ -80,29 +81,29 @@ def test_other_collective_errors_propagate(monkeypatch):
 
 
 def test_plan_reference_cases():
-    plan = exchange._compute_blockdiag_kv_plan(_ids((1, 6), (2, 6), (3, 4)), 4, 4, "cpu")
-    assert plan["recv"] == [0, 4, 2, 0]
-    assert plan["send"] == [4, 2, 0, 0]
-    assert plan["nreal"] == [4, 4, 4, 4]
-    assert plan["use_halo"] is True
+    plan = exchange_plan(_ids((1, 6), (2, 6), (3, 4)), 4, 4)
+    assert plan.recv == (0, 4, 2, 0)
+    assert plan.send == (4, 2, 0, 0)
+    assert plan.nreal == (4, 4, 4, 4)
+    assert plan.use_halo is True
 
-    plan = exchange._compute_blockdiag_kv_plan(_ids((1, 16))[None], 4, 4, "cpu")
-    assert plan["recv"] == [0, 4, 8, 12]
-    assert plan["s_first"] == [0, 0, 0, 0]
-    assert plan["real_end"] == [4, 8, 12, 16]
-    assert plan["use_halo"] is False
+    plan = exchange_plan(_ids((1, 16)), 4, 4)
+    assert plan.recv == (0, 4, 8, 12)
+    assert plan.s_first == (0, 0, 0, 0)
+    assert plan.real_end == (4, 8, 12, 16)
+    assert plan.use_halo is False
 
     # all-padding ranks: empty range at r*L
-    plan = exchange._compute_blockdiag_kv_plan(_ids((1, 3), (0, 9)), 3, 4, "cpu")
-    assert plan["nreal"] == [3, 0, 0]
-    assert plan["s_first"] == [0, 4, 8]
-    assert plan["real_end"] == [3, 4, 8]
-    assert plan["recv"] == [0, 0, 0]
+    plan = exchange_plan(_ids((1, 3), (0, 9)), 3, 4)
+    assert plan.nreal == (3, 0, 0)
+    assert plan.s_first == (0, 4, 8)
+    assert plan.real_end == (3, 4, 8)
+    assert plan.recv == (0, 0, 0)
 
 
 def test_plan_rejects_mismatched_lengths():
     with pytest.raises(ValueError, match="world\\*local_len"):
-        exchange._compute_blockdiag_kv_plan(_ids((1, 10)), 3, 4, "cpu")
+        exchange_plan(_ids((1, 10)), 3, 4)
 
 
 @st.composite
@@ -120,19 +121,19 @@ def _layouts(draw):
 def test_a2a_splits_deliver_exactly_the_needed_range(layout):
     world, ids = layout
     local_len = ids.numel() // world
-    plan = exchange._compute_blockdiag_kv_plan(ids, world, local_len, "cpu")
-    splits = [exchange._needed_kv_a2a_plan(plan, r, world, local_len, "cpu") for r in range(world)]
+    plan = exchange_plan(ids, world, local_len)
+    splits = [plan.a2a_splits(r, "cpu") for r in range(world)]
     positions = torch.arange(ids.numel())
     for r in range(world):
         meta = kernels.precompute_blockdiag_varlen_meta(
             ids, row_offset=r * local_len, local_len=local_len, device="cpu"
         )
-        assert plan["nreal"][r] == meta["n_real"]
+        assert plan.nreal[r] == meta["n_real"]
         if meta["n_real"]:
-            assert (plan["s_first"][r], plan["real_end"][r]) == (meta["s_first"], meta["real_end"])
-            assert plan["recv"][r] == r * local_len - meta["s_first"]
-    assert plan["send"] == plan["recv"][1:] + [0]
-    assert plan["use_halo"] == all(b <= local_len for b in plan["recv"])
+            assert (plan.s_first[r], plan.real_end[r]) == (meta["s_first"], meta["real_end"])
+            assert plan.recv[r] == r * local_len - meta["s_first"]
+    assert plan.send == (*plan.recv[1:], 0)
+    assert plan.use_halo == all(b <= local_len for b in plan.recv)
     for src in range(world):
         in_splits, _, send_index = splits[src]
         assert send_index.numel() == sum(in_splits) and send_index.dtype == torch.int64
@@ -140,7 +141,7 @@ def test_a2a_splits_deliver_exactly_the_needed_range(layout):
             assert in_splits[dst] == splits[dst][1][src]
     for dst in range(world):
         out_splits = splits[dst][1]
-        assert sum(out_splits) == plan["real_end"][dst] - plan["s_first"][dst]
+        assert sum(out_splits) == plan.real_end[dst] - plan.s_first[dst]
         # Simulate the all-to-all-v on global positions: the received pieces, in source order, are the range.
         received = []
         for src in range(world):
@@ -149,13 +150,13 @@ def test_a2a_splits_deliver_exactly_the_needed_range(layout):
             local = send_index[start : start + in_splits[dst]]
             received.append(positions[src * local_len + local])
         got = torch.cat(received)
-        torch.testing.assert_close(got, torch.arange(plan["s_first"][dst], plan["real_end"][dst]), rtol=0, atol=0)
+        torch.testing.assert_close(got, torch.arange(plan.s_first[dst], plan.real_end[dst]), rtol=0, atol=0)
 
 
 def test_zero_touch_is_exact_zero_and_attached_even_with_inf():
     q = torch.randn(1, 2, 3, 4, requires_grad=True)
     kv = torch.full((1, 2, 5, 4), float("inf"), requires_grad=True)
-    out = exchange._zero_touch(q, kv)
+    out = exchange.zero_touch(q, q, kv)
     assert torch.equal(out, torch.zeros_like(q)) and out.requires_grad
     out.sum().backward()
     assert torch.equal(kv.grad, torch.zeros_like(kv)) and torch.equal(q.grad, torch.zeros_like(q))

@@ -15,8 +15,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from longtrain.blockdiag_cp import backends, kernels
-from tests.blockdiag._kernels_util import ids_from_lengths
+from longtrain.blockdiag_cp import kernels
+from longtrain.blockdiag_cp.providers.reference import reference_varlen_attention
+from tests.blockdiag._kernels_util import ids_from_lengths, patch_provider
 
 TOL = {torch.float64: {"rtol": 1e-10, "atol": 1e-10}, torch.float32: {"rtol": 2e-5, "atol": 2e-5}}
 
@@ -149,7 +150,7 @@ def test_batch_rows_segment_inline_and_ignore_meta():
 def test_backend_names():
     ids = ids_from_lengths([8], 0)
     q, k, v, _ = _inputs(2, 2, 8, 8, 8, torch.float64)
-    with pytest.raises(ValueError, match="unknown block-diagonal varlen backend 'fa3'.*flash"):
+    with pytest.raises(ValueError, match="attention backend 'fa3'.*flash"):
         kernels._cp_blockdiag_varlen(q, k, v, ids, 0, backend="fa3")
     assert kernels._cp_blockdiag_varlen(q, k, v, ids, 0, backend="dense") is None
     assert kernels._cp_blockdiag_varlen(q, k, v, ids, 0, backend="sdpa") is None
@@ -177,7 +178,7 @@ def test_kernel_failure_returns_none_once_and_oom_is_reraised(monkeypatch, caplo
     def boom(*a, **kw):
         raise RuntimeError("kernel exploded")
 
-    monkeypatch.setattr(backends, "reference_varlen_attention", boom)
+    patch_provider(monkeypatch, "reference", boom)
     with caplog.at_level(logging.WARNING, logger=kernels.logger.name):
         assert kernels._cp_blockdiag_varlen(q, k, v, ids, 0, backend="reference") is None
         assert kernels._cp_blockdiag_varlen(q, k, v, ids, 0, backend="reference") is None
@@ -187,7 +188,7 @@ def test_kernel_failure_returns_none_once_and_oom_is_reraised(monkeypatch, caplo
     def oom(*a, **kw):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    monkeypatch.setattr(backends, "reference_varlen_attention", oom)
+    patch_provider(monkeypatch, "reference", oom)
     with pytest.raises(torch.OutOfMemoryError):
         kernels._cp_blockdiag_varlen(q, k, v, ids, 0, backend="reference")
 
@@ -234,7 +235,7 @@ class _FakeFlash:
         self.calls.append(("fixed", tuple(q.shape), tuple(k.shape), causal, dropout_p, deterministic))
         cu_q = torch.tensor([0, q.shape[1]], dtype=torch.int32)
         cu_k = torch.tensor([0, k.shape[1]], dtype=torch.int32)
-        return backends.reference_varlen_attention(q[0], k[0], v[0], cu_q, cu_k, scale=softmax_scale).unsqueeze(0)
+        return reference_varlen_attention(q[0], k[0], v[0], cu_q, cu_k, scale=softmax_scale).unsqueeze(0)
 
     def varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                softmax_scale=None, causal=False, deterministic=False):  # fmt: skip
@@ -242,7 +243,7 @@ class _FakeFlash:
             ("varlen", q.shape[0], k.shape[0], cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), max_seqlen_q,
              max_seqlen_k, causal, dropout_p)
         )  # fmt: skip
-        return backends.reference_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=softmax_scale)
+        return reference_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=softmax_scale)
 
 
 @pytest.fixture
@@ -268,7 +269,7 @@ def test_guard_peels_the_straddling_first_segment(fake_flash):
         ("varlen", 4, 4, [0, 4], [0, 4], 4, 4, True, 0.25),
     ]
     assert kernels._CP_FLASH_LONG_SEGMENT_WARNED
-    ref = backends.reference_varlen_attention(q, k, v, cu_q, cu_k)
+    ref = reference_varlen_attention(q, k, v, cu_q, cu_k)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)  # fp32, summation order only
 
 
@@ -340,8 +341,7 @@ def fake_te(monkeypatch):
             return self
 
         def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv):
-            out = backends.reference_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_kv,
-                                                      scale=self.kwargs["softmax_scale"])  # fmt: skip
+            out = reference_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_kv, scale=self.kwargs["softmax_scale"])
             return out.reshape(out.shape[0], -1)  # TE returns [T, H*D]
 
     te = types.ModuleType("transformer_engine")
@@ -397,12 +397,10 @@ def test_checkpoint_early_stop_signal_passes_through(monkeypatch):
     control-flow signal into a dense fallback."""
     import torch.utils.checkpoint as checkpoint
 
-    from longtrain.blockdiag_cp import backends, kernels
-
     def stop(*args, **kwargs):
         raise checkpoint._StopRecomputationError()
 
-    monkeypatch.setattr(backends, "reference_varlen_attention", stop)
+    patch_provider(monkeypatch, "reference", stop)
     ids = torch.tensor([1, 1, 1, 2, 2, 0])
     q = torch.randn(1, 2, 6, 8)
     kv = torch.randn(1, 2, 6, 8)

@@ -1,5 +1,6 @@
-"""The cp = 1 packed path: hooks scope the SDPA patch to ``self_attn`` forwards (including activation-checkpoint
-recompute and forwards that raise); the patched SDPA equals the dense block-causal reference."""
+"""The cp = 1 packed path: hooks scope the packed SDPA to ``self_attn`` forwards (including activation-checkpoint
+recompute and forwards that raise) without reassigning ``F.scaled_dot_product_attention``; it equals the dense
+block-causal reference; eager attention under armed ids is a clear error."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from longtrain.blockdiag_cp import (
     disable_cp1_packed_varlen,
     enable_cp1_packed_varlen,
     packed,
-    runtime,
 )
+from longtrain.blockdiag_cp.mask import ORIGINAL_SDPA
 from tests.blockdiag import _cp_model as cm
 
 
@@ -31,10 +32,14 @@ class SelfAttn(torch.nn.Module):
         self.raise_in_forward = raise_in_forward
 
     def forward(self, x):
-        self.patched_seen.append(F.scaled_dot_product_attention is packed._packed_varlen_sdpa)
+        self.patched_seen.append(packed.active())
         if self.raise_in_forward:
             raise RuntimeError("boom inside attention")
-        return cm.attention_layer(x, list(self.params), F.scaled_dot_product_attention)
+        return cm.attention_layer(x, list(self.params), self.sdpa)
+
+    @staticmethod
+    def sdpa(*args, **kwargs):
+        return F.scaled_dot_product_attention(*args, **kwargs)
 
 
 class Block(torch.nn.Module):
@@ -71,7 +76,7 @@ def _clean():
     yield
     disable_cp1_packed_varlen()
     configure_cp_varlen(**previous)
-    assert F.scaled_dot_product_attention is runtime._ORIGINAL_SDPA
+    assert F.scaled_dot_product_attention is ORIGINAL_SDPA and not packed.active()
 
 
 def _reference(ids, x64):
@@ -92,12 +97,12 @@ def test_hooked_forward_matches_reference_and_patch_is_scoped(ckpt, backend):
     x64, g = cm.make_inputs(ids.numel())
     x = x64.float().requires_grad_()
     enable_cp1_packed_varlen(ids, backend)
-    assert F.scaled_dot_product_attention is runtime._ORIGINAL_SDPA  # arming alone patches nothing
+    assert not packed.active()  # arming alone changes nothing
     y = model(x)
-    assert F.scaled_dot_product_attention is runtime._ORIGINAL_SDPA
+    assert F.scaled_dot_product_attention is ORIGINAL_SDPA and not packed.active()
     (y * g.float() * real).sum().backward()
-    assert F.scaled_dot_product_attention is runtime._ORIGINAL_SDPA
-    # forward, plus the recompute when checkpointed: the patch was active every time
+    assert F.scaled_dot_product_attention is ORIGINAL_SDPA and not packed.active()
+    # forward, plus the recompute when checkpointed: the packed path was active every time
     assert _inner(model).patched_seen == ([True, True] if ckpt else [True])
 
     y_ref, x_ref, params_ref = _reference(ids, x64)
@@ -116,12 +121,12 @@ def test_patch_restored_when_forward_raises():
     with pytest.raises(RuntimeError, match="boom inside attention"):
         model(torch.randn(1, 8, cm.E))
     assert _inner(model).patched_seen == [True]
-    assert F.scaled_dot_product_attention is runtime._ORIGINAL_SDPA
+    assert not packed.active()
 
 
 def test_non_matching_calls_and_disarmed_state_are_stock_sdpa():
     q, k, v = torch.randn(1, 4, 6, 8), torch.randn(1, 4, 6, 8), torch.randn(1, 4, 6, 8)
-    want = runtime._ORIGINAL_SDPA(q, k, v, is_causal=True)
+    want = ORIGINAL_SDPA(q, k, v, is_causal=True)
     assert torch.equal(packed._packed_varlen_sdpa(q, k, v, is_causal=True, extra=1), want)  # nothing armed
     enable_cp1_packed_varlen(torch.tensor([1, 1, 2, 2, 2, 0, 0]), "reference")  # length 7 != 6
     assert torch.equal(packed._packed_varlen_sdpa(q, k, v, is_causal=True), want)
@@ -138,10 +143,16 @@ def test_enable_validates_and_keeps_ids():
     ids2 = torch.tensor([[1, 1, 2, 0], [1, 2, 2, 2]])
     enable_cp1_packed_varlen(ids2, "Torch-Reference")
     st = packed._PACKED_STATE.get()
-    assert st["doc_ids"] is ids2 and st["backend"] == "reference" and st["varlen_meta"] is None
+    assert st.doc_ids is ids2 and st.backend == "reference" and [s.varlen_meta.n_real for s in st.steps] == [3, 4]
     enable_cp1_packed_varlen(torch.tensor([1, 1, 2, 0]), None)
     st = packed._PACKED_STATE.get()
-    assert st["doc_ids"].shape == (1, 4) and st["backend"] == "auto" and st["varlen_meta"]["n_real"] == 3
+    assert st.doc_ids.shape == (1, 4) and st.backend == "auto" and st.varlen_meta.n_real == 3
+    # every row is validated like a single row, before anything changes
+    for bad, match in ((torch.tensor([[1, 1, 2, 0], [1, 0, 2, 2]]), "row 1: .*tail"),
+                       (torch.tensor([[1, 2, 1, 0], [1, 1, 1, 1]]), "row 0: .*runs")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            enable_cp1_packed_varlen(bad, "dense")
+        assert packed._PACKED_STATE.get() is st
 
 
 def test_multi_row_ids_segment_per_row():
@@ -162,3 +173,40 @@ def test_cp1_backend_reports_configured_varlen_backend():
     assert cp1_packed_varlen_backend() == "auto"
     configure_cp_varlen(attn_backend="sdpa")
     assert cp1_packed_varlen_backend() is None
+
+
+class EagerSelfAttn(torch.nn.Module):
+    """Attention written out by hand (what ``attn_implementation="eager"`` does): no SDPA call."""
+
+    def forward(self, x):
+        scores = x @ x.transpose(-1, -2)
+        return scores.softmax(-1) @ x
+
+
+def test_eager_attention_under_armed_ids_is_a_clear_error():
+    model = torch.nn.ModuleDict({"self_attn": EagerSelfAttn()})
+    attach_cp1_packed_varlen_hooks(model)
+    x = torch.randn(1, 6, 4)
+    model["self_attn"](x)  # nothing armed: fine
+    enable_cp1_packed_varlen(torch.tensor([1, 1, 1, 2, 2, 2]), "reference")
+    with pytest.raises(RuntimeError, match="attn_implementation='sdpa'"):
+        model["self_attn"](x)
+    assert not packed.active()
+
+
+def test_sdpa_imported_under_another_name_is_covered():
+    from torch.nn.functional import scaled_dot_product_attention as renamed
+
+    ids = torch.tensor([1, 1, 1, 2, 2, 2])
+
+    class Renamed(torch.nn.Module):
+        def forward(self, q, k, v):
+            return renamed(q, k, v, is_causal=True)
+
+    model = torch.nn.ModuleDict({"self_attn": Renamed()})
+    attach_cp1_packed_varlen_hooks(model)
+    q, k, v = (torch.randn(1, 2, 6, 8, dtype=torch.float64) for _ in range(3))
+    enable_cp1_packed_varlen(ids, "reference")
+    out = model["self_attn"](q, k, v)
+    ref = cm.reference_sdpa(ids)(q, k, v)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)  # float64, summation order only

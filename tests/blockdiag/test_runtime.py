@@ -1,6 +1,6 @@
 """``cp_blockdiag_sdpa`` in one process: stock SDPA outside a context, the exchange-path decision list, the
-CP path over a one-rank stub group (varlen, dense, kernel fallback), checkpoint recompute after the context
-exited, and torch.compile."""
+one-rank step (varlen, dense, kernel fallback; no collective), checkpoint recompute after the context exited,
+a hand-built legacy state dict, and torch.compile."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from longtrain.blockdiag_cp import batch as batch_mod
-from longtrain.blockdiag_cp import configure_cp_varlen, cp_blockdiag_sdpa, kernels, runtime, state
+from longtrain.blockdiag_cp import build_cp_step, configure_cp_varlen, cp_blockdiag_sdpa, runtime, state
 from tests.blockdiag import _cp_model as cm
+from tests.blockdiag._kernels_util import patch_provider
 
 
 @pytest.fixture(autouse=True)
@@ -42,13 +43,16 @@ def one_rank(monkeypatch):
     return calls
 
 
-def _step(ids: torch.Tensor, backend: str = "auto", exchange: str = "allgather", meta: bool = True) -> dict:
-    step = {"group": None, "doc_ids": ids[None], "row_offset": 0, "attn_backend": backend, "kv_exchange": exchange}
-    if meta:
-        step["varlen_meta"] = kernels.precompute_blockdiag_varlen_meta(
-            ids, row_offset=0, local_len=ids.numel(), device="cpu"
-        )
-    return step
+def _step(ids: torch.Tensor, backend: str = "auto", exchange: str = "allgather", world: int = 1):
+    """A step of ``ids`` (padded to a multiple of ``world``) for rank 0 of ``world`` stub ranks."""
+    mesh = cm.FakeMesh(world, 0) if world > 1 else None
+    ids = torch.cat([ids, ids.new_zeros((-ids.numel()) % world)])
+    orig = dist.get_world_size
+    dist.get_world_size = lambda group=None: world
+    try:
+        return build_cp_step(ids, mesh, attn_backend=backend, kv_exchange=exchange)
+    finally:
+        dist.get_world_size = orig
 
 
 def test_outside_a_context_is_exactly_stock_sdpa():
@@ -59,32 +63,36 @@ def test_outside_a_context_is_exactly_stock_sdpa():
         want = F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kwargs)
         got = cp_blockdiag_sdpa(q, k, v, enable_gqa=True, unknown_kwarg="dropped", **kwargs)
         assert torch.equal(got, want)
-    assert runtime._ORIGINAL_SDPA is F.scaled_dot_product_attention
+    assert runtime.ORIGINAL_SDPA is F.scaled_dot_product_attention
 
 
 def test_decision_list_early_exits_need_no_process_group(monkeypatch):
+    ids = cm.case_ids("straddle_pad")
+    steps = {key: _step(ids, *key, world=2) for key in [("auto", "allgather"), ("dense", "halo"), ("te", "a2a")]}
+
     def no_dist(*args, **kwargs):
-        raise AssertionError("no distributed call expected before rule 5")
+        raise AssertionError("no distributed call expected before rule 4")
 
     monkeypatch.setattr(dist, "get_world_size", no_dist)
-    ids = cm.case_ids("straddle_pad")
-    sel = runtime._select_kv_exchange_path
-    path, plan, reason = sel(_step(ids), None, ids[None], 8, "cpu", 0, query_dtype=torch.float32)
-    assert (path, plan) == ("allgather", None) and "mode=allgather" in reason
-    path, _, reason = sel(_step(ids, "dense", "halo"), None, ids[None], 8, "cpu", 0, query_dtype=torch.float32)
+    sel = runtime.select_kv_exchange_path
+    path, reason = sel(steps["auto", "allgather"], "reference", torch.float32)
+    assert path == "allgather" and "mode=allgather" in reason
+    path, reason = sel(steps["dense", "halo"], "dense", torch.float32)
     assert path == "allgather" and "flash/te" in reason and "dense" in reason
-    path, _, reason = sel(_step(ids, "te", "a2a"), None, ids[None], 8, "cpu", 0, dropout_p=0.1, backend="te")
+    path, reason = sel(steps["te", "a2a"], "te", torch.bfloat16, dropout_p=0.1)
     assert path == "allgather" and "dropout" in reason
-    path, _, reason = sel(_step(ids, "reference", "halo", meta=False), None, ids[None], 8, "cpu", 0)
-    assert path == "allgather" and "varlen_meta" in reason
+    assert sel(steps["te", "a2a"], "te", torch.bfloat16, dropout_p=0.1) == (path, reason)  # memoised on the step
+    assert _step(ids, "reference", "halo").kv_plan is None  # one rank: nothing to exchange
+    assert sel(_step(ids, "reference", "halo"), "reference", torch.float32)[0] == "allgather"
 
 
 def test_cross_node_heuristic(monkeypatch):
     ids = cm.case_ids("straddle_pad")
+    step = _step(ids, "reference", "halo", world=4)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.delenv(runtime.ALLOW_XNODE_ENV, raising=False)
-    path, _, reason = runtime._select_kv_exchange_path(_step(ids, "reference", "halo"), None, ids[None], 8, "cpu", 0)
+    path, reason = runtime.select_kv_exchange_path(step, "reference", torch.float32)
     assert path == "allgather" and "spans nodes" in reason
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert runtime._cp_group_spans_nodes(None) is False
@@ -104,10 +112,14 @@ def _reference(ids, q, k, v):
 
 
 @pytest.mark.parametrize("backend", ["auto", "reference", "dense"])
-def test_cp_path_on_one_rank_matches_reference(one_rank, backend):
+@pytest.mark.parametrize("legacy", [False, True], ids=["step", "hand_built_dict"])
+def test_cp_path_on_one_rank_matches_reference(one_rank, backend, legacy):
     ids = cm.case_ids("many_short")
     q, k, v = _qkv(ids.numel())
-    token = state._CP_BLOCKDIAG_STATE.set(_step(ids, backend))
+    published = _step(ids, backend)
+    if legacy:  # a hand-built state dict (group, ids, offset, knobs) is converted to a step once
+        published = {"group": None, "doc_ids": ids[None], "row_offset": 0, "attn_backend": backend}
+    token = state._CP_BLOCKDIAG_STATE.set(published)
     try:
         state.reset_cp_attn_fire_count()
         out = cp_blockdiag_sdpa(q, k, v, is_causal=True)
@@ -118,7 +130,7 @@ def test_cp_path_on_one_rank_matches_reference(one_rank, backend):
     real = ids > 0
     # fp32 vs float64 reference (max-norm relative): a few roundings over <= 4-token documents
     assert cm.rel_err(out[:, :, real], _reference(ids, q, k, v)[:, :, real]) <= 1e-5
-    assert one_rank == ["all_gather", "reduce_scatter"]
+    assert one_rank == []  # one rank: block-diagonal with no collective
     assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
 
 
@@ -126,7 +138,12 @@ def test_kernel_declining_falls_back_to_dense_on_the_allgather_path(one_rank, mo
     ids = cm.case_ids("straddle_pad")
     q, k, v = _qkv(ids.numel())
     calls = []
-    monkeypatch.setattr(kernels, "_cp_blockdiag_varlen", lambda *a, **kw: calls.append(kw["backend"]))
+
+    def declining(*args, **kwargs):
+        calls.append("reference")
+        raise RuntimeError("kernel declined")
+
+    patch_provider(monkeypatch, "reference", declining)
     token = state._CP_BLOCKDIAG_STATE.set(_step(ids, "reference"))
     try:
         out = cp_blockdiag_sdpa(q, k, v)
@@ -177,8 +194,8 @@ def test_torch_compile_runs_the_runtime_eagerly(one_rank):
         want = cp_blockdiag_sdpa(q, k, v)
     import torch._dynamo  # noqa: F401  (as torch.compile would)
 
-    runtime._maybe_disable_dynamo()
-    assert runtime._IMPL[0] is not runtime._cp_blockdiag_sdpa_impl
+    runtime.maybe_disable_dynamo()
+    assert runtime._IMPL["cp_blockdiag_sdpa"] is not runtime._cp_blockdiag_sdpa_impl
 
     @torch.compile(backend="eager")
     def layer(a, b, c):
@@ -192,5 +209,18 @@ def test_torch_compile_runs_the_runtime_eagerly(one_rank):
 def test_unknown_exchange_in_hand_built_state_is_a_clear_error():
     ids = cm.case_ids("straddle_pad")
     with pytest.raises(ValueError, match="kv_exchange"):
-        runtime._select_kv_exchange_path(_step(ids, "reference", "ring"), None, ids[None], 8, "cpu", 0)
+        _step(ids, "reference", "ring")
+    token = state._CP_BLOCKDIAG_STATE.set({"group": None, "doc_ids": ids[None], "row_offset": 0, "kv_exchange": "ring"})
+    try:
+        with pytest.raises(ValueError, match="kv_exchange"):
+            cp_blockdiag_sdpa(*_qkv(ids.numel()))
+    finally:
+        state._CP_BLOCKDIAG_STATE.reset(token)
     configure_cp_varlen()  # knobs still valid
+
+
+def test_calls_that_are_not_this_ranks_shard_are_a_clear_error(one_rank):
+    ids = cm.case_ids("straddle_pad")
+    q, k, v = _qkv(ids.numel())
+    with batch_mod._step_context(_step(ids, "reference")), pytest.raises(ValueError, match="this rank's shard"):
+        cp_blockdiag_sdpa(q[:, :, :5], k[:, :, :5], v[:, :, :5])

@@ -66,10 +66,8 @@ def _run_cp(rank, world, name, *, ckpt=None):
     grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in [x, *params]]
     for gr in grads:
         dist.all_reduce(gr)
-    plan = step.get("kv_plan")
-    preflight = step.get("_needed_only_preflight")
-    if preflight is not None and not preflight[1]:
-        plan = None  # the consensus chose all-gather (a plan may have been computed by the local check)
+    paths = [v[0] for key, v in step.cache.items() if key[0] == "path"]  # the memoised exchange decision
+    path = None if not paths or paths[0] == "allgather" else paths[0]
     real = ids[off : off + n_in] > 0
     return {
         "y": y.detach()[:, :n_in][:, real],
@@ -79,8 +77,8 @@ def _run_cp(rank, world, name, *, ckpt=None):
         "grads_ref": [ref["x_grad"], *ref["param_grads"]],
         "fwd": fwd,
         "bwd": bwd,
-        "path": None if plan is None else ("halo" if plan["use_halo"] and step["kv_exchange"] == "halo" else "a2a"),
-        "max_halo": 0 if plan is None else max(plan["recv"]),
+        "path": path,
+        "max_halo": 0 if path is None else step.kv_plan.max_halo,
     }
 
 
@@ -138,16 +136,20 @@ def test_parity_every_exchange_and_case(gloo, world):
 
 
 def _fault_worker(rank, world, bad_rank):
-    """The varlen kernel declines on ``bad_rank`` only."""
-    from longtrain.blockdiag_cp import configure_cp_varlen, kernels
+    """The varlen kernel raises on ``bad_rank`` only."""
+    from dataclasses import replace
 
-    real_kernel = kernels._cp_blockdiag_varlen
+    from longtrain.blockdiag_cp import configure_cp_varlen, providers
+
+    real = providers.PROVIDERS["reference"]
 
     def flaky(*args, **kwargs):
-        return None if rank == bad_rank else real_kernel(*args, **kwargs)
+        if rank == bad_rank:
+            raise RuntimeError("injected kernel failure")
+        return real.attention(*args, **kwargs)
 
     out = {}
-    kernels._cp_blockdiag_varlen = flaky
+    providers.PROVIDERS["reference"] = replace(real, attention=flaky)
     try:
         for mode in MODES:
             previous = configure_cp_varlen(kv_exchange=mode)
@@ -163,7 +165,7 @@ def _fault_worker(rank, world, bad_rank):
             finally:
                 configure_cp_varlen(**previous)
     finally:
-        kernels._cp_blockdiag_varlen = real_kernel
+        providers.PROVIDERS["reference"] = real
     # The group still works after the failure.
     t = torch.ones(1)
     dist.all_reduce(t)
@@ -191,17 +193,17 @@ def test_kernel_failure_on_one_rank(gloo, world):
 def _preflight_and_emulation_worker(rank, world):
     """(a) one rank reports its backend unavailable -> every rank takes all-gather; (b) the gloo fallbacks of
     reduce_scatter / uneven all_to_all_single give the same results."""
-    from longtrain.blockdiag_cp import configure_cp_varlen, exchange, kernels
+    from longtrain.blockdiag_cp import configure_cp_varlen, exchange, providers
 
     out = {}
-    real_reason = kernels._varlen_backend_unavailable_reason
-    kernels._varlen_backend_unavailable_reason = lambda *a, **k: "injected" if rank == 0 else real_reason(*a, **k)
+    real_reason = providers.unavailable_reason
+    providers.unavailable_reason = lambda *a, **k: "injected" if rank == 0 else real_reason(*a, **k)
     previous = configure_cp_varlen(kv_exchange="a2a")
     try:
         res = _run_cp(rank, world, "one_doc")
         out["preflight"] = (res["path"], res["fwd"], cm.rel_err(res["y"], res["y_ref"]))
     finally:
-        kernels._varlen_backend_unavailable_reason = real_reason
+        providers.unavailable_reason = real_reason
         configure_cp_varlen(**previous)
 
     def unsupported(*args, **kwargs):

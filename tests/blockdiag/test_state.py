@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from longtrain.blockdiag_cp import backends, kernels, state
+from longtrain.blockdiag_cp import kernels, providers, state
 
 
 @pytest.fixture(autouse=True)
@@ -68,13 +68,13 @@ def test_every_canonical_name_is_its_own_synonym():
     assert state.ATTN_BACKEND_VALUES[0] == "auto" and state.KV_EXCHANGE_VALUES == ("allgather", "halo", "a2a")
 
 
-def test_every_kernel_backend_name_is_accepted():
-    # The knob accepts every name the kernels module accepts, and maps it to the kernels' own canonical name.
-    for name in backends.ATTN_BACKENDS:
-        expected = "dense" if name == "sdpa" else name
-        assert state.normalize_attn_backend(name) == expected
-    for name in backends.VARLEN_BACKENDS:
-        assert name in state.VARLEN_ATTN_BACKENDS
+def test_every_provider_name_is_accepted():
+    # The knob accepts every provider of the registry under its own canonical name, and "sdpa" is "dense".
+    for name in providers.PROVIDERS:
+        assert state.normalize_attn_backend(name) == name
+        assert name in state.VARLEN_ATTN_BACKENDS or name == "dense"
+    assert state.normalize_attn_backend("sdpa") == "dense"
+    assert set(state.ATTN_BACKEND_VALUES) == {"auto", *providers.PROVIDERS}
 
 
 @pytest.mark.parametrize(
@@ -118,7 +118,7 @@ def test_invalid_configure_changes_nothing():
 
 
 def test_known_but_unprovided_backend_is_refused(monkeypatch):
-    monkeypatch.setattr(backends, "VARLEN_BACKENDS", ("flash", "reference"))
+    monkeypatch.setattr(providers, "PROVIDERS", {n: providers.PROVIDERS[n] for n in ("flash", "reference")})
     with pytest.raises(ValueError, match="does not provide"):
         state.configure_cp_varlen(attn_backend="te")
 

@@ -17,18 +17,18 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
-# "cudnn:<route>" runs the cudnn backend with _cudnn_varlen.ROUTE forced: the CuTe DSL route and the graph API
+# "cudnn:<route>" runs the cudnn provider with providers.cudnn.ROUTE forced: the CuTe DSL route and the graph API
 # (which picks its diagonal alignment and backward from the layout).
-GPU_BACKENDS = ["flash", "te", "cudnn:flex", "cudnn:graph", "flex"]
+GPU_BACKENDS = ["flash", "te", "cudnn:cute", "cudnn:graph", "fa4", "flex"]
 
 
 @pytest.fixture(autouse=True)
 def _cudnn_route(request, monkeypatch):
     backend = request.node.callspec.params.get("backend", "") if hasattr(request.node, "callspec") else ""
     if backend.startswith("cudnn:"):
-        from longtrain.blockdiag_cp import _cudnn_varlen
+        from longtrain.blockdiag_cp.providers import cudnn
 
-        monkeypatch.setattr(_cudnn_varlen, "ROUTE", backend.split(":")[1])
+        monkeypatch.setattr(cudnn, "ROUTE", backend.split(":")[1])
 
 
 def _ids_from_lengths(lengths: list[int], pad: int) -> torch.Tensor:
@@ -56,11 +56,11 @@ def _skip_unavailable(backend: str, dtype=torch.bfloat16) -> str:
     """Skip when ``backend`` (``name`` or ``cudnn:<route>``) cannot run; return the backend name to call."""
     name, _, route = backend.partition(":")
     reason = kernels._varlen_backend_unavailable_reason(name, dtype, torch.device("cuda"))
-    if reason is None and route == "flex":
-        from longtrain.blockdiag_cp._cudnn_flex import flex_unavailable_reason
+    if reason is None and route == "cute":
+        from longtrain.blockdiag_cp.providers.cudnn_cute import cute_unavailable_reason
 
         probe = torch.empty(1, 8, 128, device="cuda", dtype=dtype)
-        reason = flex_unavailable_reason(probe, probe)
+        reason = cute_unavailable_reason(probe, probe)
     if reason is not None:
         pytest.skip(reason)
     return name

@@ -1,4 +1,4 @@
-"""GPU parity of the Triton varlen backward (``_triton_varlen``) with the float64 reference (skipped without CUDA).
+"""GPU parity of the Triton varlen backward (``providers.triton_varlen_bwd``) with the float64 reference.
 
 The kernel gets ``out``/``lse`` from torch's bundled FA2 forward (or cuDNN's, where the frontend is installed).
 Tolerance (flash-attention rule, CONVENTIONS.md): the kernel's max error against the float64 reference may be at
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from longtrain.blockdiag_cp import backends
+from longtrain.blockdiag_cp.providers.reference import reference_varlen_attention
 
 pytestmark = [
     pytest.mark.gpu,
@@ -23,7 +23,7 @@ pytestmark = [
 
 
 def _tv():
-    tv = pytest.importorskip("longtrain.blockdiag_cp._triton_varlen", reason="triton not installed")
+    tv = pytest.importorskip("longtrain.blockdiag_cp.providers.triton_varlen_bwd", reason="triton not installed")
     reason = tv.triton_varlen_unavailable_reason(torch.bfloat16, torch.device("cuda"))
     if reason is not None:
         pytest.skip(reason)
@@ -84,7 +84,7 @@ def _reference_grads(q, k, v, dout, cu_q, cu_k, scale, dtype):
         qs = q[:, h * group : (h + 1) * group].to(dtype).requires_grad_()
         ks = k[:, h : h + 1].to(dtype).requires_grad_()
         vs = v[:, h : h + 1].to(dtype).requires_grad_()
-        out = backends.reference_varlen_attention(qs, ks, vs, cu_q, cu_k, scale=scale)
+        out = reference_varlen_attention(qs, ks, vs, cu_q, cu_k, scale=scale)
         gq, gk, gv = torch.autograd.grad(out, (qs, ks, vs), dout[:, h * group : (h + 1) * group].to(dtype))
         grads[0][:, h * group : (h + 1) * group] = gq
         grads[1][:, h : h + 1] = gk
@@ -93,8 +93,10 @@ def _reference_grads(q, k, v, dout, cu_q, cu_k, scale, dtype):
 
 
 def _fa2_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale):
-    if backends._torch_flash_reason() is not None:
-        pytest.skip(f"torch's FA2 forward (source of out/lse) unavailable: {backends._torch_flash_reason()}")
+    from longtrain.blockdiag_cp.providers.flash import torch_flash_reason
+
+    if torch_flash_reason() is not None:
+        pytest.skip(f"torch's FA2 forward (source of out/lse) unavailable: {torch_flash_reason()}")
     res = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale)
     return res[0], res[1].t()  # lse [Hq, T_q] -> [T_q, Hq] view
 
@@ -157,7 +159,7 @@ def test_kernel_mode_is_deterministic_and_syncs_nothing():
 def test_cudnn_stats_as_input(poisoned):
     """cuDNN's forward output and ``stats[:, :, 0]`` (the integration path) give the same quality."""
     tv = poisoned
-    from longtrain.blockdiag_cp import _cudnn_varlen as cv
+    from longtrain.blockdiag_cp.providers import cudnn_graph as cv
 
     reason = cv.cudnn_unavailable_reason(torch.bfloat16, torch.device("cuda"))
     if reason is not None:

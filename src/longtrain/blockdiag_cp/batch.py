@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed
 import torch.utils.checkpoint
 
-from . import kernels, runtime, state
+from . import state
+from .runtime import maybe_disable_dynamo
+from .step import CPStep, build_cp_step, resolve_cp_group
 
 __all__ = ["ShardLayout", "make_cp_blockdiag_batch_and_ctx"]
 
@@ -38,10 +40,11 @@ _IGNORE_INDEX = -100
 @dataclass(frozen=True)
 class ShardLayout:
     """Sequence lengths of a sharded batch: ``original_seq_len`` before padding, ``padded_seq_len`` after
-    padding to a multiple of ``2 * cp_size`` (equal to the original when CP is off)."""
+    padding to a multiple of ``2 * cp_size`` (equal to the original on one rank), and the step it belongs to."""
 
     original_seq_len: int
     padded_seq_len: int
+    step: CPStep | None = field(default=None, compare=False, repr=False)
 
 
 def _fill_value(key: str, tensor: torch.Tensor, padding_token_id: int) -> Any:
@@ -78,38 +81,146 @@ def _shard(tensor: torch.Tensor, key: str, seq_len: int, full_len: int, row_offs
     return torch.cat([real, pad], dim=dim)
 
 
+#: Batch keys that describe document boundaries; dropped from the sharded batch (the step carries them).
+_BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "cu_seqlens")
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Document ids ``[B, S]`` read from one batch key: ``ids`` (0 = padding where ``pad`` says so)."""
+
+    name: str
+    ids: torch.Tensor
+    boundaries: bool
+    """Whether the key says where documents start (a 0/1 ``attention_mask`` only marks padding)."""
+    pad: torch.Tensor | None
+    """``[B, S]`` bool padding the key marks, or None when it cannot mark padding (``position_ids``)."""
+
+
+def _ids_from_offsets(cu: torch.Tensor, seq_len: int, batch_size: int, key: str) -> torch.Tensor:
+    if cu.dim() != 1 or batch_size != 1 or cu.dtype.is_floating_point or cu.dtype == torch.bool:
+        raise ValueError(f"batch[{key!r}] must be 1-D integer offsets [N+1] of one packed row, got {cu.dtype} "
+                         f"{tuple(cu.shape)} for a batch of {batch_size}")  # fmt: skip
+    host = cu.detach().to("cpu", torch.int64)
+    if host.numel() == 0 or int(host[0]) != 0 or bool((host[1:] < host[:-1]).any()) or int(host[-1]) > seq_len:
+        raise ValueError(
+            f"batch[{key!r}] = {host.tolist()[:12]} must be non-decreasing offsets from 0 to at most the row length "
+            f"{seq_len}"
+        )
+    lengths = host[1:] - host[:-1]
+    docs = torch.repeat_interleave(torch.arange(1, lengths.numel() + 1), lengths)
+    return torch.cat([docs, docs.new_zeros(seq_len - docs.numel())])[None]
+
+
+def _ids_from_positions(pos: torch.Tensor, seq_len: int, batch_size: int) -> torch.Tensor:
+    plane = pos[0] if pos.dim() == 3 else pos  # mRoPE [3|4, B, S]: documents restart in the first plane
+    plane = plane.reshape(-1, plane.shape[-1]) if plane.dim() == 2 else plane.reshape(1, -1)
+    starts = plane == 0
+    starts[:, 0] = True
+    return torch.cumsum(starts.to(torch.int64), dim=-1)
+
+
+def _boundary_sources(batch: dict, seq_len: int, batch_size: int) -> list[_Source]:
+    """Every boundary-carrying key of the batch, in precedence order (host tensors, ``[B, S]``)."""
+    out: list[_Source] = []
+    ids = batch.get("_packed_seq_ids")
+    if isinstance(ids, torch.Tensor):
+        if ids.dtype.is_floating_point or ids.dtype.is_complex:
+            raise TypeError(f"batch['_packed_seq_ids'] must be an integer tensor, got {ids.dtype}")
+        host = ids.detach().to("cpu", torch.int64)
+        host = host[None] if host.dim() == 1 else host
+        out.append(_Source("_packed_seq_ids", host, True, host == 0))
+    for key in ("cu_seq_lens_q", "cu_seqlens"):
+        cu = batch.get(key)
+        if isinstance(cu, torch.Tensor):
+            docs = _ids_from_offsets(cu, seq_len, batch_size, key)
+            out.append(_Source(key, docs, True, docs == 0))
+            break
+    pos = batch.get("position_ids")
+    if isinstance(pos, torch.Tensor) and pos.shape[-1] == seq_len and not pos.dtype.is_floating_point:
+        docs = _ids_from_positions(pos.detach().to("cpu", torch.int64), seq_len, batch_size)
+        # position ids that never restart are positions the model wants, not boundaries (e.g. no position reset)
+        out.append(_Source("position_ids", docs, bool((docs[:, -1] > 1).any()), None))
+    mask = batch.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+        docs = _doc_ids_from_4d_mask(mask.detach().cpu())
+        out.append(_Source("attention_mask", docs, True, docs == 0))
+    elif isinstance(mask, torch.Tensor) and mask.dim() in (1, 2):
+        host = mask.detach().cpu()
+        host = host[None] if host.dim() == 1 else host
+        values = host if not (host.dtype.is_floating_point or host.dtype.is_complex) else (host != 0)
+        values = values.to(torch.int64)
+        out.append(_Source("attention_mask", values, bool((values > 1).any()), values == 0))
+    return out
+
+
+def _run_starts(ids: torch.Tensor) -> torch.Tensor:
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    return starts
+
+
 def _cp_blockdiag_doc_ids(batch: dict, seq_len: int, device: torch.device, batch_size: int) -> torch.Tensor:
     """Per-position document ids ``[B, S] int64`` on ``device`` (0 == padding); reads, never mutates, ``batch``.
 
-    Sources, first present wins: ``batch["_packed_seq_ids"]``; a 4-D ``attention_mask [B, 1|H, S, S]``
-    (documents recovered from its diagonal and sub-diagonal: position p starts a new document when it may
-    not attend to p-1; bool/int masks are allow-style, float masks allow-style when their diagonal holds a
-    positive value and additive (0 = allowed) otherwise); a 2-D ``attention_mask`` taken as ids (a 0/1 mask is
-    one document plus padding); otherwise one document without padding.
+    Boundary sources, first present wins: ``_packed_seq_ids``; ``cu_seq_lens_q`` / ``cu_seqlens`` (offsets of one
+    packed row, Hugging Face's flash-attention kwargs); ``position_ids`` (a document starts wherever they are 0,
+    Hugging Face's packing convention; mRoPE ``[3|4, B, S]`` from its first plane; position ids that never
+    restart mark no boundary); ``attention_mask`` (4-D: documents recovered from the diagonal; 2-D: taken as ids
+    when it holds values above 1, else a 0/1 mask: one document plus padding); otherwise one document without
+    padding. Padding is what the winning source marks, else what a 0/1 ``attention_mask`` marks (``== 0``).
+
+    Every other present source must agree: the same document starts on real tokens (for a boundary source) and
+    no real token where it marks padding. A disagreement is a ``ValueError`` naming both keys and the first
+    position where they differ.
     """
-    ids = batch.get("_packed_seq_ids")
-    mask = batch.get("attention_mask")
-    if isinstance(ids, torch.Tensor):
-        out = ids
-    elif isinstance(mask, torch.Tensor) and mask.dim() == 4:
-        out = _doc_ids_from_4d_mask(mask)
-    elif isinstance(mask, torch.Tensor) and mask.dim() == 2:
-        out = mask
+    sources = _boundary_sources(batch, seq_len, batch_size)
+    for src in sources:
+        if tuple(src.ids.shape) != (batch_size, seq_len):
+            raise ValueError(
+                f"document ids from batch[{src.name!r}] have shape {tuple(src.ids.shape)}, expected [B, S] = "
+                f"[{batch_size}, {seq_len}] like the primary input stream"
+            )
+    primary = next((src for src in sources if src.boundaries), None)
+    if primary is None:
+        ids = torch.ones(batch_size, seq_len, dtype=torch.int64)
+        pad_src = next((src for src in sources if src.pad is not None), None)
+        if pad_src is not None:
+            ids = torch.where(pad_src.pad, 0, ids)
     else:
-        out = torch.ones(batch_size, seq_len, dtype=torch.int64, device=device)
-    if out.dtype.is_floating_point or out.dtype.is_complex:
-        if isinstance(ids, torch.Tensor):
-            raise TypeError(f"batch['_packed_seq_ids'] must be an integer tensor, got {out.dtype}")
-        out = out != 0
-    if out.dim() == 1:
-        out = out.unsqueeze(0)
-    if tuple(out.shape) != (batch_size, seq_len):
-        source = "_packed_seq_ids" if isinstance(ids, torch.Tensor) else "attention_mask"
-        raise ValueError(
-            f"document ids from batch[{source!r}] have shape {tuple(out.shape)}, expected [B, S] = "
-            f"[{batch_size}, {seq_len}] like the primary input stream"
-        )
-    return out.to(device=device, dtype=torch.int64)
+        ids = primary.ids
+        if primary.pad is None:
+            pad_src = next((src for src in sources if src.pad is not None), None)
+            if pad_src is not None:
+                ids = torch.where(pad_src.pad, 0, ids)
+    pad = ids == 0
+    real_pairs = ~pad
+    real_pairs[:, 1:] &= ~pad[:, :-1]
+    real_pairs[:, 0] = False
+    starts = _run_starts(ids)
+    for src in sources:
+        if src is primary:
+            continue
+        if src.pad is not None and bool((src.pad & ~pad).any()):
+            b, p = (int(x) for x in (src.pad & ~pad).nonzero()[0])
+            raise ValueError(
+                f"batch[{src.name!r}] marks position {p} (row {b}) as padding but batch[{_name(primary)}] puts it in a "
+                f"document; make the two agree (or drop one of them from the batch)"
+            )
+        if src.boundaries and primary is not None:
+            differ = (_run_starts(src.ids) != starts) & real_pairs
+            if bool(differ.any()):
+                b, p = (int(x) for x in differ.nonzero()[0])
+                what = "starts a new document" if bool(starts[b, p]) else "continues the document"
+                raise ValueError(
+                    f"document boundaries disagree: at position {p} (row {b}) batch[{primary.name!r}] {what}, "
+                    f"batch[{src.name!r}] does not; make the two sources agree (or drop one of them from the batch)"
+                )
+    return ids.to(device=device, dtype=torch.int64)
+
+
+def _name(src: _Source | None) -> str:
+    return repr(src.name) if src is not None else "'(one document)'"
 
 
 def _doc_ids_from_4d_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -140,13 +251,6 @@ def _validate_sequence_tensors(batch: dict, keys: list[str], batch_size: int, se
             )
 
 
-def _packed_runs(ids_full_host: torch.Tensor) -> torch.Tensor:
-    """Run boundaries ``[n_runs+1] int64`` of the flattened padded ids (the padding tail is its own run)."""
-    flat = ids_full_host.reshape(-1)
-    change = (flat[1:] != flat[:-1]).nonzero().flatten() + 1
-    return torch.cat([torch.zeros(1, dtype=torch.int64), change, torch.tensor([flat.numel()], dtype=torch.int64)])
-
-
 def make_cp_blockdiag_batch_and_ctx(
     cp_mesh: Any,
     tp_mesh: Any,
@@ -155,32 +259,32 @@ def make_cp_blockdiag_batch_and_ctx(
     loss_mask: torch.Tensor | None = None,
     padding_token_id: int = 0,
     shard_primary: bool = True,
-) -> tuple[Callable[[], contextlib.AbstractContextManager], dict, ShardLayout | None]:
+) -> tuple[Callable[[], contextlib.AbstractContextManager], dict, ShardLayout]:
     """Shard one packed sequence contiguously over the CP ranks and build the step context.
 
-    ``cp_mesh``: anything with ``size()``, ``get_local_rank()`` and ``get_group()`` (a 1-D ``DeviceMesh``).
-    ``tp_mesh`` is unused (sharder contract). ``batch``: one packed row, exactly one of ``input_ids [1, S]``
-    / ``inputs_embeds [1, S, H]`` (the primary stream), optional ``labels`` (pre-shifted), ``position_ids``
-    (``[1, S]`` or mRoPE ``[3|4, 1, S]``), ``_packed_seq_ids [1, S]`` (else ids come from ``attention_mask``,
-    else one document), ``loss_mask``.
+    ``cp_mesh``: ``None`` (one rank), a ``ProcessGroup``, a 1-D ``DeviceMesh`` (e.g. ``mesh["cp"]``), or anything
+    with ``size()``, ``get_local_rank()`` and ``get_group()``. ``tp_mesh`` is unused (sharder contract). ``batch``:
+    one packed row, exactly one of ``input_ids [1, S]`` / ``inputs_embeds [1, S, H]`` (the primary stream),
+    optional ``labels`` (pre-shifted), ``position_ids`` (``[1, S]`` or mRoPE ``[3|4, 1, S]``), ``loss_mask``, and the
+    document boundaries: ``_packed_seq_ids [1, S]``, else ``cu_seq_lens_q``/``cu_seqlens``, else restarting
+    ``position_ids``, else ``attention_mask``, else one document (see :func:`_cp_blockdiag_doc_ids`; sources that
+    disagree are a ``ValueError``).
 
-    With ``W = cp_mesh.size() <= 1`` returns ``(contextlib.nullcontext, batch, layout)`` with the batch
-    untouched. Otherwise validates everything (``ValueError``/``TypeError``/``RuntimeError``, batch
-    unchanged), then mutates ``batch`` in place and returns it: ``attention_mask`` is dropped, ``padding_mask
-    = (doc_ids == 0)`` is added (and ``loss_mask`` if given); the sequence is padded to ``S_full``, a multiple
-    of ``2W``, with semantic fills (``labels`` -100, ``input_ids`` ``padding_token_id``, ``loss_mask`` 0,
-    ``padding_mask`` True, floats 0.0, everything else 0) and every sequence tensor keeps the rows
-    ``[r·L, (r+1)·L)``, ``L = S_full / W``. ``shard_primary=False`` leaves the primary stream unsharded (same
-    object) for models that embed the full sequence and shard hidden states themselves.
+    Validates everything first (``ValueError``/``TypeError``/``RuntimeError``, batch unchanged), then mutates
+    ``batch`` in place and returns it: ``attention_mask`` and the flash-attention offset keys are dropped,
+    ``padding_mask = (doc_ids == 0)`` is added (and ``loss_mask`` if given). With ``W > 1`` ranks the sequence is
+    padded to ``S_full``, a multiple of ``2W``, with semantic fills (``labels`` -100, ``input_ids``
+    ``padding_token_id``, ``loss_mask`` 0, ``padding_mask`` True, floats 0.0, everything else 0) and every sequence
+    tensor keeps the rows ``[r·L, (r+1)·L)``, ``L = S_full / W``; with one rank nothing is padded or sliced.
+    ``shard_primary=False`` leaves the primary stream unsharded (same object) for models that embed the full
+    sequence and shard hidden states themselves.
 
-    The returned factory gives a fresh context manager per call; attention inside it is block-diagonal CP.
-    Run ``loss.backward()`` inside the context too: activation-checkpoint recompute needs the step state.
+    Returns ``(ctx_factory, batch, layout)``. The factory gives a fresh context manager per call, which publishes the
+    step's :class:`~longtrain.blockdiag_cp.step.CPStep` (``with ctx_factory() as step:``) so that
+    ``cp_blockdiag_sdpa`` is block-diagonal inside it, at every world size. ``layout.step`` is the same object.
+    Run ``loss.backward()`` inside the context too: activation-checkpoint recompute needs the step.
     """
-    world = int(cp_mesh.size())
-    if world <= 1:
-        primary = next((batch[k] for k in _PRIMARY_KEYS if isinstance(batch.get(k), torch.Tensor)), None)
-        layout = None if primary is None else ShardLayout(int(primary.shape[1]), int(primary.shape[1]))
-        return contextlib.nullcontext, batch, layout
+    group, rank, world = resolve_cp_group(cp_mesh)
 
     # ---- validate (nothing the caller owns changes in this block) ----
     present = [k for k in _PRIMARY_KEYS if batch.get(k) is not None]
@@ -200,17 +304,6 @@ def make_cp_blockdiag_batch_and_ctx(
             f"block-diagonal CP requires local_batch_size=1 (one packed sequence per rank), got batch size {bsz}; "
             "enable sequence packing and set the local batch size to 1"
         )
-    rank = int(cp_mesh.get_local_rank())
-    group = cp_mesh.get_group()
-    group_world = torch.distributed.get_world_size(group)
-    if group_world != world:
-        raise RuntimeError(
-            f"the K/V all-gather group has world size {group_world} but cp_mesh.size() is {world}: the CP sub-group "
-            "was mis-resolved (a DeviceMesh flatten/slice bug seen on torch 2.8 with dp>1); upgrade torch or pass "
-            "the 1-D CP mesh"
-        )
-    if not 0 <= rank < world:
-        raise RuntimeError(f"cp_mesh.get_local_rank() returned {rank}, outside [0, {world})")
     if loss_mask is not None and (
         not isinstance(loss_mask, torch.Tensor) or tuple(loss_mask.shape[:2]) != (bsz, seq_len)
     ):
@@ -226,19 +319,13 @@ def make_cp_blockdiag_batch_and_ctx(
     _validate_sequence_tensors(batch, shard_keys, bsz, seq_len)
     doc_ids = _cp_blockdiag_doc_ids(batch, seq_len, device, bsz)
 
-    pad_len = (-seq_len) % (2 * world)
+    pad_len = (-seq_len) % (2 * world) if world > 1 else 0
     full_len = seq_len + pad_len
     local_len = full_len // world
     row_offset = rank * local_len
     doc_ids_full = torch.cat([doc_ids, doc_ids.new_zeros((bsz, pad_len))], dim=1) if pad_len else doc_ids
-    # The one device-to-host copy of the step: the layout check, the run boundaries and the segmentation all
-    # work on it (precompute validates padding-as-tail and one run per document, raising ValueError).
-    ids_host = doc_ids_full.detach().to("cpu")
-    varlen_meta = kernels.precompute_blockdiag_varlen_meta(
-        ids_host, row_offset=row_offset, local_len=local_len, device=device
-    )
-    packed_cu_seqlens_cpu = _packed_runs(ids_host)
-    packed_cu_seqlens = packed_cu_seqlens_cpu.to(device)
+    # Validates padding-as-tail and one run per document (ValueError), segments every rank: one host copy.
+    step = build_cp_step(doc_ids_full, _Mesh(group, rank, world) if world > 1 else group, device=device)
     deepstack = _shard_deepstack(batch, seq_len, full_len, row_offset, local_len)
 
     # ---- build every new value, then mutate ----
@@ -251,36 +338,38 @@ def make_cp_blockdiag_batch_and_ctx(
         k: _shard(t, k, seq_len, full_len, row_offset, local_len, _fill_value(k, t, padding_token_id))
         for k, t in sources.items()
     }
-    batch.pop("attention_mask", None)
+    for key in ("attention_mask", *_BOUNDARY_KEYS):
+        batch.pop(key, None)
     batch.update(sharded)
     if deepstack is not None:
         batch["_deepstack_visual_embeds"] = deepstack
-
-    cfg = state.cp_varlen_runtime_config()
-    model_state = state.BlockdiagCpModelState(group, packed_cu_seqlens, packed_cu_seqlens_cpu)
-    step = {
-        "group": group,
-        "doc_ids": doc_ids_full,
-        "packed_cu_seqlens": packed_cu_seqlens,
-        "packed_cu_seqlens_cpu": packed_cu_seqlens_cpu,
-        "row_offset": row_offset,
-        "seq_dim": 2,
-        "attn_backend": cfg["attn_backend"],
-        "kv_exchange": cfg["kv_exchange"],
-        "varlen_meta": varlen_meta,
-        "model_state": model_state,
-    }
-    runtime._maybe_disable_dynamo()
+    maybe_disable_dynamo()
 
     def ctx_factory() -> contextlib.AbstractContextManager:
         return _step_context(step)
 
-    return ctx_factory, batch, ShardLayout(seq_len, full_len)
+    return ctx_factory, batch, ShardLayout(seq_len, full_len, step=step)
+
+
+class _Mesh:
+    """A resolved group, rank and world size in the mesh protocol :func:`build_cp_step` takes."""
+
+    def __init__(self, group: Any, rank: int, world: int):
+        self._group, self._rank, self._world = group, rank, world
+
+    def size(self) -> int:
+        return self._world
+
+    def get_local_rank(self) -> int:
+        return self._rank
+
+    def get_group(self) -> Any:
+        return self._group
 
 
 @contextlib.contextmanager
-def _step_context(step: dict) -> Iterator[None]:
-    """Activate ``step`` for ``cp_blockdiag_sdpa`` (visible from autograd's recompute thread).
+def _step_context(step: CPStep) -> Iterator[CPStep]:
+    """Publish ``step`` for ``cp_blockdiag_sdpa`` (visible from autograd's recompute thread) and yield it.
 
     Also turns off the early stop of non-reentrant activation checkpointing for checkpoints created inside:
     an early-stopped recompute ends at the last tensor the forward saved, which differs between a rank with
@@ -291,10 +380,10 @@ def _step_context(step: dict) -> Iterator[None]:
     token = state._CP_BLOCKDIAG_STATE.set(step)
     try:
         with torch.utils.checkpoint.set_checkpoint_early_stop(False):
-            yield
+            yield step
     finally:
         state._CP_BLOCKDIAG_STATE.reset(token)
-        if step.get("_grad_calls") and state._CP_BLOCKDIAG_STATE.get() is None:
+        if step.cache.get("grad_calls") and state._CP_BLOCKDIAG_STATE.get() is None:
             state._CP_LAST_EXITED_STATE.set(True)
 
 

@@ -1,49 +1,208 @@
-"""``cp_blockdiag_sdpa``: the SDPA drop-in that runs block-diagonal attention over context-parallel shards.
+"""Block-diagonal attention over packed documents: the public varlen functions and the SDPA drop-in.
 
-Inside a step context (built by :func:`longtrain.blockdiag_cp.batch.make_cp_blockdiag_batch_and_ctx`) every
-call exchanges K/V over the CP group and attends with the per-document causal mask rebuilt from the
-replicated document ids; outside a context it is exactly stock SDPA.
+- :func:`varlen_attention`: flash-attn's calling convention on one device (``[total, H, D]`` + ``cu_seqlens``).
+- :func:`cp_varlen_attention`: the same attention on this rank's shard of a :class:`~.step.CPStep`: K/V travel over
+  the CP group by the step's exchange, then a provider runs; ``W = 1`` is the same path with no collective.
+- :func:`cp_blockdiag_sdpa`: a layout adapter over :func:`cp_varlen_attention` for code that calls
+  ``F.scaled_dot_product_attention``; it finds the step published by the batch builder's context.
 
 Collective-order safety (every rank must issue the same collectives in the same order):
 
-- The exchange path is chosen from replicated config and data, plus one all-reduce per step (the
-  *preflight*) before a needed-only exchange: if any rank cannot run it, every rank uses all-gather.
-- After a needed-only exchange, one all-reduce per call (the *post-kernel consensus*) makes every rank
-  raise the same ``RuntimeError`` when the kernel failed anywhere, instead of one rank falling back alone.
-- On the all-gather path a rank-local fallback to the dense mask is safe: it adds no collective.
-
-``exchange``, ``kernels`` and ``state`` are used as module objects and their attributes looked up at call
-time, so tests can substitute the gather or the kernel.
+- The exchange path is chosen from replicated config and data, plus one all-reduce per step (the *preflight*)
+  before a needed-only exchange: if any rank cannot run it, every rank uses all-gather.
+- After a needed-only exchange, one all-reduce per call (the *post-kernel consensus*) makes every rank raise the
+  same ``RuntimeError`` when the kernel failed anywhere, instead of one rank falling back alone.
+- On the all-gather path (and at ``W = 1``) a rank-local fallback to the dense mask is safe: it adds no collective.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Any
 
 import torch
 import torch.distributed
+import torch.nn.functional as F
 
-from . import backends, exchange, kernels, state
+from . import exchange, providers, state
+from .mask import ORIGINAL_SDPA, dense_blockdiag_sdpa
+from .meta import VarlenMeta, meta_from_cu_seqlens, resolve_device
+from .step import CPStep, build_cp_step
 
-__all__ = ["cp_blockdiag_sdpa"]
+__all__ = [
+    "ALLOW_XNODE_ENV",
+    "attend",
+    "check_qkv",
+    "cp_blockdiag_sdpa",
+    "cp_varlen_attention",
+    "current_cp_step",
+    "select_kv_exchange_path",
+    "varlen_attention",
+]
 
 logger = logging.getLogger(__name__)
-
-#: Stock SDPA, captured before any cp=1 hook can patch ``F.scaled_dot_product_attention``.
-_ORIGINAL_SDPA = backends.ORIGINAL_SDPA
 
 #: Setting this environment variable to "1" allows the needed-only exchanges across nodes.
 ALLOW_XNODE_ENV = "LONGTRAIN_CP_ALLOW_XNODE"
 
-_KV_EXCHANGE_PATH_LOGGED = False
-_KV_XNODE_LOGGED = False
-
 _NEEDED_ONLY = (state.KV_EXCHANGE_HALO, state.KV_EXCHANGE_A2A)
-# Varlen backends that cannot apply attention dropout: with dropout_p > 0 their kernel returns None and the
-# all-gather path keeps dropout through the dense fallback, so needed-only is downgraded up front.
-_NO_DROPOUT_BACKENDS = frozenset({state.ATTN_BACKEND_TE, state.ATTN_BACKEND_FLEX})
+_LOGGED: set[str] = set()
+_OOM_ERRORS: tuple[type[BaseException], ...] = tuple(
+    e for e in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None)) if e
+)
+
+
+def reraised_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions no fallback may swallow: out of memory (the dense fallback needs more) and non-reentrant
+    checkpoint's early-stop signal, which is control flow, not a kernel failure."""
+    import torch.utils.checkpoint as checkpoint
+
+    stop = getattr(checkpoint, "_StopRecomputationError", None)
+    return _OOM_ERRORS + ((stop,) if stop is not None else ())
+
+
+def _once(key: str, level: int, msg: str, *args: Any) -> None:
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        logger.log(level, msg, *args)
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, what: str = "q/k/v") -> None:
+    """``ValueError``/``TypeError`` unless ``q: [T_q, Hq, D]`` and ``k/v: [T_k, Hkv, D]`` agree (``Hq % Hkv == 0``)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be a packed [tokens, heads, head_dim] tensor, got shape {tuple(t.shape)}")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating tensor, got {t.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"key and value shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"query/key/value devices differ: {q.device}, {k.device}, {v.device}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"query/key/value dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    hq, hkv = q.shape[1], k.shape[1]
+    if hkv == 0 or hq % hkv:
+        raise ValueError(
+            f"{what}: query heads ({hq}) must be a positive multiple of key/value heads ({hkv}); fix the model's "
+            "num_key_value_heads"
+        )
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"{what}: query and key head dims differ: {q.shape[2]} vs {k.shape[2]}")
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: VarlenMeta,
+    backend: str,
+    *,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    causal: bool = True,
+    deterministic: bool = False,
+) -> torch.Tensor:
+    """One provider over one segmentation. ``q: [L, Hq, D]`` (row ``i`` = the meta's query row ``i``), ``k/v:
+    [S_k, Hkv, D]`` (key index = the meta's key coordinate) -> ``[L, Hq, D]`` with rows ``>= meta.n_real`` exactly 0.
+
+    An all-padding chunk launches no kernel and returns zeros attached to ``q``, ``k`` and ``v`` (so the backward
+    collectives of the exchange that produced ``k``/``v`` fire on every rank). Provider errors propagate.
+    """
+    if meta.n_real == 0:
+        return exchange.zero_touch(q, q, k, v)
+    provider = providers.get(backend)
+    n_real, length = meta.n_real, q.shape[0]
+    local = meta.cache.get(("local", meta.s_first, meta.real_end))
+    if local is None:
+        local = meta.cache[("local", meta.s_first, meta.real_end)] = meta.rebased(0, meta.kv_len)
+    qs = q if n_real == length else q[:n_real]
+    ks = k if (meta.s_first, meta.real_end) == (0, k.shape[0]) else k[meta.s_first : meta.real_end]
+    vs = v if (meta.s_first, meta.real_end) == (0, v.shape[0]) else v[meta.s_first : meta.real_end]
+    out = provider.attention(
+        qs, ks, vs, local, scale=scale, dropout_p=dropout_p, causal=causal, deterministic=deterministic
+    ).reshape(n_real, q.shape[1], v.shape[2])
+    if n_real < length:
+        out = F.pad(out, (0, 0, 0, 0, 0, length - n_real))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# single device
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _varlen_attention_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                           dropout_p, backend):  # fmt: skip
+    check_qkv(q, k, v, "varlen_attention")
+    if not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    device = resolve_device(q.device)
+    plan = meta_from_cu_seqlens(
+        cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], int(max_seqlen_q), int(max_seqlen_k),
+        causal=bool(causal), device=device,
+    )  # fmt: skip
+    name = providers.resolve_backend(backend, q.dtype, device, dropout_p=dropout_p, meta=plan.meta)
+    reason = providers.unavailable_reason(name, q.dtype, device, dropout_p=dropout_p)
+    if reason is not None:
+        raise ValueError(f"varlen_attention: backend {name!r} cannot run this call: {reason}; use backend='auto'")
+    kwargs = {"scale": softmax_scale, "dropout_p": float(dropout_p), "causal": bool(causal),
+              "deterministic": torch.are_deterministic_algorithms_enabled()}  # fmt: skip
+    if plan.q_index is None:
+        return attend(q, k, v, plan.meta, name, **kwargs)
+    out = attend(q.index_select(0, plan.q_index), k.index_select(0, plan.k_index), v.index_select(0, plan.k_index),
+                 plan.meta, name, **kwargs)  # fmt: skip
+    return q.new_zeros(q.shape[0], q.shape[1], v.shape[2]).index_copy(0, plan.q_index, out)
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Per-document attention over packed documents, flash-attn's ``flash_attn_varlen_func`` convention.
+
+    Args:
+        q: ``[T_q, Hq, D]`` packed queries, any float dtype (the fast kernels need fp16/bf16 on CUDA).
+        k, v: ``[T_k, Hkv, D]`` packed keys and values, ``Hq % Hkv == 0`` (GQA native: heads are never repeated
+            by the fast kernels).
+        cu_seqlens_q, cu_seqlens_k: ``[N+1]`` int32/int64 document offsets on q's device, non-decreasing from 0;
+            rows after ``cu[-1]`` are padding (zero output, never read as keys).
+        max_seqlen_q, max_seqlen_k: at least the longest document's query / key count.
+        causal: causal within each document, aligned **bottom-right** when a document has fewer queries than keys
+            (query ``i`` of a document with ``Lq`` queries and ``Lk`` keys sees keys ``j <= i + Lk - Lq``); query rows
+            that see no key (``Lq > Lk``) give exact zeros. ``False``: every query sees its whole document.
+        softmax_scale: ``None`` -> ``D ** -0.5``.
+        dropout_p: attention dropout (backends ``flash``, ``reference``, ``dense``).
+        backend: ``"auto"`` (the fastest available for the dtype, device, dropout and layout) or any provider name
+            or synonym (``cudnn``, ``fa4``, ``flash``, ``te``, ``flex``, ``reference``, ``dense``); a backend that
+            cannot run this call is a ``ValueError`` saying why.
+
+    Returns:
+        ``[T_q, Hq, D]`` in q's dtype, differentiable in q, k and v.
+
+    The offsets are validated on the host once per offsets tensor (one device-to-host copy); calls that pass the
+    same unmodified tensors again (every layer of a step) reuse the result with no host work.
+    """
+    return _IMPL["varlen"](q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                           dropout_p, backend)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------------
+# context parallel
+# ----------------------------------------------------------------------------------------------------------
 
 
 def _cp_group_spans_nodes(group: Any) -> bool:
@@ -52,7 +211,6 @@ def _cp_group_spans_nodes(group: Any) -> bool:
     ``LONGTRAIN_CP_ALLOW_XNODE=1`` answers False (forces needed-only across nodes, for validation). The ranks
     per node come from ``LOCAL_WORLD_SIZE``, then ``NPROC_PER_NODE``, then the visible CUDA device count.
     """
-    global _KV_XNODE_LOGGED
     if os.environ.get(ALLOW_XNODE_ENV) == "1":
         return False
     world = torch.distributed.get_world_size(group)
@@ -70,108 +228,11 @@ def _cp_group_spans_nodes(group: Any) -> bool:
         except Exception:
             local_ws = world
     spans = local_ws > 0 and world > local_ws
-    if spans and not _KV_XNODE_LOGGED:
-        _KV_XNODE_LOGGED = True
-        logger.warning(
-            "block-diagonal CP group of %d ranks spans nodes (%d ranks per node): the needed-only K/V exchange is "
-            "disabled and all-gather is used (set %s=1 to force it)",
-            world,
-            local_ws,
-            ALLOW_XNODE_ENV,
-        )
+    if spans:
+        _once("xnode", logging.WARNING,
+              "block-diagonal CP group of %d ranks spans nodes (%d ranks per node): the needed-only K/V exchange is "
+              "disabled and all-gather is used (set %s=1 to force it)", world, local_ws, ALLOW_XNODE_ENV)  # fmt: skip
     return spans
-
-
-def _resolve_cp_varlen_config(step: dict) -> tuple[str, str]:
-    """``(attn_backend, kv_exchange)`` from the step's snapshot; missing keys read the current knobs."""
-    cfg = state.cp_varlen_runtime_config()
-    return step.get("attn_backend", cfg["attn_backend"]), step.get("kv_exchange", cfg["kv_exchange"])
-
-
-def _effective_backend(configured: str, dtype: torch.dtype, device: Any, dropout_p: float) -> str:
-    """The concrete backend a call runs: ``"auto"`` resolved for the call's dtype/device/dropout."""
-    configured = state.normalize_attn_backend(configured)
-    if configured == state.ATTN_BACKEND_AUTO:
-        return backends.resolve_varlen_backend("auto", dtype, device, dropout_p)
-    return configured
-
-
-def _needed_only_preflight(
-    step: dict,
-    group: Any,
-    backend: str,
-    query_dtype: torch.dtype,
-    device: Any,
-    *,
-    query_len: int,
-    key_len: int,
-) -> tuple[bool, str | None]:
-    """Once per step: can every rank run the needed-only path? One all-reduce(MIN) and one sync, memoised.
-
-    The local check covers the backend (dtype, device, library), the host validation of the step meta and the
-    exchange plan (computed here, memoised in ``step["kv_plan"]``; it must agree with this rank's meta).
-    """
-    key = (backend, str(query_dtype), str(device), int(query_len), int(key_len))
-    memo = step.get("_needed_only_preflight")
-    if memo is not None and memo[0] == key:
-        return memo[1], memo[2]
-    reason = _local_needed_only_reason(step, group, backend, query_dtype, device, query_len, key_len)
-    ok = _all_ranks_ok(reason is None, group, device)
-    if not ok and reason is None:
-        reason = "varlen kernel is unavailable on at least one CP rank"
-    step["_needed_only_preflight"] = (key, ok, reason)
-    return ok, reason
-
-
-def _local_needed_only_reason(
-    step: dict, group: Any, backend: str, dtype: torch.dtype, device: Any, query_len: int, key_len: int
-) -> str | None:
-    if backend not in state.VARLEN_ATTN_BACKENDS:
-        return f"needed-only requires a varlen kernel (flash/te/cudnn/flex/reference), got {backend}"
-    reason = kernels._varlen_backend_unavailable_reason(backend, dtype, torch.device(device))
-    if reason is not None:
-        return reason
-    gm = step.get("varlen_meta")
-    reason = kernels._varlen_metadata_unavailable_reason(gm, query_len=query_len, key_len=key_len, device=device)
-    if reason is not None:
-        return reason
-    try:
-        plan = _plan_for_step(step, group, query_len, device, step.get("row_offset", 0))
-    except Exception as exc:  # bad ids: every rank sees the same replicated ids, reported through the consensus
-        return f"exchange plan failed: {type(exc).__name__}: {str(exc)[:200]}"
-    rank = plan["rank"]
-    n_real = int(gm.get("n_real", 0))
-    if plan["nreal"][rank] != n_real or (
-        n_real and (plan["s_first"][rank] != int(gm["s_first"]) or plan["real_end"][rank] != int(gm["real_end"]))
-    ):
-        return (
-            f"exchange plan disagrees with this rank's varlen meta (plan n_real/s_first/real_end="
-            f"{plan['nreal'][rank]}/{plan['s_first'][rank]}/{plan['real_end'][rank]}, meta={n_real}/"
-            f"{gm.get('s_first')}/{gm.get('real_end')})"
-        )
-    return None
-
-
-def _plan_for_step(step: dict, group: Any, local_len: int, device: Any, offset: int) -> dict:
-    plan = step.get("kv_plan")
-    if plan is None:
-        world = torch.distributed.get_world_size(group)
-        plan = exchange._compute_blockdiag_kv_plan(step["doc_ids"], world, local_len, device)
-        plan["rank"] = offset // local_len if local_len else 0
-        plan["world"] = world
-        step["kv_plan"] = plan
-    return plan
-
-
-def _needed_only_kernel_succeeded_on_all_ranks(
-    out: torch.Tensor | None, group: Any, device: Any, *, diagnostic: dict | None = None
-) -> bool:
-    """After a needed-only exchange: did the kernel succeed on every rank? One all-reduce(MIN) + one sync.
-
-    An all-padding rank (which launches no kernel) contributes success. Asynchronous CUDA faults of the
-    kernel usually surface here; they are logged with the diagnostic and re-raised.
-    """
-    return _all_ranks_ok(out is not None, group, device, diagnostic=diagnostic)
 
 
 def _all_ranks_ok(ok: bool, group: Any, device: Any, *, diagnostic: dict | None = None) -> bool:
@@ -182,173 +243,266 @@ def _all_ranks_ok(ok: bool, group: Any, device: Any, *, diagnostic: dict | None 
     try:
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
     except Exception as exc:  # an asynchronous CUDA fault of the kernel surfaces at the first device op
-        try:
-            grank = dist.get_rank()
-        except Exception:
-            grank = -1
-        logger.exception(
-            "CP_NEEDED_ONLY_ASYNC_ERROR global_rank=%s device=%s error=%s diagnostic=%s", grank, device, exc, diagnostic
-        )
+        logger.exception("CP_NEEDED_ONLY_ASYNC_ERROR device=%s error=%s diagnostic=%s", device, exc, diagnostic)
         raise
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
 
 
-def _select_kv_exchange_path(
-    step: dict,
-    group: Any,
-    doc_ids: torch.Tensor,
-    local_len: int,
-    device: Any,
-    offset: int,
-    *,
-    query_dtype: torch.dtype | None = None,
-    dropout_p: float = 0.0,
-    backend: str | None = None,
-) -> tuple[str, dict | None, str]:
-    """``(path, plan, reason)`` with path ``"allgather"``, ``"halo"`` or ``"a2a"``; first matching rule wins.
+def _needed_only_local_reason(step: CPStep, backend: str, dtype: torch.dtype) -> str | None:
+    reason = providers.unavailable_reason(backend, dtype, step.device)
+    if reason is not None:
+        return reason
+    plan, meta, rank = step.kv_plan, step.varlen_meta, step.rank
+    if plan.nreal[rank] != meta.n_real or (
+        meta.n_real and (plan.s_first[rank] != meta.s_first or plan.real_end[rank] != meta.real_end)
+    ):
+        return (
+            f"exchange plan disagrees with this rank's varlen meta (plan n_real/s_first/real_end="
+            f"{plan.nreal[rank]}/{plan.s_first[rank]}/{plan.real_end[rank]}, meta={meta.n_real}/{meta.s_first}/"
+            f"{meta.real_end})"
+        )
+    return None
 
-    1. exchange is allgather -> allgather ("mode=allgather").
-    2. the backend is not a varlen kernel (dense) -> allgather.
+
+def select_kv_exchange_path(step: CPStep, backend: str, dtype: torch.dtype, dropout_p: float = 0.0) -> tuple[str, str]:
+    """``(path, reason)`` with path ``"allgather"``, ``"halo"`` or ``"a2a"``; the first matching rule wins.
+
+    1. the step's exchange is allgather (or ``W == 1``) -> allgather ("mode=allgather").
+    2. the backend is ``dense`` (not a varlen kernel) -> allgather.
     3. dropout with a backend that cannot apply it -> allgather (the dense fallback keeps dropout).
-    4. the step has no ``varlen_meta`` -> allgather.
-    5. the group spans nodes -> allgather.
-    6. the preflight consensus fails on any rank -> allgather (on every rank).
-    7. halo requested and every straddle fits on the left neighbour -> halo; otherwise a2a.
+    4. the group spans nodes -> allgather.
+    5. the preflight consensus fails on any rank -> allgather (on every rank).
+    6. halo requested and every straddle fits on the left neighbour -> halo; otherwise a2a.
 
-    Rules 1-5 depend only on replicated config, data and environment; rule 6 is an all-reduce. ``backend``
-    is the concrete backend of the call (``"auto"`` already resolved); None resolves the step's setting.
+    Rules 1-4 depend only on replicated config, data and environment; rule 5 is one all-reduce. The answer is
+    memoised on the step per ``(backend, dtype, dropout > 0)``: the preflight runs once per step.
     """
-    configured, exchange_mode = _resolve_cp_varlen_config(step)
-    exchange_mode = state.normalize_kv_exchange(exchange_mode)
-    if exchange_mode not in _NEEDED_ONLY:
-        return state.KV_EXCHANGE_ALLGATHER, None, f"mode={exchange_mode}"
-    if backend is None:
-        backend = _effective_backend(configured, query_dtype or torch.get_default_dtype(), device, dropout_p)
-    if state.normalize_attn_backend(configured) == state.ATTN_BACKEND_DENSE or backend == state.ATTN_BACKEND_DENSE:
-        return (
-            state.KV_EXCHANGE_ALLGATHER,
-            None,
-            f"needed-only requires a varlen kernel (flash/te/cudnn/flex/reference), got {backend}",
+    key = ("path", backend, dtype, dropout_p > 0)
+    hit = step.cache.get(key)
+    if hit is not None:
+        return hit
+    mode = step.kv_exchange
+    if mode not in _NEEDED_ONLY or step.world_size == 1:
+        res = (state.KV_EXCHANGE_ALLGATHER, f"mode={mode}")
+    elif backend == state.ATTN_BACKEND_DENSE:
+        res = (state.KV_EXCHANGE_ALLGATHER,
+               f"needed-only requires a varlen kernel (flash/te/cudnn/fa4/flex/reference), got {backend}")  # fmt: skip
+    elif dropout_p > 0 and not providers.get(backend).dropout:
+        res = (state.KV_EXCHANGE_ALLGATHER, f"{backend} varlen cannot apply dropout; dense fallback requires allgather")
+    elif _cp_group_spans_nodes(step.group):
+        res = (state.KV_EXCHANGE_ALLGATHER, "CP group spans nodes (no GPU<->NIC P2P)")
+    else:
+        reason = _needed_only_local_reason(step, backend, dtype)
+        if not _all_ranks_ok(reason is None, step.group, step.device):
+            res = (
+                state.KV_EXCHANGE_ALLGATHER,
+                f"needed-only preflight failed: {reason or 'varlen kernel is unavailable on at least one CP rank'}",
+            )
+        elif mode == state.KV_EXCHANGE_HALO and step.kv_plan.use_halo:
+            res = (state.KV_EXCHANGE_HALO, "neighbor p2p (doc<=2 ranks)")
+        else:
+            res = (state.KV_EXCHANGE_A2A, "all-to-all-v (doc spans >2 ranks)")
+    step.cache[key] = res
+    _once(f"path:{res[0]}", logging.INFO, "block-diagonal CP K/V path=%s (%s) backend=%s cp_size=%d local_len=%d",
+          res[0], res[1], backend, step.world_size, step.local_len)  # fmt: skip
+    return res
+
+
+def _dense(q: torch.Tensor, k_full: torch.Tensor, v_full: torch.Tensor, step: CPStep, scale, dropout_p):
+    """The dense-mask fallback on THD tensors (``k_full``: every key of the row, index = global position)."""
+    out = dense_blockdiag_sdpa(
+        q.transpose(0, 1).unsqueeze(0), k_full.transpose(0, 1).unsqueeze(0), v_full.transpose(0, 1).unsqueeze(0),
+        step.doc_ids, step.row_offset, scale=scale, dropout_p=dropout_p,
+    )  # fmt: skip
+    return out[0].transpose(0, 1)
+
+
+def _attend_or_dense(q, k_full, v_full, step: CPStep, backend: str, scale, dropout_p, deterministic):
+    """The all-gather path's attention: the provider, or the dense mask when it cannot run or raises."""
+    if backend != state.ATTN_BACKEND_DENSE:
+        reason = providers.unavailable_reason(backend, q.dtype, q.device, dropout_p=dropout_p)
+        if reason is None:
+            try:
+                return attend(q, k_full, v_full, step.varlen_meta, backend, scale=scale, dropout_p=dropout_p,
+                              deterministic=deterministic)  # fmt: skip
+            except reraised_errors():
+                raise
+            except Exception as exc:
+                reason = f"{type(exc).__name__}: {str(exc)[:200]}"
+                _once(f"failed:{backend}", logging.WARNING,
+                      "block-diagonal CP varlen backend=%s failed (%s); falling back to the dense path", backend,
+                      reason)  # fmt: skip
+        else:
+            _once(f"unavailable:{backend}:{q.dtype}", logging.WARNING,
+                  "block-diagonal CP varlen backend=%s cannot run (%s); using the dense path", backend,
+                  reason)  # fmt: skip
+    out = _dense(q, k_full, v_full, step, scale, dropout_p)
+    if step.varlen_meta.n_real == 0:
+        # All-padding rank: make its output save a tensor too, so checkpoint recompute of this region re-issues
+        # the exchange here as on every other rank (see exchange.zero_touch).
+        out = out + exchange.zero_touch(q, q, k_full, v_full)
+    return out
+
+
+def _cp_varlen_attention_impl(q, k, v, step, softmax_scale, dropout_p):
+    if not isinstance(step, CPStep):
+        raise TypeError(
+            f"step must be a CPStep (build_cp_step or the batch builder's context), got {type(step).__name__}"
         )
-    if dropout_p > 0 and backend in _NO_DROPOUT_BACKENDS:
-        return (
-            state.KV_EXCHANGE_ALLGATHER,
-            None,
-            f"{backend} varlen cannot apply dropout; dense fallback requires allgather",
+    check_qkv(q, k, v, "cp_varlen_attention")
+    if q.shape[0] != step.local_len or k.shape[0] != step.local_len:
+        raise ValueError(
+            f"cp_varlen_attention takes this rank's shard of {step.local_len} rows (the step's local length); got "
+            f"q/k of {q.shape[0]}/{k.shape[0]} rows"
         )
-    if step.get("varlen_meta") is None:
-        return state.KV_EXCHANGE_ALLGATHER, None, "no varlen_meta (dense / non-varlen step)"
-    if _cp_group_spans_nodes(group):
-        return state.KV_EXCHANGE_ALLGATHER, None, "CP group spans nodes (no GPU<->NIC P2P)"
-    if query_dtype is not None:
-        key_len = int(doc_ids.shape[-1])
-        ok, reason = _needed_only_preflight(
-            step, group, backend, query_dtype, device, query_len=local_len, key_len=key_len
-        )
-        if not ok:
-            return state.KV_EXCHANGE_ALLGATHER, None, f"needed-only preflight failed: {reason}"
-    plan = _plan_for_step(step, group, local_len, device, offset)
-    if exchange_mode == state.KV_EXCHANGE_HALO and plan["use_halo"]:
-        return state.KV_EXCHANGE_HALO, plan, "neighbor p2p (doc<=2 ranks)"
-    return state.KV_EXCHANGE_A2A, plan, "all-to-all-v (doc spans >2 ranks)"
-
-
-def _dense_fallback(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    doc_ids: torch.Tensor,
-    row_offset: int,
-    scale: float | None,
-    dropout_p: float,
-) -> torch.Tensor:
-    return kernels.dense_blockdiag_sdpa(query, key, value, doc_ids, row_offset, scale=scale, dropout_p=dropout_p)
-
-
-def _log_path_once(path: str, reason: str, group: Any, local_len: int, backend: str) -> None:
-    global _KV_EXCHANGE_PATH_LOGGED
-    if _KV_EXCHANGE_PATH_LOGGED:
-        return
-    _KV_EXCHANGE_PATH_LOGGED = True
+    state._CP_ATTN_FIRE_COUNT[0] += 1
+    dropout_p = float(dropout_p)
+    backend = step.backend_for(q.dtype, dropout_p)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    if step.world_size == 1:
+        return _attend_or_dense(q, k, v, step, backend, softmax_scale, dropout_p, deterministic)
+    path, _ = select_kv_exchange_path(step, backend, q.dtype, dropout_p)
+    kv = torch.stack([k, v])  # [2, L, Hkv, D]: K and V of the exchanged result stay contiguous views
+    group, plan, rank = step.group, step.kv_plan, step.rank
+    if path == state.KV_EXCHANGE_ALLGATHER:
+        kv_full = exchange.all_gather_tokens(kv, group, dim=1)
+        return _attend_or_dense(q, kv_full[0], kv_full[1], step, backend, softmax_scale, dropout_p, deterministic)
+    if path == state.KV_EXCHANGE_HALO:
+        recv = plan.recv[rank]
+        if plan.max_halo > 0:
+            prev_peer = exchange.global_rank(group, rank - 1) if rank > 0 else None
+            next_peer = exchange.global_rank(group, rank + 1) if rank < step.world_size - 1 else None
+            halo = exchange.left_halo(kv, group, plan.max_halo, prev_peer, next_peer, dim=1)[:, plan.max_halo - recv :]
+            kv_needed = torch.cat([halo, kv], dim=1)
+        else:
+            kv_needed = kv
+        first = step.row_offset - recv
+    else:
+        in_splits, out_splits, send_index = plan.a2a_splits(rank, q.device)
+        kv_needed = exchange.needed_a2a(kv, group, in_splits, out_splits, send_index, dim=1)
+        first = plan.s_first[rank]
+    meta = step.varlen_meta
+    local = meta if meta.n_real == 0 else meta.rebased(meta.s_first - first, meta.real_end - first)
+    out, failure = None, None
     try:
-        cp_size = torch.distributed.get_world_size(group) if torch.distributed.is_initialized() else -1
-    except Exception:
-        cp_size = -1
-    logger.info(
-        "block-diagonal CP K/V path=%s (%s) backend=%s cp_size=%d local_len=%d",
-        path,
-        reason,
-        backend,
-        cp_size,
-        local_len,
+        out = attend(q, kv_needed[0], kv_needed[1], local, backend, scale=softmax_scale, dropout_p=dropout_p,
+                     deterministic=deterministic)  # fmt: skip
+    except reraised_errors():
+        raise
+    except Exception as exc:
+        failure = f"{type(exc).__name__}: {str(exc)[:200]}"
+    diagnostic = {"path": path, "rank": rank, "world": step.world_size, "row_offset": step.row_offset,
+                  "needed_len": int(kv_needed.shape[1]), "failure": failure}  # fmt: skip
+    if _all_ranks_ok(out is not None, group, q.device, diagnostic=diagnostic):
+        return out
+    logger.error("needed-only CP %s exchange: varlen kernel failed on at least one rank (this rank: %s) diagnostic=%s",
+                 path, failure or "ok", diagnostic)  # fmt: skip
+    raise RuntimeError(
+        f"needed-only CP {path} exchange completed, but the {backend} varlen kernel failed on at least one CP rank; "
+        "all ranks are refusing an unsafe post-exchange full-allgather fallback (the all-gather exchange, "
+        "configure_cp_varlen(kv_exchange='allgather'), can fall back to the dense mask per rank)"
     )
 
 
-def _cp_blockdiag_sdpa_impl(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
+def cp_varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    step: CPStep,
+    *,
+    softmax_scale: float | None = None,
     dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
 ) -> torch.Tensor:
-    step = state._CP_BLOCKDIAG_STATE.get()
+    """Block-diagonal causal attention of this rank's shard of a packed row.
+
+    Args:
+        q: ``[L, Hq, D]`` this rank's queries (``L = step.local_len``, rows ``[step.row_offset, +L)`` of the row).
+        k, v: ``[L, Hkv, D]`` this rank's keys and values (``Hq % Hkv == 0``).
+        step: the :class:`~longtrain.blockdiag_cp.step.CPStep` of the row (the same object on every layer).
+        softmax_scale: ``None`` -> ``D ** -0.5``.
+        dropout_p: attention dropout.
+
+    Returns:
+        ``[L, Hq, D]``: every real row equals single-device block-causal attention over the whole row; padding rows
+        are zero (or attend to themselves when the dense fallback ran). Differentiable in q, k and v; the backward
+        issues the mirror collectives of the exchange, so it must run while the group is alive.
+
+    K/V travel by the step's exchange (all-gather, halo or all-to-all-v; none when ``W == 1``), then the step's
+    backend runs (``"auto"``: the fastest for the call's dtype). Zero host syncs per call on the all-gather path;
+    the needed-only paths make one all-reduce per call (the post-kernel consensus).
+    """
+    return _IMPL["cp_varlen"](q, k, v, step, softmax_scale, dropout_p)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the SDPA drop-in
+# ----------------------------------------------------------------------------------------------------------
+
+
+def current_cp_step() -> CPStep | None:
+    """The :class:`~longtrain.blockdiag_cp.step.CPStep` published by the active step context, or None outside one."""
+    return _step_from_slot(state._CP_BLOCKDIAG_STATE.get())
+
+
+def _step_from_slot(value: Any) -> CPStep | None:
+    """The slot's step; a hand-built legacy state dict (``group``, ``doc_ids``, ``row_offset`` and optionally
+    ``attn_backend``/``kv_exchange``) is converted once and the result kept in the dict."""
+    if value is None or isinstance(value, CPStep):
+        return value
+    if not isinstance(value, dict):
+        raise TypeError(f"the block-diagonal CP state slot holds a {type(value).__name__}, expected a CPStep")
+    step = value.get("_cp_step")
+    if step is None:
+        ids = value["doc_ids"]
+        row = ids[0] if ids.dim() == 2 else ids
+        group = value.get("group")
+        world = torch.distributed.get_world_size(group) if group is not None or _dist_on() else 1
+        mesh = None if world == 1 else _GroupMesh(group, int(value.get("row_offset", 0)) * world // row.numel(), world)
+        step = value["_cp_step"] = build_cp_step(
+            row, mesh, attn_backend=value.get("attn_backend"), kv_exchange=value.get("kv_exchange")
+        )
+    return step
+
+
+def _dist_on() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+class _GroupMesh:
+    """A group, a rank and a world size in the mesh protocol (for hand-built legacy states)."""
+
+    def __init__(self, group: Any, rank: int, world: int):
+        self._group, self._rank, self._world = group, rank, world
+
+    def size(self) -> int:
+        return self._world
+
+    def get_local_rank(self) -> int:
+        return self._rank
+
+    def get_group(self) -> Any:
+        return self._group
+
+
+def _cp_blockdiag_sdpa_impl(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    step = current_cp_step()
     if step is None:
         _check_recompute_outside_context()
-        return _ORIGINAL_SDPA(
-            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-            enable_gqa=enable_gqa,
-        )  # fmt: skip
-    state._CP_ATTN_FIRE_COUNT[0] += 1
+        return ORIGINAL_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                             scale=scale, enable_gqa=enable_gqa)  # fmt: skip
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
-        step["_grad_calls"] = True
-    group, doc_ids, row_offset = step["group"], step["doc_ids"], int(step["row_offset"])
-    configured, _ = _resolve_cp_varlen_config(step)
-    local_len = query.shape[2]
-    device = query.device
-    backend = _effective_backend(configured, query.dtype, device, dropout_p)
-    gm = step.get("varlen_meta")
-    path, plan, reason = _select_kv_exchange_path(
-        step, group, doc_ids, local_len, device, row_offset, query_dtype=query.dtype, dropout_p=dropout_p,
-        backend=backend,
-    )  # fmt: skip
-    _log_path_once(path, reason, group, local_len, backend)
-
-    if path in _NEEDED_ONLY:
-        driver = exchange._blockdiag_halo_attention if path == "halo" else exchange._blockdiag_a2a_attention
-        out = driver(query, key, value, doc_ids, group, plan, gm, row_offset, scale, backend, dropout_p)
-        diagnostic = gm.get("_needed_only_diagnostic") if isinstance(gm, dict) else None
-        if _needed_only_kernel_succeeded_on_all_ranks(out, group, device, diagnostic=diagnostic):
-            return out
-        logger.error(
-            "needed-only CP %s exchange: varlen kernel failed on at least one rank (this rank ok=%s) diagnostic=%s",
-            path,
-            out is not None,
-            diagnostic,
+        step.cache["grad_calls"] = True
+    shapes = [tuple(t.shape) for t in (query, key, value)]
+    if any(len(s) != 4 or s[0] != 1 or s[2] != step.local_len for s in shapes):
+        raise ValueError(
+            f"inside a block-diagonal CP step, cp_blockdiag_sdpa takes this rank's shard [1, heads, {step.local_len}, "
+            f"head_dim]; got q/k/v of shapes {shapes}. Attention over other tensors (e.g. a vision tower) should call "
+            "torch.nn.functional.scaled_dot_product_attention directly"
         )
-        raise RuntimeError(
-            f"needed-only CP {path} exchange completed, but the {backend} varlen kernel failed on at least one CP "
-            "rank; all ranks are refusing an unsafe post-exchange full-allgather fallback (the all-gather exchange, "
-            "configure_cp_varlen(kv_exchange='allgather'), can fall back to the dense mask per rank)"
-        )
-
-    hkv = key.shape[1]
-    kv_full = exchange._AllGatherSeqDiff.apply(torch.cat([key, value], dim=1), group, 2)
-    k_full, v_full = kv_full[:, :hkv], kv_full[:, hkv:]
-    if backend != state.ATTN_BACKEND_DENSE:
-        out = kernels._cp_blockdiag_varlen(
-            query, k_full, v_full, doc_ids, row_offset, scale, backend=backend, dropout_p=dropout_p, meta=gm
-        )
-        if out is not None:
-            if isinstance(gm, dict) and int(gm.get("n_real", -1)) == 0:
-                # All-padding rank: make its zeros save a tensor too, so checkpoint recompute of this region
-                # re-issues the all-gather here as on every other rank (see exchange._zero_touch).
-                out = out + exchange._zero_touch(query, kv_full)
-            return out
-    return _dense_fallback(query, k_full, v_full, doc_ids, row_offset, scale, dropout_p)
+    out = cp_varlen_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), step,
+                              softmax_scale=scale, dropout_p=dropout_p)  # fmt: skip
+    return out.transpose(0, 1).unsqueeze(0)
 
 
 def _check_recompute_outside_context() -> None:
@@ -372,27 +526,6 @@ def _check_recompute_outside_context() -> None:
     )
 
 
-# The implementation behind the public function; swapped for a ``torch.compiler.disable``-d version by
-# ``_maybe_disable_dynamo`` once torch._dynamo is loaded (importing it here would import triton).
-_IMPL = [_cp_blockdiag_sdpa_impl]
-
-
-def _maybe_disable_dynamo() -> None:
-    """Hide the CP runtime from torch.compile tracing (host syncs, collectives and Python control flow).
-
-    Called eagerly by the batch builder and the cp=1 path; a no-op until the user's program has imported
-    ``torch._dynamo`` (``torch.compile`` does), so ``import longtrain`` never imports it.
-    """
-    import sys
-
-    if _IMPL[0] is not _cp_blockdiag_sdpa_impl or "torch._dynamo" not in sys.modules:
-        return
-    try:
-        _IMPL[0] = torch._dynamo.disable(_cp_blockdiag_sdpa_impl, reason="block-diagonal CP runtime (collectives)")
-    except TypeError:  # torch without the ``reason`` keyword
-        _IMPL[0] = torch._dynamo.disable(_cp_blockdiag_sdpa_impl)
-
-
 def cp_blockdiag_sdpa(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -406,17 +539,43 @@ def cp_blockdiag_sdpa(
 ) -> torch.Tensor:
     """Drop-in for ``F.scaled_dot_product_attention`` on context-parallel shards of packed documents.
 
-    ``query: [B, Hq, L, D]``, ``key/value: [B, Hkv, L, D]`` (this rank's local rows; B = 1 under CP), any
+    ``query: [B, Hq, L, D]``, ``key/value: [B, Hkv, L, D]`` (this rank's local rows; B = 1 inside a step), any
     float dtype; returns ``[B, Hq, L, D]``.
 
-    - Outside a CP step context: exactly stock SDPA with the given arguments (extra ``**kwargs`` dropped).
-    - Inside: ``attn_mask``, ``is_causal`` and ``**kwargs`` are ignored; the per-document causal mask is
-      rebuilt from the step's replicated document ids. GQA (``Hq`` a multiple of ``Hkv``) is inferred
-      whatever ``enable_gqa`` says. K/V travel over the CP group by the configured exchange, then the
-      configured varlen backend runs (``"auto"``: the fastest for the call's dtype/device), or the dense mask
-      when the backend is ``dense`` or the varlen kernel declines (all-gather path only). Real rows equal
-      the single-process block-causal result; padding rows are zero on the varlen path and self-attending
-      (``V[p]``) on the dense path: they carry label -100.
+    - Outside a step context: exactly stock SDPA with the given arguments (extra ``**kwargs`` dropped).
+    - Inside (``make_cp_blockdiag_batch_and_ctx``'s context, at any world size, 1 included): a layout adapter
+      over :func:`cp_varlen_attention` with the published step. ``attn_mask``, ``is_causal`` and ``**kwargs`` are
+      ignored (the per-document causal mask comes from the step's document ids); GQA (``Hq`` a multiple of
+      ``Hkv``) is inferred whatever ``enable_gqa`` says. Real rows equal the single-process block-causal result;
+      padding rows are zero on the varlen path and self-attending (``V[p]``) on the dense path: they carry label
+      -100. A call whose shapes are not this rank's shard is a ``ValueError``.
     - ``loss.backward()`` must run inside the context when activation checkpointing recomputes attention.
     """
-    return _IMPL[0](query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return _IMPL["cp_blockdiag_sdpa"](query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+# The implementations behind the public functions; swapped for ``torch.compiler.disable``-d versions by
+# ``maybe_disable_dynamo`` once torch._dynamo is loaded (importing it here would import triton).
+_EAGER = {
+    "cp_blockdiag_sdpa": _cp_blockdiag_sdpa_impl,
+    "cp_varlen": _cp_varlen_attention_impl,
+    "varlen": _varlen_attention_impl,
+}
+_IMPL = dict(_EAGER)
+
+
+def maybe_disable_dynamo() -> None:
+    """Hide the runtime from torch.compile tracing (host syncs, collectives and Python control flow).
+
+    Called eagerly by the step builders; a no-op until the user's program has imported ``torch._dynamo``
+    (``torch.compile`` does), so ``import longtrain`` never imports it.
+    """
+    if "torch._dynamo" not in sys.modules:
+        return
+    for name, fn in _EAGER.items():
+        if _IMPL[name] is not fn:
+            continue
+        try:
+            _IMPL[name] = torch._dynamo.disable(fn, reason="block-diagonal CP runtime (collectives, host syncs)")
+        except TypeError:  # torch without the ``reason`` keyword
+            _IMPL[name] = torch._dynamo.disable(fn)

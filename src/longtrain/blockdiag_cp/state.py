@@ -1,16 +1,17 @@
 """Runtime knobs and the per-step state of block-diagonal context parallelism.
 
-Two process-wide knobs choose how ``cp_blockdiag_sdpa`` works: the varlen attention backend
-(``auto``, ``flash``, ``te``, ``cudnn``, ``flex``, ``reference`` or ``dense``) and the K/V exchange
-(``allgather``, ``halo`` or ``a2a``). ``configure_cp_varlen`` sets them; the batch builder snapshots them
-into every step state.
+Two process-wide knobs choose how block-diagonal attention runs: the varlen attention backend (``auto``,
+``cudnn``, ``fa4``, ``flash``, ``te``, ``flex``, ``reference`` or ``dense``) and the K/V exchange (``allgather``,
+``halo`` or ``a2a``). ``configure_cp_varlen`` sets them; every :class:`~longtrain.blockdiag_cp.step.CPStep`
+snapshots them when it is built.
 
-The step state lives in a :class:`_ThreadSharedVar`, not a ``ContextVar``: autograd runs
-activation-checkpoint recompute on its own worker thread, where a ``ContextVar`` would read its default
-and the recomputed attention would silently run local-only.
+The active step lives in a :class:`_ThreadSharedVar`, not a ``ContextVar``: autograd runs activation-checkpoint
+recompute on its own worker thread, where a ``ContextVar`` would read its default and the recomputed attention
+would silently run local-only. The slot only lets the SDPA drop-in find the step; everything else takes the step
+as an argument.
 
-This module imports nothing else from the package at import time (``kernels`` is imported lazily by
-``configure_cp_varlen``), so every other module can import it without cycles.
+This module imports nothing else from the package at import time (the registry and ``kernels`` are imported
+lazily by ``configure_cp_varlen``), so every other module can import it without cycles.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ __all__ = [
     "ATTN_BACKEND_CUDNN",
     "ATTN_BACKEND_DEFAULT",
     "ATTN_BACKEND_DENSE",
+    "ATTN_BACKEND_FA4",
     "ATTN_BACKEND_FLASH",
     "ATTN_BACKEND_FLEX",
     "ATTN_BACKEND_REFERENCE",
@@ -46,6 +48,7 @@ __all__ = [
     "current_blockdiag_cp_state",
     "normalize_attn_backend",
     "normalize_kv_exchange",
+    "require_provided",
     "reset_cp_attn_fire_count",
 ]
 
@@ -53,6 +56,7 @@ ATTN_BACKEND_AUTO = "auto"
 ATTN_BACKEND_FLASH = "flash"
 ATTN_BACKEND_TE = "te"
 ATTN_BACKEND_CUDNN = "cudnn"
+ATTN_BACKEND_FA4 = "fa4"
 ATTN_BACKEND_FLEX = "flex"
 ATTN_BACKEND_REFERENCE = "reference"
 ATTN_BACKEND_DENSE = "dense"
@@ -68,6 +72,7 @@ ATTN_BACKEND_SYNONYMS: dict[str, tuple[str, ...]] = {
     ATTN_BACKEND_FLASH: ("flash", "flash_attn", "flash_attention", "flash_attention_2", "fa2", "fa"),
     ATTN_BACKEND_TE: ("te", "transformer_engine", "transformerengine"),
     ATTN_BACKEND_CUDNN: ("cudnn", "cudnn_sdpa", "cudnn_attention", "cudnn_frontend"),
+    ATTN_BACKEND_FA4: ("fa4", "flash_attn_4", "flash_attention_4", "flash4", "flash_attn_cute"),
     ATTN_BACKEND_FLEX: ("flex", "flex_attention", "flexattention"),
     ATTN_BACKEND_REFERENCE: ("reference", "ref", "torch_reference", "torch_ref", "per_document_sdpa"),
     ATTN_BACKEND_DENSE: ("dense", "sdpa", "torch_sdpa", "masked_sdpa"),
@@ -85,12 +90,13 @@ VARLEN_ATTN_BACKENDS: tuple[str, ...] = (
     ATTN_BACKEND_FLASH,
     ATTN_BACKEND_TE,
     ATTN_BACKEND_CUDNN,
+    ATTN_BACKEND_FA4,
     ATTN_BACKEND_FLEX,
     ATTN_BACKEND_REFERENCE,
 )
 
 # Deliberate deviation from the kernel page's "flash": "auto" picks the fastest backend available for the
-# call's dtype and device (flash on a GPU with bf16, the per-document torch reference on CPU).
+# call's dtype, device and layout (cudnn or fa4 on an H200 with bf16, the per-document torch reference on CPU).
 ATTN_BACKEND_DEFAULT = ATTN_BACKEND_AUTO
 KV_EXCHANGE_DEFAULT = KV_EXCHANGE_ALLGATHER
 
@@ -155,27 +161,28 @@ def configure_cp_varlen(
     already built keeps the snapshot taken when its batch was sharded.
     """
     global _ATTN_BACKEND, _KV_EXCHANGE
-    backend = _require_provided(normalize_attn_backend(attn_backend))
+    backend = require_provided(normalize_attn_backend(attn_backend))
     exchange = normalize_kv_exchange(kv_exchange)
     previous = cp_varlen_runtime_config()
     if (backend, exchange) != (_ATTN_BACKEND, _KV_EXCHANGE):
         _ATTN_BACKEND, _KV_EXCHANGE = backend, exchange
-        # Re-arm the kernels' one-time "varlen engaged" log so the new configuration announces itself.
+        # Re-arm the one-time "varlen engaged" / "path" logs so the new configuration announces itself.
         kernels = importlib.import_module(f"{__package__}.kernels")
         if hasattr(kernels, "_CP_FLASH_ENGAGED"):
             kernels._CP_FLASH_ENGAGED = False
+        importlib.import_module(f"{__package__}.runtime")._LOGGED.clear()
     return previous
 
 
-def _require_provided(backend: str) -> str:
-    """``backend`` if the installed kernels module provides it, else a ``ValueError`` naming the ones it does."""
-    if backend in (ATTN_BACKEND_AUTO, ATTN_BACKEND_DENSE):
+def require_provided(backend: str) -> str:
+    """``backend`` (canonical) if the provider registry holds it, else a ``ValueError`` naming the ones it does."""
+    if backend == ATTN_BACKEND_AUTO:
         return backend
-    provided = importlib.import_module(f"{__package__}.backends").VARLEN_BACKENDS
+    provided = importlib.import_module(f"{__package__}.providers").PROVIDERS
     if backend not in provided:
         raise ValueError(
-            f"block-diagonal CP attention backend {backend!r} is a known name but longtrain.blockdiag_cp.backends "
-            f"does not provide it; choose one of {', '.join((ATTN_BACKEND_AUTO, *provided, ATTN_BACKEND_DENSE))}"
+            f"block-diagonal CP attention backend {backend!r} is a known name but longtrain.blockdiag_cp.providers "
+            f"does not provide it; choose one of {', '.join((ATTN_BACKEND_AUTO, *provided))}"
         )
     return backend
 
@@ -222,6 +229,7 @@ class _ThreadSharedVar:
         return f"_ThreadSharedVar({self._name!r}, set={self._value is not None})"
 
 
+#: The active CPStep (published by the batch builder's step context for ``cp_blockdiag_sdpa``).
 _CP_BLOCKDIAG_STATE = _ThreadSharedVar("cp_blockdiag_state")
 _CP_ATTN_FIRE_COUNT = [0]
 # The last step state whose context exited after CP attention ran with grad enabled; used to turn an
@@ -232,12 +240,12 @@ _CP_LAST_EXITED_STATE = _ThreadSharedVar("cp_blockdiag_last_exited_state")
 def current_blockdiag_cp_state() -> BlockdiagCpModelState | None:
     """The active step's :class:`BlockdiagCpModelState`, or None outside a CP context.
 
-    Also None for a hand-built step state that carries no ``model_state``.
+    Also None for a hand-built step state dict that carries no ``model_state``.
     """
-    state = _CP_BLOCKDIAG_STATE.get()
-    if state is None:
+    step = _CP_BLOCKDIAG_STATE.get()
+    if step is None:
         return None
-    model_state = state.get("model_state")
+    model_state = step.get("model_state") if isinstance(step, dict) else getattr(step, "model_state", None)
     return model_state if isinstance(model_state, BlockdiagCpModelState) else None
 
 

@@ -15,8 +15,10 @@ from typing import Any
 
 import torch
 
-from longtrain.blockdiag_cp import backends, kernels
-from longtrain.blockdiag_cp.state import cp_varlen_runtime_config
+from . import providers
+from .meta import resolve_device, segment_rank
+from .runtime import attend
+from .state import cp_varlen_runtime_config
 
 __all__ = ["BLOCKDIAG_SHAPE_KEYS", "warmup"]
 
@@ -38,8 +40,8 @@ def warmup(
 
     Documents of ``num_tokens // 2``, ``num_tokens`` and ``num_tokens // 2`` tokens over two ranks: rank 0 holds
     whole documents (every document has as many queries as keys), rank 1 starts inside the middle document
-    (its first segment has more keys than queries: the bottom-right path). Both go through
-    :func:`longtrain.blockdiag_cp.kernels._cp_blockdiag_varlen` with a precomputed meta, exactly as a layer call.
+    (its first segment has more keys than queries: the bottom-right path). Both go through the provider exactly as
+    a layer call of the all-gather path does.
 
     Args:
         num_heads, num_kv_heads, head_dim: the attention's static shape (``num_heads % num_kv_heads == 0``).
@@ -50,7 +52,8 @@ def warmup(
 
     Returns:
         ``{"backend": the resolved name, "layouts": 2, "fell_back": bool, "finite": bool, "seconds": float}``;
-        ``fell_back`` is True when the backend declined a layout (the dense path ran instead).
+        ``fell_back`` is True when the backend is ``dense``, cannot run here or raised (a training step takes the
+        dense path then).
     """
     for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -61,25 +64,30 @@ def warmup(
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 8:
         raise ValueError(f"num_tokens must be an int >= 8, got {num_tokens!r}")
-    dev = backends.resolve_device(device)
+    dev = resolve_device(device)
     name = backend if backend is not None else cp_varlen_runtime_config()["attn_backend"]
-    resolved = backends.resolve_varlen_backend(name, dtype, dev) if name == "auto" else name
     start = time.perf_counter()
     half = num_tokens // 2
     lengths = [half, num_tokens, 2 * num_tokens - half - num_tokens]
-    ids = torch.repeat_interleave(torch.arange(1, 4), torch.tensor(lengths)).to(dev)
+    ids = torch.repeat_interleave(torch.arange(1, 4), torch.tensor(lengths))
     gen = torch.Generator().manual_seed(0)
-    k = torch.randn(1, num_kv_heads, 2 * num_tokens, head_dim, generator=gen).to(dev, dtype)
-    v = torch.randn(1, num_kv_heads, 2 * num_tokens, head_dim, generator=gen).to(dev, dtype)
-    finite, fell_back = True, False
+    k = torch.randn(2 * num_tokens, num_kv_heads, head_dim, generator=gen).to(dev, dtype)
+    v = torch.randn(2 * num_tokens, num_kv_heads, head_dim, generator=gen).to(dev, dtype)
+    finite, fell_back, resolved = True, False, name
     for rank in range(2):
-        offset = rank * num_tokens
-        q = torch.randn(1, num_heads, num_tokens, head_dim, generator=gen).to(dev, dtype).requires_grad_()
+        meta = segment_rank(ids, rank * num_tokens, num_tokens, dev)
+        resolved = providers.resolve_backend(name, dtype, dev, meta=meta)
+        if resolved == "dense" or providers.unavailable_reason(resolved, dtype, dev) is not None:
+            fell_back = True
+            continue
+        q = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dev, dtype).requires_grad_()
         kk, vv = k.detach().requires_grad_(), v.detach().requires_grad_()
-        meta = kernels.precompute_blockdiag_varlen_meta(ids, offset, num_tokens, dev)
         with torch.enable_grad():
-            out = kernels._cp_blockdiag_varlen(q, kk, vv, ids, offset, backend=name, meta=meta)
-            if out is None:
+            try:
+                out = attend(q, kk, vv, meta, resolved)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception:
                 fell_back = True
                 continue
             grads = torch.autograd.grad(out, (q, kk, vv), torch.ones_like(out))

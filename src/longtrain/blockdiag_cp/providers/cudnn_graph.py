@@ -1,31 +1,21 @@
-"""cuDNN attention over ragged (THD) documents through the cuDNN frontend.
+"""The graph route of the ``cudnn`` provider: cuDNN SDPA over ragged (THD) documents through the frontend's graph API.
 
-``cudnn_varlen_attention(q [T_q, Hq, D], k/v [T_k, Hkv, D], cu_q, cu_k, max_q, max_k, ...)`` is the ``"cudnn"``
-provider of :mod:`longtrain.blockdiag_cp.backends` (same contract: bottom-right causal per document, GQA
-native, ``scale``, differentiable), except dropout (cuDNN 9.19 refuses dropout with a bottom-right diagonal).
-Two routes, chosen per call by ``ROUTE`` (``"auto"``: the first that can run):
+cuDNN's backward is fast with a top-left diagonal (~440 TFLOP/s on an H200) but slow with a bottom-right one
+(~245), so the diagonal follows the layout: when every segment has as many queries as keys (the metadata's host
+ints say so, no sync) the two alignments coincide and top-left runs with cuDNN's backward; otherwise
+bottom-right runs with our Triton varlen backward (:mod:`.triton_varlen_bwd`, ~340 TFLOP/s) or, without Triton,
+torch's bundled FA2 backward, both fed with cuDNN's output and log-sum-exp (``BACKWARD`` overrides the choice).
 
-1. ``"flex"``: the frontend's CuTe DSL varlen attention (:mod:`longtrain.blockdiag_cp._cudnn_flex`, needs
-   ``nvidia-cudnn-frontend[cutedsl]``, SM90/SM100): forward and backward fastest of everything measured.
-2. ``"graph"``: cuDNN SDPA through the frontend's graph API (below). cuDNN's backward is fast with a top-left
-   diagonal (~440 TFLOP/s on an H200) but slow with a bottom-right one (~245), so the diagonal follows the
-   layout: when every document has as many queries as keys (known from the step's metadata without a sync:
-   ``cu_q is cu_k``, or ``first_q == first_k`` since only the first segment can straddle ranks) the two
-   alignments coincide and top-left runs with cuDNN's backward; otherwise bottom-right runs with our Triton
-   varlen backward (:mod:`longtrain.blockdiag_cp._triton_varlen`, ~340 TFLOP/s) or, without Triton, torch's
-   bundled FA2 backward, both fed with cuDNN's output and log-sum-exp (``BACKWARD`` overrides the choice).
+Why not ``aten._cudnn_attention_forward`` with cumulative offsets: measured on an H200 (torch 2.11, cuDNN 9.19),
+it rebuilds its cuDNN graph on every call (~48 ms per call at 32K tokens, identical calls included, against
+4.7 ms for FA2) and aligns its causal diagonal top-left, which is wrong for a document whose start lives on a
+lower CP rank. The frontend graph API takes a bottom-right diagonal and lets us cache graphs.
 
-Why not ``aten._cudnn_attention_forward`` with cumulative offsets: measured on an H200 (torch 2.11, cuDNN
-9.19), it rebuilds its cuDNN graph on every call (~48 ms per call at 32K tokens, identical calls included,
-against 4.7 ms for FA2) and aligns its causal diagonal top-left, which is wrong for a document whose start
-lives on a lower CP rank. The frontend graph API takes a bottom-right diagonal and lets us cache graphs.
-
-Graph caching: a cuDNN graph bakes in the batch (number of documents), the maximum segment lengths and, for
-the backward, the packed token totals; all vary per step. They are rounded up to buckets (``_bucket``: 4
-steps per octave, so at most ~19% slack) and the document list is padded with zero-length documents, so a
-training run reuses a handful of graphs. ``cudnn_graph_cache_stats()`` reports hits, misses and build time.
-Per-call metadata (lengths, ragged element offsets) is built on device and cached in the step's meta dict:
-no host syncs per layer.
+Graph caching: a cuDNN graph bakes in the batch (number of documents), the maximum segment lengths and, for the
+backward, the packed token totals; all vary per step. They are rounded up to buckets (``_bucket``: 4 steps per
+octave, so at most ~19% slack) and the document list is padded with zero-length documents, so a training run
+reuses a handful of graphs. ``cudnn_graph_cache_stats()`` reports hits, misses and build time. Per-call metadata
+(lengths, ragged element offsets) is built on device and cached in the step's metadata: no host syncs per layer.
 """
 
 from __future__ import annotations
@@ -40,7 +30,16 @@ import torch
 
 from longtrain import _optional
 
-__all__ = ["cudnn_graph_cache_stats", "cudnn_unavailable_reason", "cudnn_varlen_attention", "reset_cudnn_graph_cache"]
+from ..meta import VarlenMeta
+
+__all__ = [
+    "BACKWARD",
+    "cudnn_graph_cache_stats",
+    "cudnn_unavailable_reason",
+    "graph_attention",
+    "note_failure",
+    "reset_cudnn_graph_cache",
+]
 
 # uids of the graph tensors
 _Q, _K, _V, _O, _STATS, _DO, _DQ, _DK, _DV = 1, 2, 3, 4, 5, 6, 7, 8, 9
@@ -52,9 +51,9 @@ _CACHE_STATS = {"hits": 0, "misses": 0, "build_s": 0.0}
 _LOCK = threading.Lock()
 _TLS = threading.local()
 logger = logging.getLogger(__name__)
-#: Static shapes ``(Hq, Hkv, D, dtype)`` whose CuTe DSL forward, or Triton backward, raised under ROUTE /
-#: BACKWARD "auto" -> the reason; later calls of that shape take the next option (warned once).
-_FAILED: dict[tuple, str] = {}
+#: ``(what, Hq, Hkv, D, dtype)`` static shapes whose CuTe DSL forward (``what="cute"``) or Triton backward
+#: (``"triton"``) raised under the "auto" choice -> the reason; later calls of that shape take the next option.
+FAILED: dict[tuple, str] = {}
 #: None: try ragged (packed) softmax stats in the backward and fall back to a padded copy if cuDNN refuses.
 RAGGED_STATS_BWD: bool | None = None
 #: Graph-route backward kernel: "auto" (cuDNN's with a top-left diagonal; with a bottom-right one our Triton
@@ -64,9 +63,6 @@ RAGGED_STATS_BWD: bool | None = None
 #: to cuDNN when torch has no FA2 kernels or a deterministic backward is requested.
 BACKWARD: str = "auto"
 _BACKWARDS = ("auto", "triton", "fa2", "cudnn")
-#: "auto" (the CuTe DSL route when it can run, else the graph API), "flex" or "graph".
-ROUTE: str = "auto"
-_ROUTES = ("auto", "flex", "graph")
 _MIN_BACKEND = 90000
 
 
@@ -178,13 +174,10 @@ def _graph_inputs(g, io, p: dict):
     q.set_ragged_offset(rag_q)
     k.set_ragged_offset(rag_k)
     v.set_ragged_offset(rag_k)
-    mask = {
-        "use_padding_mask": True,
-        "seq_len_q": seq_q,
-        "seq_len_kv": seq_k,
-        "diagonal_alignment": getattr(cudnn.diagonal_alignment, p["align"]),
-        "diagonal_band_right_bound": 0,
-    }
+    mask = {"use_padding_mask": True, "seq_len_q": seq_q, "seq_len_kv": seq_k}
+    if p["causal"]:
+        mask["diagonal_alignment"] = getattr(cudnn.diagonal_alignment, p["align"])
+        mask["diagonal_band_right_bound"] = 0
     return q, k, v, rag_q, rag_k, mask
 
 
@@ -296,21 +289,10 @@ def _padded_stats(stats: torch.Tensor, lay: dict, total_q: int) -> torch.Tensor:
     return out.transpose(1, 2).unsqueeze(-1).contiguous()
 
 
-def _alignment(cu_q: torch.Tensor, cu_k: torch.Tensor, meta: dict | None) -> str:
-    """``"TOP_LEFT"`` when every document has as many queries as keys (decided without a sync), else bottom-right."""
-    if cu_q is cu_k:
-        return "TOP_LEFT"
-    if meta is not None and meta.get("cu_q") is cu_q and meta.get("cu_k") is cu_k:
-        first_q, first_k = meta.get("first_q"), meta.get("first_k")
-        if first_q is not None and first_q == first_k:
-            return "TOP_LEFT"  # only the first segment can hold more keys than queries
-    return "BOTTOM_RIGHT"
-
-
-def _failed(shape: tuple, what: str, instead: str, exc: BaseException) -> str:
+def note_failure(shape: tuple, what: str, instead: str, exc: BaseException) -> str:
     """Remember that ``what`` raised for this static shape (same on every rank: shapes are replicated) and warn."""
     reason = f"the {what} raised {type(exc).__name__}: {str(exc)[:200]}"
-    _FAILED[shape] = reason
+    FAILED[shape] = reason
     logger.warning("cudnn varlen backend: %s for Hq=%s Hkv=%s D=%s %s; using %s from now on", reason,
                    *shape[1:], instead)  # fmt: skip
     return reason
@@ -319,7 +301,7 @@ def _failed(shape: tuple, what: str, instead: str, exc: BaseException) -> str:
 def _triton_bwd_reason(q: torch.Tensor) -> str | None:
     if q.device.type != "cuda":  # the interpreter path is for the kernel's own tests, never this backend
         return f"the Triton varlen backward runs on CUDA here, got device={q.device}"
-    from longtrain.blockdiag_cp._triton_varlen import triton_varlen_unavailable_reason
+    from .triton_varlen_bwd import triton_varlen_unavailable_reason
 
     return triton_varlen_unavailable_reason(q.dtype, q.device)
 
@@ -328,13 +310,15 @@ def _static(q: torch.Tensor, k: torch.Tensor) -> tuple:
     return (q.shape[1], k.shape[1], q.shape[2], q.dtype)
 
 
-def _params(q, k, lay, scale, deterministic, total_q, total_k, align="BOTTOM_RIGHT"):
+def _params(q, k, lay, scale, deterministic, total_q, total_k, align="BOTTOM_RIGHT", causal=True):
     backward = BACKWARD
     if backward not in _BACKWARDS:
-        raise ValueError(f"_cudnn_varlen.BACKWARD must be one of {_BACKWARDS}, got {backward!r}")
-    if backward == "auto":
+        raise ValueError(f"cudnn_graph.BACKWARD must be one of {_BACKWARDS}, got {backward!r}")
+    if not causal:
+        backward = "cudnn"  # the Triton and FA2-fed backwards are written for the causal mask
+    elif backward == "auto":
         backward = "cudnn" if align == "TOP_LEFT" else "triton"
-    if backward == "triton" and (_FAILED.get(("triton", *_static(q, k))) or _triton_bwd_reason(q)) is not None:
+    if backward == "triton" and (FAILED.get(("triton", *_static(q, k))) or _triton_bwd_reason(q)) is not None:
         backward = "fa2"
     if backward == "fa2" and (deterministic or not _optional.torch_varlen()[0]):
         backward = "cudnn"  # cuDNN's backward has a deterministic mode; FA2's follows torch's global flag
@@ -342,13 +326,14 @@ def _params(q, k, lay, scale, deterministic, total_q, total_k, align="BOTTOM_RIG
         "dtype": q.dtype, "B": lay["B"], "Hq": q.shape[1], "Hkv": k.shape[1], "Sq": lay["Sq"], "Sk": lay["Sk"],
         "D": q.shape[2], "scale": float(scale), "deterministic": bool(deterministic), "align": align,
         "Tq": _bucket(total_q, 64, 8), "Tk": _bucket(total_k, 64, 8), "device": q.device, "backward": backward,
+        "causal": bool(causal),
     }  # fmt: skip
 
 
 def cudnn_varlen_fwd(q, k, v, lay, p):
     """Forward: ``(out [T_q, Hq, D], stats [T_q, Hq, 1] fp32 log-sum-exp)``."""
     handle = _handle(q.device)
-    key = ("fwd", *(p[n] for n in ("dtype", "B", "Hq", "Hkv", "Sq", "Sk", "D", "scale", "align", "device")))
+    key = ("fwd", *(p[n] for n in ("dtype", "B", "Hq", "Hkv", "Sq", "Sk", "D", "scale", "align", "causal", "device")))
     g, ws = _cached(key, lambda: _build_fwd(p, handle))
     out = torch.empty_like(q)
     stats = torch.empty(q.shape[0], q.shape[1], 1, dtype=torch.float32, device=q.device)
@@ -363,7 +348,8 @@ def cudnn_varlen_bwd(dout, q, k, v, out, stats, lay, p):
     """cuDNN backward: ``(dq, dk, dv)`` packed like ``q``/``k``/``v`` (dk/dv in the K/V head count)."""
     global RAGGED_STATS_BWD
     handle = _handle(q.device)
-    names = ("dtype", "B", "Hq", "Hkv", "Sq", "Sk", "D", "scale", "align", "deterministic", "Tq", "Tk", "device")
+    names = ("dtype", "B", "Hq", "Hkv", "Sq", "Sk", "D", "scale", "align", "causal", "deterministic", "Tq", "Tk",
+             "device")  # fmt: skip
     base = ("bwd", *(p[n] for n in names))
     ragged = RAGGED_STATS_BWD
     if ragged is None:
@@ -401,7 +387,7 @@ def fa2_bwd_from_cudnn(dout, q, k, v, out, stats, lay, p):
 
 def triton_bwd_from_cudnn(dout, q, k, v, out, stats, lay, p):
     """Our Triton varlen backward from the cuDNN forward's output and natural-log log-sum-exp ``[T_q, Hq]``."""
-    from longtrain.blockdiag_cp._triton_varlen import triton_varlen_bwd
+    from .triton_varlen_bwd import triton_varlen_bwd
 
     return triton_varlen_bwd(
         dout, q, k, v, out, stats[:, :, 0], lay["cu_q"], lay["cu_k"], lay["max_q"], lay["max_k"], p["scale"]
@@ -430,64 +416,33 @@ class _CudnnVarlen(torch.autograd.Function):
             except torch.OutOfMemoryError:
                 raise
             except Exception as exc:
-                _failed(("triton", *_static(q, k)), "Triton varlen backward", "FA2's backward", exc)
+                note_failure(("triton", *_static(q, k)), "Triton varlen backward", "FA2's backward", exc)
                 name = "cudnn" if ctx.p["deterministic"] or not _optional.torch_varlen()[0] else "fa2"
         dq, dk, dv = _BACKWARD_FNS[name](dout, q, k, v, out, stats, ctx.lay, ctx.p)
         return dq, dk, dv, None, None
 
 
-def cudnn_varlen_attention(
+def graph_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    cu_q: torch.Tensor,
-    cu_k: torch.Tensor,
-    max_q: int,
-    max_k: int,
+    meta: VarlenMeta,
     *,
-    scale: float | None = None,
-    dropout_p: float = 0.0,
+    scale: float,
+    causal: bool = True,
     deterministic: bool = False,
-    meta: dict | None = None,
+    align: str | None = None,
 ) -> torch.Tensor:
-    """Bottom-right causal varlen attention through cuDNN (SM90+, fp16/bf16): the CuTe DSL route or the graph API.
+    """cuDNN SDPA over the segments of ``meta`` (the provider contract, fp16/bf16 on SM90+, no dropout).
 
-    ``q: [T_q, Hq, D]``, ``k/v: [T_k, Hkv, D]`` contiguous packed documents, ``cu_q/cu_k: [n_docs+1] int32``
-    with ``cu_q[-1] == T_q`` and ``cu_k[-1] == T_k``; returns ``[T_q, Hq, D]``. ``meta`` (the step's varlen
-    metadata dict) caches the mask plan / per-document device tensors so repeated layer calls do no work and
-    no sync. ``dropout_p`` must be 0: cuDNN (9.19) refuses dropout together with a bottom-right causal diagonal.
+    ``q: [n_real, Hq, D]``, ``k/v: [kv_len, Hkv, D]`` contiguous; returns ``[n_real, Hq, D]``. The per-document
+    device tensors are cached in ``meta.cache``; the diagonal is top-left when ``meta.all_square`` (host ints), else
+    bottom-right. ``align="BOTTOM_RIGHT"`` forces the bottom-right diagonal (always correct; for measurements).
     """
-    if dropout_p:
-        raise ValueError(
-            f"the cuDNN varlen backend has no attention dropout (got dropout_p={dropout_p}): cuDNN supports a "
-            "bottom-right causal diagonal only without dropout; use backend='flash' for dropout"
-        )
-    if ROUTE not in _ROUTES:
-        raise ValueError(f"_cudnn_varlen.ROUTE must be one of {_ROUTES}, got {ROUTE!r}")
     hq, d = q.shape[1], q.shape[2]
-    scale = scale if scale is not None else d**-0.5
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    if ROUTE != "graph":
-        from longtrain.blockdiag_cp import _cudnn_flex
-
-        shape = ("flex", hq, k.shape[1], d, q.dtype)
-        reason = _FAILED.get(shape) if ROUTE == "auto" else None
-        reason = reason or _cudnn_flex.flex_unavailable_reason(q, k)
-        if reason is None:
-            try:
-                return _cudnn_flex.cudnn_flex_attention(
-                    q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, deterministic=deterministic, meta=meta
-                )
-            except torch.OutOfMemoryError:
-                raise
-            except Exception as exc:
-                if ROUTE != "auto":
-                    raise
-                reason = _failed(shape, "CuTe DSL attention", "the graph API", exc)
-        if ROUTE == "flex":
-            raise RuntimeError(f"_cudnn_varlen.ROUTE='flex' but that route cannot run: {reason}")
-    cache = meta.setdefault("_cudnn_cache", {}) if meta is not None else None
-    lay = _layout(cu_q, cu_k, max_q, max_k, hq, k.shape[1], d, cache)
-    align = _alignment(cu_q, cu_k, meta)
-    p = _params(q, k, lay, scale, deterministic, q.shape[0], k.shape[0], align)
+    lay = _layout(meta.cu_q, meta.cu_k, meta.max_q, meta.max_k, hq, k.shape[1], d, meta.cache)
+    if align not in (None, "BOTTOM_RIGHT"):
+        raise ValueError(f"align must be None (from the layout) or 'BOTTOM_RIGHT', got {align!r}")
+    align = align or ("TOP_LEFT" if meta.all_square else "BOTTOM_RIGHT")
+    p = _params(q, k, lay, scale, deterministic, q.shape[0], k.shape[0], align, causal)
     return _CudnnVarlen.apply(q, k, v, lay, p)

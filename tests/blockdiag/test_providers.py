@@ -1,4 +1,4 @@
-"""Backend availability reasons, "auto" resolution, doctor rows, the flex block mask and the reference backend."""
+"""Provider availability reasons, ``resolve_backend``, doctor rows, the flex block mask and the reference backend."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ import types
 import pytest
 import torch
 
-from longtrain.blockdiag_cp import backends, kernels
+from longtrain.blockdiag_cp import kernels, providers
+from longtrain.blockdiag_cp.meta import meta_from_dict, resolve_device, validate_meta_dict
+from longtrain.blockdiag_cp.providers import flash, flex
+from longtrain.blockdiag_cp.providers.reference import reference_varlen_attention
 from tests.blockdiag._kernels_util import ids_from_lengths
 
 CPU = torch.device("cpu")
@@ -28,14 +31,16 @@ def test_reason_for_libraries_on_cuda(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("checks the no-library answers; a CUDA machine may have them")
     monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
-    monkeypatch.setattr(backends, "flash_attn_module", lambda: None)
+    monkeypatch.setattr(flash, "flash_attn_module", lambda: None)
     assert "flash_attn varlen kernel is unavailable" in kernels._varlen_backend_unavailable_reason(
         "flash", torch.bfloat16, CUDA
     )
-    monkeypatch.setattr(backends, "flash_attn_module", lambda: types.ModuleType("flash_attn"))
+    monkeypatch.setattr(flash, "flash_attn_module", lambda: types.ModuleType("flash_attn"))
     assert kernels._varlen_backend_unavailable_reason("flash", torch.bfloat16, CUDA) is None
     monkeypatch.delitem(sys.modules, "transformer_engine", raising=False)
-    monkeypatch.setattr(backends._optional, "transformer_engine", lambda: (False, "transformer_engine not installed"))
+    monkeypatch.setattr(
+        providers.te._optional, "transformer_engine", lambda: (False, "transformer_engine not installed")
+    )
     assert "TransformerEngine varlen kernel is unavailable" in kernels._varlen_backend_unavailable_reason(
         "te", torch.bfloat16, CUDA
     )
@@ -55,22 +60,36 @@ def test_reason_for_reference_flex_dense():
     assert r("auto", torch.float32, CPU) is None
 
 
-def test_resolve_varlen_backend():
-    assert backends.resolve_varlen_backend("auto", torch.bfloat16, CPU) == "reference"
-    assert backends.resolve_varlen_backend("flex", torch.bfloat16, CPU) == "flex"
-    assert backends.resolve_varlen_backend("sdpa", torch.bfloat16, CPU) == "dense"
-    with pytest.raises(ValueError, match="valid: cudnn, flash, te"):
-        backends.resolve_varlen_backend("flash_attention_3", torch.bfloat16, CPU)
-    with pytest.raises(TypeError):
-        backends.resolve_varlen_backend(None, torch.bfloat16, CPU)
-    assert set(backends.VARLEN_BACKENDS) >= {"flash", "te", "flex", "reference"}
-    assert "dense" not in backends.VARLEN_BACKENDS and "auto" in backends.ATTN_BACKENDS
+def test_resolve_backend():
+    r = providers.resolve_backend
+    assert r("auto", torch.bfloat16, CPU) == "reference"
+    assert r(None, torch.bfloat16, CPU) == "reference"  # None is the default: auto
+    assert r("flex", torch.bfloat16, CPU) == "flex"
+    assert r("sdpa") == "dense" and r("FA2") == "flash" and r("Flash-Attn-4") == "fa4"
+    with pytest.raises(ValueError, match="expected one of auto, flash, te, cudnn, fa4"):
+        r("flash_attention_3", torch.bfloat16, CPU)
+    with pytest.raises(ValueError, match="dtype and device"):
+        r("auto")
+    assert set(providers.PROVIDERS) >= {"cudnn", "fa4", "flash", "te", "flex", "reference", "dense"}
+    assert "auto" not in providers.PROVIDERS
+
+
+def test_auto_table_rows_and_layout_class():
+    assert {cls for cls, _ in providers.AUTO_TABLE} == {"short", "long"}
+    assert all(order and set(order) <= set(providers.PROVIDERS) for order in providers.AUTO_TABLE.values())
+    assert all(providers.get(n).dropout for (_, drop), order in providers.AUTO_TABLE.items() if drop for n in order)
+    short = kernels.precompute_blockdiag_varlen_meta(torch.repeat_interleave(torch.arange(1, 9), 64), 0, 512, CPU)
+    long = kernels.precompute_blockdiag_varlen_meta(torch.ones(4096, dtype=torch.int64), 0, 4096, CPU)
+    for meta, cls in ((short, "short"), (long, "long")):
+        assert validate_meta_dict(meta, meta["n_real"], meta["real_end"], CPU) is None
+        assert providers.layout_class(meta_from_dict(meta)) == cls
+    assert providers.layout_class(None) == "long"
 
 
 def test_backend_status_rows_for_doctor():
-    rows = backends.backend_status()
+    rows = providers.backend_status()
     names = [name for name, _ in rows]
-    assert names == [*backends.VARLEN_BACKENDS, "dense"]
+    assert [n for n in names if n in providers.PROVIDERS] == list(providers.PROVIDERS)
     status = dict(rows)
     assert status["reference"] is None and status["dense"] is None
     if not torch.cuda.is_available():
@@ -79,8 +98,8 @@ def test_backend_status_rows_for_doctor():
 
 
 def test_resolve_device_normalises_index():
-    assert backends.resolve_device("cpu:0") == backends.resolve_device(torch.device("cpu"))
-    assert backends.resolve_device("cuda").index is not None
+    assert resolve_device("cpu:0") == resolve_device(torch.device("cpu"))
+    assert resolve_device("cuda").index is not None
 
 
 @pytest.mark.parametrize(
@@ -99,8 +118,10 @@ def test_flex_block_mask_structure_covers_the_dense_mask(lengths, pad, world):
         meta = kernels.precompute_blockdiag_varlen_meta(ids, off, local, "cpu")
         if meta["n_real"] == 0:
             continue
-        bm = backends.flex_block_mask(meta, local, total, CPU)
-        assert backends.flex_block_mask(meta, local, total, CPU) is bm  # cached in the meta
+        assert validate_meta_dict(meta, local, total, CPU) is None
+        typed = meta_from_dict(meta)
+        bm = flex.flex_block_mask(typed, local, total, CPU)
+        assert flex.flex_block_mask(typed, local, total, CPU) is bm  # cached in the meta
         real = ids[off : off + local] > 0
         dense = kernels._cp_blockdiag_mask(ids, off, local, total, 1)[0, 0] & real[:, None]
         q_idx, k_idx = torch.arange(local)[:, None], torch.arange(total)[None, :]
@@ -125,8 +146,8 @@ def test_reference_gqa_equals_repeated_heads():
     v = torch.randn(13, 2, 16, generator=gen, dtype=torch.float64)
     cu_q = torch.tensor([0, 4, 5, 10], dtype=torch.int32)
     cu_k = torch.tensor([0, 7, 8, 13], dtype=torch.int32)
-    out = backends.reference_varlen_attention(q, k, v, cu_q, cu_k)
-    rep = backends.reference_varlen_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), cu_q, cu_k)
+    out = reference_varlen_attention(q, k, v, cu_q, cu_k)
+    rep = reference_varlen_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), cu_q, cu_k)
     torch.testing.assert_close(out, rep, rtol=0, atol=0)  # identical computation
     # first segment (4 queries over 7 keys) by hand: bottom-right causal, query i sees keys j <= i + 3
     kk, vv = k[:7].repeat_interleave(4, 1), v[:7].repeat_interleave(4, 1)
@@ -135,9 +156,7 @@ def test_reference_gqa_equals_repeated_heads():
     manual = torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), vv)
     torch.testing.assert_close(out[:4], manual, rtol=1e-12, atol=1e-12)  # float64, summation order only
     with pytest.raises(ValueError, match="multiple"):
-        backends.reference_varlen_attention(
-            q[:, :6], k[:, :1].expand(-1, 4, -1), v[:, :1].expand(-1, 4, -1), cu_q, cu_k
-        )
+        reference_varlen_attention(q[:, :6], k[:, :1].expand(-1, 4, -1), v[:, :1].expand(-1, 4, -1), cu_q, cu_k)
 
 
 def test_explicit_import_flags_override_the_probes(monkeypatch):

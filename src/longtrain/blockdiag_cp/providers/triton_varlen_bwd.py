@@ -35,7 +35,8 @@ import torch
 import triton
 
 from longtrain import _optional
-from longtrain.blockdiag_cp._triton_varlen_kernels import (
+
+from .triton_varlen_bwd_kernels import (
     triton_varlen_bwd_kernel_dkdv,
     triton_varlen_bwd_kernel_dq,
     triton_varlen_bwd_kernel_preprocess,

@@ -1,7 +1,7 @@
-"""Triton varlen attention backward (``_triton_varlen``) on CPU under ``TRITON_INTERPRET=1``.
+"""Triton varlen attention backward (``providers.triton_varlen_bwd``) on CPU under ``TRITON_INTERPRET=1``.
 
 Gradients are checked against autograd through the float64 per-document reference
-(``backends.reference_varlen_attention``), with the kernel fed the reference's own output and log-sum-exp.
+(``reference_varlen_attention``), with the kernel fed the reference's own output and log-sum-exp.
 Tolerance: fp32 kernel arithmetic (exact-fp32 dots in the interpreter) over a few hundred keys lands far under
 1e-4 relative to the float64 reference; rtol/atol 2e-4 leaves a margin of rounding only.
 """
@@ -15,9 +15,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from longtrain.blockdiag_cp import backends
+from longtrain.blockdiag_cp.providers.reference import reference_varlen_attention
 
-tv = pytest.importorskip("longtrain.blockdiag_cp._triton_varlen", reason="triton not installed (pip install triton)")
+tv = pytest.importorskip(
+    "longtrain.blockdiag_cp.providers.triton_varlen_bwd", reason="triton not installed (pip install triton)"
+)
 
 # fp32 kernel vs float64 oracle: rounding of fp32 dot products only (see the module docstring)
 RTOL = ATOL = 2e-4
@@ -33,7 +35,7 @@ def _reference(q, k, v, dout, cu_q, cu_k, scale):
     out = torch.zeros(q.shape, dtype=torch.float64)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64)
     lo_q, hi_q = int(cu_q[0]), int(cu_q[-1])
-    seg = backends.reference_varlen_attention(q64[lo_q:hi_q], k64, v64, cu_q - lo_q, cu_k, scale=scale)
+    seg = reference_varlen_attention(q64[lo_q:hi_q], k64, v64, cu_q - lo_q, cu_k, scale=scale)
     grads = torch.autograd.grad(seg, (q64, k64, v64), dout[lo_q:hi_q].double(), allow_unused=True)
     out[lo_q:hi_q] = seg.detach()
     grads = [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, (q64, k64, v64))]

@@ -1,4 +1,4 @@
-"""The Triton kernels of :mod:`longtrain.blockdiag_cp._triton_varlen` (preprocess, dK/dV, dQ); see its docstring.
+"""The Triton kernels of :mod:`.triton_varlen_bwd` (preprocess, dK/dV, dQ); see its docstring.
 
 Importing this module imports Triton.
 """

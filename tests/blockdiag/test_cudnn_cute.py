@@ -1,9 +1,9 @@
-"""The CuTe DSL route of the ``cudnn`` backend on CPU: the visible-key mask, the plan cache and the dispatch.
+"""The CuTe DSL route of the ``cudnn`` provider on CPU: the visible-key mask, the plan cache and the dispatch.
 
 The frontend's kernels need a Hopper/Blackwell GPU; here a fake ``cudnn.flex_attention`` executes a mask plan
 with plain torch (each query attends to the first ``F0`` keys of its document), so the mask we build is checked
 end to end against the float64 bottom-right reference, forward and gradients. Real-kernel parity runs in
-tests/gpu/test_blockdiag_kernels_gpu.py (``cudnn:flex``).
+tests/gpu/test_blockdiag_kernels_gpu.py (``cudnn:cute``).
 """
 
 from __future__ import annotations
@@ -15,9 +15,12 @@ import pytest
 import torch
 
 from longtrain import _optional
-from longtrain.blockdiag_cp import _cudnn_flex as cf
-from longtrain.blockdiag_cp import _cudnn_varlen as cv
-from longtrain.blockdiag_cp import backends
+from longtrain.blockdiag_cp import providers
+from longtrain.blockdiag_cp.providers import cudnn
+from longtrain.blockdiag_cp.providers import cudnn_cute as cf
+from longtrain.blockdiag_cp.providers import cudnn_graph as cv
+from longtrain.blockdiag_cp.providers.reference import reference_varlen_attention
+from tests.blockdiag._kernels_util import meta_from_lengths
 
 LAYOUTS = {
     "equal": ([5, 1, 7], [5, 1, 7]),
@@ -38,6 +41,8 @@ def test_visible_key_counts_is_the_bottom_right_causal_prefix(layout):
     want = [i + 1 + lk - lq for lq, lk in zip(seg_q, seg_k) for i in range(lq)]
     assert got.dtype == torch.int32 and got.shape == (1, 1, sum(seg_q))
     assert got.flatten().tolist() == want
+    full = cf.visible_key_counts(_cu(seg_q), _cu(seg_k), sum(seg_q), causal=False)
+    assert full.flatten().tolist() == [lk for lq, lk in zip(seg_q, seg_k) for _ in range(lq)]
 
 
 class _Plan:
@@ -94,10 +99,11 @@ def _inputs(seg_q, seg_k, hq=4, hkv=2, d=8, seed=0):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_mask_plan_gives_the_reference_attention_and_gradients(fake_flex, layout):
     seg_q, seg_k = LAYOUTS[layout]
-    cu_q, cu_k = _cu(seg_q), _cu(seg_k)
+    meta = meta_from_lengths(seg_q, seg_k)
+    cu_q, cu_k = meta.cu_q, meta.cu_k
     q, k, v = _inputs(seg_q, seg_k)
-    got = cf.cudnn_flex_attention(q, k, v, cu_q, cu_k, max(seg_q), max(seg_k), scale=0.3)
-    want = backends.reference_varlen_attention(q, k, v, cu_q, cu_k, scale=0.3)
+    got = cf.cute_attention(q, k, v, meta, scale=0.3)
+    want = reference_varlen_attention(q, k, v, cu_q, cu_k, scale=0.3)
     grad = torch.randn_like(want)
     # float64 on both sides, same math up to summation order
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
@@ -108,37 +114,36 @@ def test_mask_plan_gives_the_reference_attention_and_gradients(fake_flex, layout
 def test_plan_is_built_once_per_meta_and_autograd_mode(fake_flex, monkeypatch):
     monkeypatch.setattr(cf, "PLAN_STATS", {"built": 0, "reused": 0, "build_s": 0.0})
     seg = [6, 2, 5]
-    cu_q, cu_k = _cu(seg), _cu(seg)
+    meta = meta_from_lengths(seg, seg)
+    cu_q, cu_k = meta.cu_q, meta.cu_k
     q, k, v = _inputs(seg, seg)
-    meta: dict = {}
     for _ in range(3):  # three layers of one step
-        cf.cudnn_flex_attention(q, k, v, cu_q, cu_k, 6, 6, scale=0.5, deterministic=True, meta=meta)
+        cf.cute_attention(q, k, v, meta, scale=0.5, deterministic=True)
     with torch.no_grad():
-        cf.cudnn_flex_attention(q, k, v, cu_q, cu_k, 6, 6, scale=0.5, meta=meta)
+        cf.cute_attention(q, k, v, meta, scale=0.5)
     assert [p.build_backward for p in fake_flex["plans"]] == [True, False]
     assert cf.PLAN_STATS["built"] == 2 and cf.PLAN_STATS["reused"] == 2
     assert all(c["scale"] == 0.5 for c in fake_flex["calls"])
     assert [c["deterministic"] for c in fake_flex["calls"]] == [True, True, True, False]
     plan = fake_flex["plans"][0]
     assert plan.cu_q is cu_q and plan.cu_k is cu_k and (plan.max_q, plan.max_k) == (6, 6)
-    cf.cudnn_flex_attention(q, k, v, cu_q, cu_k, 6, 6, scale=0.5)  # no meta: nothing cached
+    cf.cute_attention(q, k, v, meta_from_lengths(seg, seg), scale=0.5)  # another step: a new plan
     assert len(fake_flex["plans"]) == 3
 
 
 def test_route_dispatch(monkeypatch):
     seg = [3, 4]
     q, k, v = (t.detach().bfloat16() for t in _inputs(seg, seg))
-    cu = _cu(seg)
+    meta = meta_from_lengths(seg, seg)
     seen = []
 
-    def fake_route(q_, k_, v_, cu_q, cu_k, max_q, max_k, *, scale, deterministic, meta):
-        seen.append((scale, deterministic, meta))
+    def fake_route(q_, k_, v_, meta_, *, scale, causal, deterministic):
+        seen.append((scale, deterministic, meta_))
         return torch.zeros_like(q_)
 
-    monkeypatch.setattr(cf, "cudnn_flex_attention", fake_route)
-    monkeypatch.setattr(cf, "flex_unavailable_reason", lambda q_, k_: None)
-    meta: dict = {}
-    cv.cudnn_varlen_attention(q, k, v, cu, cu, 4, 4, meta=meta, deterministic=True)
+    monkeypatch.setattr(cf, "cute_attention", fake_route)
+    monkeypatch.setattr(cf, "cute_unavailable_reason", lambda q_, k_: None)
+    cudnn.attention(q, k, v, meta, deterministic=True)
     assert seen == [(8**-0.5, True, meta)]
 
     class GraphReached(Exception):
@@ -148,31 +153,30 @@ def test_route_dispatch(monkeypatch):
         raise GraphReached
 
     monkeypatch.setattr(cv, "_layout", graph)
-    monkeypatch.setattr(cv, "ROUTE", "graph")
+    monkeypatch.setattr(cudnn, "ROUTE", "graph")
     with pytest.raises(GraphReached):
-        cv.cudnn_varlen_attention(q, k, v, cu, cu, 4, 4)
-    monkeypatch.setattr(cf, "flex_unavailable_reason", lambda q_, k_: "no cutlass here")
-    monkeypatch.setattr(cv, "ROUTE", "auto")
+        cudnn.attention(q, k, v, meta)
+    monkeypatch.setattr(cf, "cute_unavailable_reason", lambda q_, k_: "no cutlass here")
+    monkeypatch.setattr(cudnn, "ROUTE", "auto")
     with pytest.raises(GraphReached):  # auto falls back to the graph API
-        cv.cudnn_varlen_attention(q, k, v, cu, cu, 4, 4)
-    monkeypatch.setattr(cv, "ROUTE", "flex")
+        cudnn.attention(q, k, v, meta)
+    monkeypatch.setattr(cudnn, "ROUTE", "cute")
     with pytest.raises(RuntimeError, match="no cutlass here"):
-        cv.cudnn_varlen_attention(q, k, v, cu, cu, 4, 4)
-    monkeypatch.setattr(cv, "ROUTE", "fastest")
-    with pytest.raises(ValueError, match="'auto', 'flex', 'graph'"):
-        cv.cudnn_varlen_attention(q, k, v, cu, cu, 4, 4)
+        cudnn.attention(q, k, v, meta)
+    monkeypatch.setattr(cudnn, "ROUTE", "flex")  # the route's old name is not accepted
+    with pytest.raises(ValueError, match="'auto', 'cute', 'graph'"):
+        cudnn.attention(q, k, v, meta)
     assert len(seen) == 1
 
 
 def test_graph_alignment_and_backward_follow_the_layout(monkeypatch):
-    cu_q, cu_k = _cu([4, 3]), _cu([9, 3])
-    assert cv._alignment(cu_q, cu_q, None) == "TOP_LEFT"
-    assert cv._alignment(cu_q, cu_k, None) == "BOTTOM_RIGHT"
-    equal = {"cu_q": cu_q, "cu_k": cu_q.clone(), "first_q": 4, "first_k": 4}
-    assert cv._alignment(equal["cu_q"], equal["cu_k"], equal) == "TOP_LEFT"
-    straddle = {"cu_q": cu_q, "cu_k": cu_k, "first_q": 4, "first_k": 9}
-    assert cv._alignment(cu_q, cu_k, straddle) == "BOTTOM_RIGHT"
-    assert cv._alignment(cu_q, cu_k.clone(), equal) == "BOTTOM_RIGHT"  # a meta for other tensors proves nothing
+    q = torch.zeros(7, 4, 8, dtype=torch.bfloat16)
+    seen = []
+    monkeypatch.setattr(cv, "_layout", lambda *a: {"B": 8, "Sq": 64, "Sk": 64})
+    monkeypatch.setattr(cv._CudnnVarlen, "apply", lambda q_, k_, v_, lay, p: seen.append(p["align"]))
+    cv.graph_attention(q, q[:, :2], q[:, :2], meta_from_lengths([4, 3], [4, 3]), scale=0.3)
+    cv.graph_attention(q, q[:, :2], q[:, :2], meta_from_lengths([4, 3], [9, 3]), scale=0.3)
+    assert seen == ["TOP_LEFT", "BOTTOM_RIGHT"]  # from the metadata's host ints: no sync
     lay = {"B": 8, "Sq": 64, "Sk": 64}
     q, k = torch.empty(10, 4, 8, dtype=torch.bfloat16), torch.empty(10, 2, 8, dtype=torch.bfloat16)
     monkeypatch.setattr(cv._optional, "torch_varlen", lambda: (True, ""))
@@ -192,11 +196,11 @@ def test_graph_alignment_and_backward_follow_the_layout(monkeypatch):
 
 def test_reasons_without_the_package(monkeypatch):
     q = torch.empty(2, 4, 8)
-    assert cf.flex_unavailable_reason(q, q) == "the cuDNN CuTe DSL attention requires CUDA, got device=cpu"
+    assert cf.cute_unavailable_reason(q, q) == "the cuDNN CuTe DSL attention requires CUDA, got device=cpu"
     monkeypatch.setattr(_optional, "_spec", lambda name: False)
     _optional.reset_probe_cache()
     try:
-        ok, reason = _optional.cudnn_flex()
+        ok, reason = _optional.cudnn_cute()
         assert not ok and "nvidia-cudnn-frontend" in reason
     finally:
         monkeypatch.undo()
@@ -204,10 +208,10 @@ def test_reasons_without_the_package(monkeypatch):
 
 
 def test_a_failing_cute_forward_falls_back_to_the_graph_route_once(monkeypatch, caplog):
-    monkeypatch.setattr(cv, "_FAILED", {})
+    monkeypatch.setattr(cv, "FAILED", {})
     seg = [3, 4]
     q, k, v = (t.detach().bfloat16() for t in _inputs(seg, seg))
-    cu = _cu(seg)
+    meta = meta_from_lengths(seg, seg)
     calls = []
 
     def broken(*args, **kwargs):
@@ -220,29 +224,29 @@ def test_a_failing_cute_forward_falls_back_to_the_graph_route_once(monkeypatch, 
     def graph(*args, **kwargs):
         raise GraphReached
 
-    monkeypatch.setattr(cf, "flex_unavailable_reason", lambda q_, k_: None)
-    monkeypatch.setattr(cf, "cudnn_flex_attention", broken)
+    monkeypatch.setattr(cf, "cute_unavailable_reason", lambda q_, k_: None)
+    monkeypatch.setattr(cf, "cute_attention", broken)
     monkeypatch.setattr(cv, "_layout", graph)
     with caplog.at_level("WARNING", logger=cv.__name__), pytest.raises(GraphReached):
-        cv.cudnn_varlen_attention(q, k, v, cu, cu, 4, 4)
+        cudnn.attention(q, k, v, meta)
     assert "cute compile failed" in caplog.text and "using the graph API" in caplog.text
     with pytest.raises(GraphReached):  # remembered: the CuTe route is not tried again for this shape
-        cv.cudnn_varlen_attention(q, k, v, cu, cu, 4, 4)
+        cudnn.attention(q, k, v, meta)
     assert len(calls) == 1
-    monkeypatch.setattr(cv, "ROUTE", "flex")  # forced: the error is the caller's to see
+    monkeypatch.setattr(cudnn, "ROUTE", "cute")  # forced: the error is the caller's to see
     with pytest.raises(RuntimeError, match="cute compile failed"):
-        cv.cudnn_varlen_attention(q, k, v, cu, cu, 4, 4)
+        cudnn.attention(q, k, v, meta)
 
 
 def test_a_failing_triton_backward_falls_back_to_fa2(monkeypatch):
-    monkeypatch.setattr(cv, "_FAILED", {})
+    monkeypatch.setattr(cv, "FAILED", {})
     seg_q, seg_k = [3, 4], [6, 4]
     q, k, v = _inputs(seg_q, seg_k)
     cu_q, cu_k = _cu(seg_q), _cu(seg_k)
     used = []
 
     def forward(q_, k_, v_, lay, p):
-        out = backends.reference_varlen_attention(q_, k_, v_, cu_q, cu_k, scale=p["scale"])
+        out = reference_varlen_attention(q_, k_, v_, cu_q, cu_k, scale=p["scale"])
         return out, torch.zeros(q_.shape[0], q_.shape[1], 1)
 
     def broken(*args):
@@ -257,20 +261,24 @@ def test_a_failing_triton_backward_falls_back_to_fa2(monkeypatch):
     monkeypatch.setattr(cv, "triton_bwd_from_cudnn", broken)
     monkeypatch.setitem(cv._BACKWARD_FNS, "fa2", fa2)
     monkeypatch.setattr(cv._optional, "torch_varlen", lambda: (True, ""))
-    p = {"scale": 0.3, "backward": "triton", "deterministic": False}
+    p = {"scale": 0.3, "backward": "triton", "deterministic": False, "causal": True}
     out = cv._CudnnVarlen.apply(q, k, v, {}, p)
     dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
     assert used == ["triton", "fa2"] and bool((dq == 1).all())
-    assert ("triton", 4, 2, 8, torch.float64) in cv._FAILED
+    assert ("triton", 4, 2, 8, torch.float64) in cv.FAILED
     monkeypatch.setattr(cv, "_triton_bwd_reason", lambda q_: None)  # would otherwise be chosen again
     lay = {"B": 8, "Sq": 64, "Sk": 64}
     assert cv._params(q, k, lay, 0.3, False, 7, 10, "BOTTOM_RIGHT")["backward"] == "fa2"
 
 
 def test_doctor_row_names_the_cudnn_route(monkeypatch):
-    monkeypatch.setattr(backends, "varlen_backend_unavailable_reason", lambda name, dtype, device: None)
-    monkeypatch.setattr(cf, "flex_unavailable_reason", lambda q, k: None)
-    names = [name for name, _ in backends.backend_status()]
+    from dataclasses import replace
+
+    entries = [replace(p, unavailable_reason=lambda dtype, device: None) for p in providers._ENTRIES]
+    entries = [replace(p, status_hint=lambda: cudnn.route_hint("cpu")) if p.name == "cudnn" else p for p in entries]
+    monkeypatch.setattr(providers, "_ENTRIES", tuple(entries))  # the route probe runs on CPU tensors here
+    monkeypatch.setattr(cf, "cute_unavailable_reason", lambda q, k: None)
+    names = [name for name, _ in providers.backend_status()]
     assert names[names.index("cudnn") + 1] == "cudnn route -> CuTe DSL"
-    monkeypatch.setattr(cf, "flex_unavailable_reason", lambda q, k: "no cutlass")
-    assert "cudnn route -> graph API (CuTe DSL: no cutlass)" in dict(backends.backend_status())
+    monkeypatch.setattr(cf, "cute_unavailable_reason", lambda q, k: "no cutlass")
+    assert "cudnn route -> graph API (CuTe DSL: no cutlass)" in dict(providers.backend_status())
