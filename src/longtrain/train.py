@@ -311,9 +311,6 @@ def run_rank(cfg: DemoConfig) -> dict[str, Any]:
     from longtrain.blockdiag_cp import (
         attach_cp1_packed_varlen_hooks,
         configure_cp_varlen,
-        current_blockdiag_cp_state,
-        disable_cp1_packed_varlen,
-        enable_cp1_packed_varlen,
         make_cp_blockdiag_batch_and_ctx,
     )
     from longtrain.corpus import PackedStream
@@ -375,25 +372,18 @@ def run_rank(cfg: DemoConfig) -> dict[str, Any]:
         t0 = time.perf_counter()
         batch = {k: v.to(device) for k, v in row.as_batch().items()}
         num_labels = int((batch["labels"] != -100).sum())
-        if world > 1:
-            ctx, local, _layout = make_cp_blockdiag_batch_and_ctx(mesh, None, batch)
-        else:
-            ctx, local = contextlib.nullcontext, batch
-            enable_cp1_packed_varlen(batch["_packed_seq_ids"], cfg.attn_backend)
-        with ctx():
-            if world > 1:
-                cu = current_blockdiag_cp_state().packed_cu_seqlens.to(torch.int32)
-            else:
-                cu = _packed_cu_seqlens(batch["_packed_seq_ids"][0])
+        # One path at every world size: the step's context makes cp_blockdiag_sdpa block-diagonal (no collective
+        # on one rank) and the DSA layers read the same step's metadata.
+        ctx, local, _layout = make_cp_blockdiag_batch_and_ctx(mesh, None, batch)
+        with ctx() as cp_step:
+            cu = cp_step.packed_cu_seqlens.to(torch.int32)
             padding = local["_packed_seq_ids"][0] == 0
-            meta = DSAAttention.prepare_metadata(cu, padding.numel(), padding_mask=padding, cp_group=group)
+            meta = DSAAttention.metadata_for_step(cp_step)
             step_inputs = StepInputs(cu_seqlens=cu, padding_mask=padding, dsa_metadata=meta, cp_group=group)
             loss = _step_loss(
                 model, local["input_ids"], local["position_ids"], local["labels"], step_inputs, num_labels
             )
             loss.backward()
-        if world == 1:
-            disable_cp1_packed_varlen()
         loss_value = loss.detach().double()
         if distributed:
             allreduce_grads(model, group)

@@ -126,3 +126,86 @@ def test_cp_layers_equal_single_rank(gloo, layout):
         # float64 on both sides; CP only reorders sums (all-reduced gradient shares).
         assert diffs["out"] < 1e-12 and diffs["x_grad"] < 1e-12, diffs
         assert all(v < 1e-10 for k, v in diffs.items() if k.startswith("grad:")), diffs
+
+
+def _step_forward(layers, x, pos, step):
+    full, shared = layers
+    h, topk = full(x, pos, return_topk=True, cp_step=step)
+    return h + shared(x + h, pos, prev_topk=topk, cp_step=step), topk
+
+
+def _step_vs_single(rank: int, world: int) -> dict[str, float]:
+    """DSA layers driven by a block-diagonal CPStep (no cu_seqlens, no metadata) equal the one-rank step."""
+    from longtrain.blockdiag_cp import build_cp_step
+    from tests.blockdiag._cp_model import FakeMesh
+
+    ids = torch.tensor([1] * 5 + [2] * 7 + [3] * 1 + [0] * 3)
+    total, local = ids.numel(), ids.numel() // world
+    rows = slice(rank * local, (rank + 1) * local)
+    pos = torch.cat([torch.arange(n) for n in (5, 7, 1, 3)])
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(total, 32, dtype=torch.float64, generator=gen)
+    weight = torch.randn(total, 32, dtype=torch.float64, generator=gen) * (ids > 0)[:, None]
+    layers = _stack(seed=5)
+    x_ref = x.clone().requires_grad_()
+    out_ref, topk_ref = _step_forward(layers, x_ref, pos, build_cp_step(ids))
+    (out_ref * weight).sum().backward()
+    ref_grads = {
+        n: torch.zeros_like(p) if p.grad is None else p.grad.clone()  # e.g. the shared layer's unused indexer
+        for layer in layers
+        for n, p in layer.named_parameters(prefix=str(layer.layer_idx))
+    }
+    layers = _stack(seed=5)
+    step = build_cp_step(ids, FakeMesh(world, rank, dist.group.WORLD) if world > 1 else None)
+    x_local = x[rows].clone().requires_grad_()
+    out, topk = _step_forward(layers, x_local, pos[rows], step)
+    assert "dsa_metadata" in step.cache  # built once for the step, shared by both layers
+    (out * weight[rows]).sum().backward()
+    real = ids[rows] > 0
+    diffs = {
+        "out": (out - out_ref[rows])[real].abs().max().item(),
+        "topk_equal": float(torch.equal(topk[real], topk_ref[rows][real])),
+        "x_grad": (x_local.grad - x_ref.grad[rows]).abs().max().item(),
+    }
+    for layer in layers:
+        for name, p in layer.named_parameters(prefix=str(layer.layer_idx)):
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            if world > 1:
+                dist.all_reduce(grad)
+            diffs[f"grad:{name}"] = (grad - ref_grads[name]).abs().max().item() / (
+                ref_grads[name].abs().max().item() + 1e-30
+            )
+    return diffs
+
+
+def _check_step_diffs(diffs):
+    assert diffs["topk_equal"] == 1.0
+    # float64 on both sides; CP only reorders sums (all-reduced gradient shares).
+    assert diffs["out"] < 1e-12 and diffs["x_grad"] < 1e-12, diffs
+    assert all(v < 1e-10 for k, v in diffs.items() if k.startswith("grad:")), diffs
+
+
+def test_layers_with_a_one_rank_cp_step():
+    _check_step_diffs(_step_vs_single(0, 1))
+
+
+@pytest.mark.dist
+def test_layers_with_a_cp_step_on_two_ranks(gloo):
+    for diffs in gloo(_step_vs_single, 2):
+        _check_step_diffs(diffs)
+
+
+def test_cp_step_arguments_are_checked():
+    from longtrain.blockdiag_cp import build_cp_step
+
+    full, _ = _stack(seed=1)
+    step = build_cp_step(torch.tensor([1] * 6 + [0] * 2))
+    x, pos = torch.randn(8, 32, dtype=torch.float64), torch.arange(8)
+    with pytest.raises(TypeError, match="CPStep"):
+        full(x, pos, cp_step={"group": None})
+    with pytest.raises(ValueError, match="shard holds 8"):
+        full(x[:4], pos[:4], cp_step=step)
+    with pytest.raises(ValueError, match="different groups"):
+        full(x, pos, cp_step=step, cp_group=object())
+    with pytest.raises(ValueError, match="needs cu_seqlens"):
+        full(x, pos)

@@ -254,6 +254,18 @@ def _cp_world(cp_group: Any) -> tuple[int, int]:
     return dist.get_rank(cp_group), dist.get_world_size(cp_group)
 
 
+def _cp_from_step(cp_step: Any, cp_group: Any) -> Any:
+    """The CP group a :class:`~longtrain.blockdiag_cp.CPStep` stands for (None on one rank); ``cp_group`` must agree."""
+    from longtrain.blockdiag_cp.step import CPStep
+
+    if not isinstance(cp_step, CPStep):
+        raise TypeError(f"cp_step must be a longtrain.blockdiag_cp.CPStep, got {type(cp_step).__name__}")
+    group = cp_step.group if cp_step.world_size > 1 else None
+    if cp_group is not None and cp_group is not cp_step.group:
+        raise ValueError("cp_group and cp_step name different groups; pass one of them (cp_step carries its group)")
+    return group
+
+
 class _GatherTokens(torch.autograd.Function):
     """All-gather along dim 0 in rank order; backward sums every rank's gradient and keeps the local shard."""
 
@@ -343,6 +355,24 @@ class DSAAttention(nn.Module):
         Under CP this rank's rows are the global rows ``[rank * T_local, (rank + 1) * T_local)``.
         """
         rank, world = _cp_world(cp_group)
+        return DSAAttention._metadata(cu_seqlens, num_local_tokens, rank, world, cu_seqlens_padded, padding_mask)
+
+    @staticmethod
+    def metadata_for_step(cp_step: Any) -> CudnnDsaPackedMetadata:
+        """The DSA metadata of a block-diagonal :class:`~longtrain.blockdiag_cp.CPStep` (its document runs, padding
+        tail and rank), built once per step (one synchronization) and cached on the step for every layer."""
+        _cp_from_step(cp_step, None)
+        hit = cp_step.cache.get("dsa_metadata")
+        if hit is None:
+            rows = slice(cp_step.row_offset, cp_step.row_offset + cp_step.local_len)
+            hit = cp_step.cache["dsa_metadata"] = DSAAttention._metadata(
+                cp_step.packed_cu_seqlens.to(torch.int32), cp_step.local_len, cp_step.rank, cp_step.world_size,
+                None, cp_step.doc_ids[0, rows] == 0,
+            )  # fmt: skip
+        return hit
+
+    @staticmethod
+    def _metadata(cu_seqlens, num_local_tokens, rank, world, cu_seqlens_padded, padding_mask):
         query_indices = None
         if world > 1:
             query_indices = torch.arange(
@@ -360,7 +390,7 @@ class DSAAttention(nn.Module):
         self,
         x: torch.Tensor,
         position_ids: torch.Tensor,
-        cu_seqlens: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
         *,
         cu_seqlens_padded: torch.Tensor | None = None,
         padding_mask: torch.Tensor | None = None,
@@ -368,13 +398,14 @@ class DSAAttention(nn.Module):
         prev_topk: torch.Tensor | None = None,
         return_topk: bool = False,
         cp_group: Any = None,
+        cp_step: Any = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attend over packed documents.
 
         Args:
             x: ``[T, hidden]`` local rows (under CP: this rank's contiguous block of the padded packed sequence).
             position_ids: ``[T]`` integer position of each row inside its document.
-            cu_seqlens: ``[N+1] int32`` global compact real-token offsets.
+            cu_seqlens: ``[N+1] int32`` global compact real-token offsets (may be omitted with ``cp_step``).
             cu_seqlens_padded: optional ``[N+1] int32`` global storage offsets (documents padded for CP).
             padding_mask: optional ``[T] bool`` local padding rows (True = padding).
             metadata: optional result of :meth:`prepare_metadata` shared by all layers of the step (saves a
@@ -383,7 +414,10 @@ class DSAAttention(nn.Module):
             prev_topk: ``[T, K]`` int top-k of the previous full layer; required by shared layers, ignored by
                 full layers.
             return_topk: also return the top-k used (to thread into following shared layers).
-            cp_group: context-parallel process group (``None`` or size 1: no CP).
+            cp_group: context-parallel process group (``None`` or size 1: no CP); a shortcut for ``cp_step``.
+            cp_step: the block-diagonal :class:`~longtrain.blockdiag_cp.CPStep` of the row (the same object the
+                block-diagonal layers read): its group, rank and document runs; without ``metadata`` and
+                ``cu_seqlens`` the step's DSA metadata is used (:meth:`metadata_for_step`, built once per step).
 
         Returns:
             ``[T, hidden]`` in ``x.dtype``, or ``(out, topk [T, K] int)`` when ``return_topk``. Padding rows give 0.
@@ -394,6 +428,16 @@ class DSAAttention(nn.Module):
         num_tokens = x.shape[0]
         if position_ids.shape != (num_tokens,):
             raise ValueError(f"position_ids must be [{num_tokens}], got {tuple(position_ids.shape)}.")
+        if cp_step is not None:
+            cp_group = _cp_from_step(cp_step, cp_group)
+            if num_tokens != cp_step.local_len:
+                raise ValueError(f"x has {num_tokens} rows but cp_step's shard holds {cp_step.local_len}.")
+            if metadata is None and cu_seqlens is None:
+                metadata = self.metadata_for_step(cp_step)
+            if cu_seqlens is None:
+                cu_seqlens = cp_step.packed_cu_seqlens.to(torch.int32)
+        if cu_seqlens is None:
+            raise ValueError("DSAAttention.forward needs cu_seqlens (or a cp_step that carries the document runs).")
         rank, world = _cp_world(cp_group)
         total_keys = num_tokens * world
         if metadata is None:

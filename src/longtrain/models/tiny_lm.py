@@ -159,7 +159,7 @@ class GQAAttention(nn.Module):
         if current_blockdiag_cp_state() is not None:
             out = cp_blockdiag_sdpa(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
-            # Looked up at call time: on one rank the packed-varlen hooks patch it inside this module.
+            # Outside a step (the parity reference): the packed-varlen hooks route this call inside the module.
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(b, length, c.num_heads * c.head_dim))
 
