@@ -108,7 +108,13 @@ def backends(meta, total: int):
             lambda q, k, v: fa.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=True),
             None,
         )
-    for name, label in (("flex", "flex (compiled, block mask)"), ("te", "te (thd)"), ("fa4", "fa4 (FlashAttention-4)")):
+    for name, label in (
+        ("flex", "flex (compiled, block mask)"),
+        ("te", "te (thd)"),
+        ("fa4", "fa4 (FlashAttention-4)"),
+        ("cudnn_fa4", "cudnn_fa4 (CuTe fwd + FA4 bwd)"),
+        ("fa4_cudnn", "fa4_cudnn (FA4 fwd + CuTe bwd)"),
+    ):
         out[label] = (provider(name), providers.unavailable_reason(name, torch.bfloat16, dev))
 
     cudnn_reason = providers.unavailable_reason("cudnn", torch.bfloat16, dev)

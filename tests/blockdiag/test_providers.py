@@ -171,3 +171,41 @@ def test_explicit_import_flags_override_the_probes(monkeypatch):
     if not torch.cuda.is_available():
         monkeypatch.setitem(vars(kernels), "HAS_FLASH_VARLEN", False)
         assert r("flash", torch.bfloat16, CUDA) == "flash_attn varlen kernel is unavailable"
+
+
+def test_split_provider_runs_one_forward_and_another_backward(monkeypatch):
+    """The split provider's wiring with torch parts: forward from one part (out, lse), backward from the other."""
+    from longtrain.blockdiag_cp.providers import split
+    from tests.blockdiag._kernels_util import meta_from_lengths
+
+    calls = []
+
+    def forward(q, k, v, meta, *, scale, causal):
+        calls.append("fwd")
+        out = reference_varlen_attention(q, k, v, meta.cu_q, meta.cu_k, scale=scale, causal=causal)
+        return out, torch.zeros(q.shape[1], q.shape[0])
+
+    def backward(dout, q, k, v, out, lse, meta, *, scale, causal, deterministic):
+        calls.append(("bwd", lse.shape, deterministic))
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        with torch.enable_grad():
+            o = reference_varlen_attention(qq, kk, vv, meta.cu_q, meta.cu_k, scale=scale, causal=causal)
+            return torch.autograd.grad(o, (qq, kk, vv), dout)
+
+    monkeypatch.setitem(split.PARTS, "cudnn", (forward, None, None))
+    monkeypatch.setitem(split.PARTS, "fa4", (None, backward, None))
+    meta = meta_from_lengths([3, 4], [6, 4])
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(7, 4, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(10, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(10, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    out = providers.get("cudnn_fa4").attention(q, k, v, meta, deterministic=True)
+    want = reference_varlen_attention(q, k, v, meta.cu_q, meta.cu_k)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)  # the forward part ran the same math
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    for a, b in zip(grads, torch.autograd.grad(want.sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert calls == ["fwd", ("bwd", (4, 7), True)]
+    with pytest.raises(ValueError, match="no attention dropout"):
+        providers.get("fa4_cudnn").attention(q, k, v, meta, dropout_p=0.1)
+    assert "CUDA" in providers.unavailable_reason("cudnn_fa4", torch.bfloat16, CPU)

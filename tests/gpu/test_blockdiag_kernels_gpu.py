@@ -19,7 +19,7 @@ pytestmark = [
 
 # "cudnn:<route>" runs the cudnn provider with providers.cudnn.ROUTE forced: the CuTe DSL route and the graph API
 # (which picks its diagonal alignment and backward from the layout).
-GPU_BACKENDS = ["flash", "te", "cudnn:cute", "cudnn:graph", "fa4", "flex"]
+GPU_BACKENDS = ["flash", "te", "cudnn:cute", "cudnn:graph", "fa4", "cudnn_fa4", "fa4_cudnn", "flex"]
 
 
 @pytest.fixture(autouse=True)

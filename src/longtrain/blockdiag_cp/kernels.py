@@ -251,7 +251,8 @@ def _warn_once(flag: str, msg: str, *args) -> None:
 
 def _gate(backend: str, dtype: torch.dtype, dropout_p: float, device: torch.device) -> bool:
     """The documented pre-work gates; True when the call may proceed (warns once otherwise)."""
-    if backend in ("flash", "te", "cudnn", "fa4") and dtype not in _HALF:
+    library = backend not in ("reference", "flex", "dense")  # needs fp16/bf16 and a library
+    if library and dtype not in _HALF:
         _warn_once("_CP_FLASH_WARNED", "block-diagonal CP varlen (%s) needs fp16/bf16, got %s; reporting the "
                    "unavailable varlen path", backend, dtype)  # fmt: skip
         return False
@@ -259,7 +260,7 @@ def _gate(backend: str, dtype: torch.dtype, dropout_p: float, device: torch.devi
         _warn_once("_CP_TE_DROPOUT_WARNED", "TransformerEngine THD varlen cannot apply attention dropout (p=%s); "
                    "using the dense path", dropout_p)  # fmt: skip
         return False
-    if backend in ("cudnn", "fa4", "flex") and dropout_p > 0:
+    if dropout_p > 0 and not providers.get(backend).dropout:
         _warn_once("_CP_NO_DROPOUT_WARNED", "the %s varlen kernel has no attention dropout (p=%s); using the dense "
                    "path (pick backend 'flash' or 'auto' to keep a varlen kernel with dropout)", backend,
                    dropout_p)  # fmt: skip
@@ -268,7 +269,7 @@ def _gate(backend: str, dtype: torch.dtype, dropout_p: float, device: torch.devi
         _warn_once("_CP_FLASH_WARNED", "flash varlen kernel is unavailable (flash_attn not installed, torch's FA2: "
                    "%s); using the dense path", flash.torch_flash_reason())  # fmt: skip
         return False
-    if backend in ("cudnn", "fa4"):
+    if library and backend not in ("flash", "te"):
         reason = providers.unavailable_reason(backend, dtype, device)
         if reason is not None:
             _warn_once("_CP_FLASH_WARNED", "%s varlen backend unavailable (%s); using the dense path", backend,

@@ -27,7 +27,9 @@ __all__ = [
     "ATTN_BACKEND_CUDNN",
     "ATTN_BACKEND_DEFAULT",
     "ATTN_BACKEND_DENSE",
+    "ATTN_BACKEND_CUDNN_FA4",
     "ATTN_BACKEND_FA4",
+    "ATTN_BACKEND_FA4_CUDNN",
     "ATTN_BACKEND_FLASH",
     "ATTN_BACKEND_FLEX",
     "ATTN_BACKEND_REFERENCE",
@@ -57,6 +59,9 @@ ATTN_BACKEND_FLASH = "flash"
 ATTN_BACKEND_TE = "te"
 ATTN_BACKEND_CUDNN = "cudnn"
 ATTN_BACKEND_FA4 = "fa4"
+# Split providers: the first name's forward, the second's backward.
+ATTN_BACKEND_CUDNN_FA4 = "cudnn_fa4"
+ATTN_BACKEND_FA4_CUDNN = "fa4_cudnn"
 ATTN_BACKEND_FLEX = "flex"
 ATTN_BACKEND_REFERENCE = "reference"
 ATTN_BACKEND_DENSE = "dense"
@@ -73,6 +78,8 @@ ATTN_BACKEND_SYNONYMS: dict[str, tuple[str, ...]] = {
     ATTN_BACKEND_TE: ("te", "transformer_engine", "transformerengine"),
     ATTN_BACKEND_CUDNN: ("cudnn", "cudnn_sdpa", "cudnn_attention", "cudnn_frontend"),
     ATTN_BACKEND_FA4: ("fa4", "flash_attn_4", "flash_attention_4", "flash4", "flash_attn_cute"),
+    ATTN_BACKEND_CUDNN_FA4: ("cudnn_fa4", "cudnn+fa4"),
+    ATTN_BACKEND_FA4_CUDNN: ("fa4_cudnn", "fa4+cudnn"),
     ATTN_BACKEND_FLEX: ("flex", "flex_attention", "flexattention"),
     ATTN_BACKEND_REFERENCE: ("reference", "ref", "torch_reference", "torch_ref", "per_document_sdpa"),
     ATTN_BACKEND_DENSE: ("dense", "sdpa", "torch_sdpa", "masked_sdpa"),
@@ -91,6 +98,8 @@ VARLEN_ATTN_BACKENDS: tuple[str, ...] = (
     ATTN_BACKEND_TE,
     ATTN_BACKEND_CUDNN,
     ATTN_BACKEND_FA4,
+    ATTN_BACKEND_CUDNN_FA4,
+    ATTN_BACKEND_FA4_CUDNN,
     ATTN_BACKEND_FLEX,
     ATTN_BACKEND_REFERENCE,
 )

@@ -27,7 +27,7 @@ import torch
 
 from .. import state
 from ..meta import VarlenMeta
-from . import cudnn, dense, fa4, flash, flex, reference, te
+from . import cudnn, dense, fa4, flash, flex, reference, split, te
 
 __all__ = [
     "AUTO_TABLE",
@@ -60,9 +60,21 @@ class Provider:
     """Extra detail for ``longtrain doctor`` when the provider can run (e.g. which route it takes)."""
 
 
+def _split(forward: str, backward: str) -> Provider:
+    return Provider(
+        f"{forward}_{backward}",
+        f"{forward}'s forward with {backward}'s backward (the fastest pair on some layouts; no dropout)",
+        lambda dtype, device: split.split_unavailable_reason(forward, backward, dtype, device),
+        lambda *args, **kwargs: split.split_attention(forward, backward, *args, **kwargs),
+        False,
+    )
+
+
 _ENTRIES = (
     Provider("cudnn", cudnn.SUMMARY, cudnn.unavailable_reason, cudnn.attention, False, cudnn.route_hint),
     Provider("fa4", fa4.SUMMARY, fa4.unavailable_reason, fa4.attention, False),
+    _split("cudnn", "fa4"),
+    _split("fa4", "cudnn"),
     Provider("flash", flash.SUMMARY, flash.unavailable_reason, flash.attention, True),
     Provider("te", te.SUMMARY, te.unavailable_reason, te.attention, False),
     Provider("flex", flex.SUMMARY, flex.unavailable_reason, flex.attention, False),

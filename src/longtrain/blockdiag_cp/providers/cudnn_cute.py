@@ -24,7 +24,14 @@ from longtrain import _optional
 
 from ..meta import VarlenMeta
 
-__all__ = ["PLAN_STATS", "cute_attention", "cute_unavailable_reason", "visible_key_counts"]
+__all__ = [
+    "PLAN_STATS",
+    "cute_attention",
+    "cute_backward",
+    "cute_forward",
+    "cute_unavailable_reason",
+    "visible_key_counts",
+]
 
 #: Mask plans built / reused (one plan per step layout, reused by every layer of the step) and build seconds.
 PLAN_STATS = {"built": 0, "reused": 0, "build_s": 0.0}
@@ -64,10 +71,11 @@ def cute_unavailable_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
     return None
 
 
-def _plan(q, k, v, cu_q, cu_k, max_q, max_k, cache: dict | None, causal: bool = True):
+def _plan(q, k, v, cu_q, cu_k, max_q, max_k, cache: dict | None, causal: bool = True, need_bwd: bool | None = None):
     from cudnn.flex_attention import create_mask_plan
 
-    need_bwd = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if need_bwd is None:
+        need_bwd = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     key = ("cudnn_cute_plan", id(cu_q), id(cu_k), q.shape[1], k.shape[1], q.shape[2], q.dtype, str(q.device), need_bwd,
            causal)  # fmt: skip
     if cache is not None and key in cache:
@@ -106,3 +114,24 @@ def cute_attention(
 
     plan = _plan(q, k, v, meta.cu_q, meta.cu_k, meta.max_q, meta.max_k, meta.cache, causal)
     return flex_attn_func(q, k, v, mask_plan=plan, softmax_scale=float(scale), deterministic=bool(deterministic))
+
+
+def cute_forward(q, k, v, meta: VarlenMeta, *, scale: float, causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CuTe DSL forward alone: ``(out [n_real, Hq, D], lse [Hq, n_real] fp32)`` (the natural-log log-sum-exp),
+    for a backward of another provider. The plan is built with its backward, so :func:`cute_backward` can follow."""
+    from cudnn.flex_attention.execution import _flex_attention_forward
+
+    plan = _plan(q, k, v, meta.cu_q, meta.cu_k, meta.max_q, meta.max_k, meta.cache, causal, need_bwd=True)
+    out, lse, _ = _flex_attention_forward(q, k, v, mask_plan=plan, softmax_scale=float(scale), return_lse=True)
+    return out, lse
+
+
+def cute_backward(dout, q, k, v, out, lse, meta: VarlenMeta, *, scale: float, causal: bool = True,
+                  deterministic: bool = False) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """The CuTe DSL backward from any forward's ``out`` and ``lse [Hq, n_real]``: ``(dq, dk, dv)``."""
+    from cudnn.flex_attention.execution import _flex_attention_backward
+
+    plan = _plan(q, k, v, meta.cu_q, meta.cu_k, meta.max_q, meta.max_k, meta.cache, causal, need_bwd=True)
+    dq, dk, dv = _flex_attention_backward(q, k, v, out, dout, lse.contiguous(), mask_plan=plan,
+                                          softmax_scale=float(scale), deterministic=bool(deterministic))  # fmt: skip
+    return dq, dk, dv

@@ -14,7 +14,7 @@ from longtrain import _optional
 
 from ..meta import VarlenMeta
 
-__all__ = ["SUMMARY", "attention", "unavailable_reason"]
+__all__ = ["SUMMARY", "attention", "fa4_backward", "fa4_forward", "unavailable_reason"]
 
 SUMMARY = "FlashAttention-4 varlen (flash-attn-4 CuTe DSL kernels; CUDA SM90/SM100, fp16/bf16, no dropout)"
 _HALF = (torch.float16, torch.bfloat16)
@@ -55,3 +55,25 @@ def attention(
         deterministic=deterministic,
     )  # fmt: skip
     return res[0] if isinstance(res, tuple) else res
+
+
+def fa4_forward(q, k, v, meta: VarlenMeta, *, scale: float, causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashAttention-4's forward alone: ``(out [n_real, Hq, D], lse [Hq, n_real] fp32)``, natural-log log-sum-exp."""
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    res = _flash_attn_fwd(
+        q, k, v, cu_seqlens_q=meta.cu_q, cu_seqlens_k=meta.cu_k, max_seqlen_q=meta.max_q, max_seqlen_k=meta.max_k,
+        softmax_scale=float(scale), causal=causal, return_lse=True,
+    )  # fmt: skip
+    return res[0], res[1]
+
+
+def fa4_backward(dout, q, k, v, out, lse, meta: VarlenMeta, *, scale: float, causal: bool = True,
+                 deterministic: bool = False) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """FlashAttention-4's backward from any forward's ``out`` and ``lse [Hq, n_real]``: ``(dq, dk, dv)``."""
+    from flash_attn.cute.interface import _flash_attn_bwd
+
+    res = _flash_attn_bwd(q, k, v, out, dout, lse.contiguous(), float(scale), causal, cu_seqlens_q=meta.cu_q,
+                          cu_seqlens_k=meta.cu_k, max_seqlen_q=meta.max_q, max_seqlen_k=meta.max_k,
+                          deterministic=bool(deterministic))  # fmt: skip
+    return res[0], res[1], res[2]

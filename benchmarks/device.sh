@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One lent-GPU session's steps, run from the repository root on the GPU machine (no internet there).
+#
+#   bash benchmarks/device.sh stash                 # keep .whl-a/ (part one of the CuTe DSL libs wheel) in /tmp
+#   bash benchmarks/device.sh install               # install .whl-b/ + that part into /tmp/site (pip --target)
+#   bash benchmarks/device.sh pytest ARGS...        # pytest with the installed extras, log under $OUT
+#   bash benchmarks/device.sh python ARGS...        # python with the installed extras
+#
+# .whl-a/ and .whl-b/ are ignored folders filled here with `pip download` (see docs/blockdiag_kernels.md): the
+# nvidia-cutlass-dsl-libs-cu13 wheel is split in two (`split -b 60000000`) because one call carries 64 MiB.
+# Each step after `stash` must follow the previous one at once: a machine idle for 30 s is given back.
+set -euo pipefail
+SITE=/tmp/site
+CU13=nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
+export PYTHONUNBUFFERED=1
+env_setup() {
+  export PYTHONPATH="$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages:$PWD/src:$PWD"
+  export LONGTRAIN_COMMIT="${LONGTRAIN_COMMIT:-unknown}"
+}
+case "${1:-}" in
+  stash)
+    mkdir -p /tmp/parts && cp .whl-a/cu13part_aa /tmp/parts/ && ls -la /tmp/parts ;;
+  install)
+    if [ ! -f /tmp/parts/cu13part_aa ]; then echo "part one of the CuTe DSL wheel is gone (machine restarted)"; exit 3; fi
+    cat /tmp/parts/cu13part_aa .whl-b/cu13part_ab > "/tmp/$CU13"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+      .whl-b/*.whl "/tmp/$CU13"
+    env_setup
+    python3 -c "import cudnn, cudnn.flex_attention, flash_attn.cute; print('cudnn', cudnn.backend_version(), 'ok')" ;;
+  pytest)
+    shift; env_setup
+    python3 -m pytest -q -rs -p no:cacheprovider "$@" 2>&1 | tee -a "${OUT:-/tmp}/pytest.log" ;;
+  python)
+    shift; env_setup
+    python3 "$@" ;;
+  *)
+    echo "usage: $0 stash | install | pytest ARGS | python ARGS"; exit 2 ;;
+esac
