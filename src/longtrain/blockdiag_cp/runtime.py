@@ -116,6 +116,10 @@ def attend(
         return exchange.zero_touch(q, q, k, v)
     provider = providers.get(backend)
     n_real, length = meta.n_real, q.shape[0]
+    if provider.full_rows:
+        return provider.attention(
+            q, k, v, meta, scale=scale, dropout_p=dropout_p, causal=causal, deterministic=deterministic
+        ).reshape(length, q.shape[1], v.shape[2])
     local = meta.cache.get(("local", meta.s_first, meta.real_end))
     if local is None:
         local = meta.cache[("local", meta.s_first, meta.real_end)] = meta.rebased(0, meta.kv_len)

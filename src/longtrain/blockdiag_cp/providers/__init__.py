@@ -12,6 +12,9 @@ Every provider implements one contract over packed (THD) documents, described by
   kernel has one);
 - returns ``[n_real, Hq, D]`` in ``q``'s dtype, differentiable in ``q``, ``k`` and ``v``.
 
+A provider marked ``full_rows`` (FlexAttention, compiled per shape) takes the whole query chunk and key tensor
+instead, with the meta in their coordinates, so its shapes do not change from step to step.
+
 Each provider reports, cheaply and without launching a kernel, why it cannot run for a dtype and device
 (:attr:`Provider.unavailable_reason`); :func:`resolve_backend` is the one place that turns a user's backend name
 (any synonym, or ``"auto"``) into a provider. Nothing here imports an optional package at module import.
@@ -58,6 +61,10 @@ class Provider:
     """Whether the kernel applies attention dropout (otherwise ``dropout_p > 0`` is refused)."""
     status_hint: Callable[[], str | None] | None = None
     """Extra detail for ``longtrain doctor`` when the provider can run (e.g. which route it takes)."""
+    full_rows: bool = False
+    """Takes the whole query chunk and key tensor with the meta in their coordinates (rows ``>= n_real`` and keys
+    outside ``[s_first, real_end)`` belong to no segment) and returns every row: for kernels compiled per shape,
+    whose shapes then stay fixed from step to step."""
 
 
 def _split(forward: str, backward: str) -> Provider:
@@ -77,7 +84,7 @@ _ENTRIES = (
     _split("fa4", "cudnn"),
     Provider("flash", flash.SUMMARY, flash.unavailable_reason, flash.attention, True),
     Provider("te", te.SUMMARY, te.unavailable_reason, te.attention, False),
-    Provider("flex", flex.SUMMARY, flex.unavailable_reason, flex.attention, False),
+    Provider("flex", flex.SUMMARY, flex.unavailable_reason, flex.attention, False, full_rows=True),
     Provider("reference", reference.SUMMARY, reference.unavailable_reason, reference.attention, True),
     Provider("dense", dense.SUMMARY, dense.unavailable_reason, dense.attention, True),
 )

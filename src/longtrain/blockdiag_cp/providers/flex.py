@@ -129,11 +129,14 @@ def attention(
     causal: bool = True,
     deterministic: bool = False,
 ) -> torch.Tensor:
-    """``q: [n_real, Hq, D]``, ``k/v: [kv_len, Hkv, D]`` -> ``[n_real, Hq, D]`` (the provider contract).
+    """``q: [L, Hq, D]`` (the whole query chunk), ``k/v: [S_k, Hkv, D]`` (the whole key tensor; ``meta`` in their
+    coordinates) -> ``[L, Hq, D]``, rows ``>= n_real`` exactly zero (a ``full_rows`` provider).
 
-    Runs in SDPA layout (views, no packing copies). On CUDA both lengths are padded to the block size: Inductor's
-    flex templates find no kernel config for some unaligned lengths (seen: 127 queries over 255 keys on torch
-    2.11); padded rows and keys belong to no segment.
+    Runs in SDPA layout (views, no packing copies). The shapes are the chunk's and the key tensor's, the same at
+    every step, so the compiled kernel is reused (a shape per step would recompile until torch's cache limit, then
+    run eagerly). On CUDA both lengths are padded to the block size: Inductor's flex templates find no kernel config
+    for some unaligned lengths (seen: 127 queries over 255 keys on torch 2.11); padded rows and keys belong to no
+    segment.
     """
     if dropout_p:
         raise ValueError(f"FlexAttention has no attention dropout (got dropout_p={dropout_p})")
