@@ -1,4 +1,4 @@
-"""Every README code block marked ``# run: <launcher>`` runs as shown (the examples are the documentation)."""
+"""Every README and docs/ code block marked ``# run: <launcher>`` runs as shown (the examples are the documentation)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,26 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-BLOCKS = re.findall(r"```python\n(# run: ([^\n]+)\n.*?)```", README.read_text(), flags=re.S)
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PATTERN = r"```python\n(# run: ([^\n]+)\n.*?)```"
+BLOCKS = re.findall(PATTERN, README.read_text(), flags=re.S)
+DOC_BLOCKS = [
+    (doc.stem, code, launcher)
+    for doc in sorted((ROOT / "docs").glob("*.md"))
+    for code, launcher in re.findall(PATTERN, doc.read_text(), flags=re.S)
+]
 
 
 def test_readme_has_runnable_examples():
     assert len(BLOCKS) >= 3
+
+
+@pytest.mark.parametrize(
+    "code, launcher", [b[1:] for b in DOC_BLOCKS], ids=[f"{name}{i}" for i, (name, *_) in enumerate(DOC_BLOCKS)]
+)
+def test_docs_block_runs(code, launcher, tmp_path):
+    test_readme_block_runs(code, launcher, tmp_path)
 
 
 @pytest.mark.parametrize("code, launcher", BLOCKS, ids=[f"block{i}" for i in range(len(BLOCKS))])

@@ -117,7 +117,7 @@ def test_world_one_is_the_same_path_without_padding(mesh):
     assert batch["input_ids"].tolist() == ids.tolist() and batch["padding_mask"].tolist() == [[False] * 9]
     with factory() as step:
         assert (step.world_size, step.rank, step.row_offset, step.local_len, step.kv_plan) == (1, 0, 0, 9, None)
-        assert step.varlen_meta.seg_q == (4, 5) and current_blockdiag_cp_state() is step.model_state
+        assert step.varlen_meta.seg_q == (4, 5) and current_blockdiag_cp_state() == step.model_state
     # B != 1 and a batch without a primary stream are the same clear errors as with more ranks
     with pytest.raises(ValueError, match="local_batch_size=1"):
         make_cp_blockdiag_batch_and_ctx(cp_mesh, None, {"input_ids": torch.ones(2, 9, dtype=torch.int64)})

@@ -19,13 +19,45 @@ back to the same semantics built from collectives it does have; NCCL always take
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed
 
-__all__ = ["all_gather_tokens", "global_rank", "left_halo", "needed_a2a", "zero_touch"]
+__all__ = ["GroupRef", "all_gather_tokens", "global_rank", "left_halo", "needed_a2a", "zero_touch"]
+
+
+class GroupRef:
+    """A process group held without keeping it alive (a weak reference where the object allows one).
+
+    Steps and autograd graphs outlive a training loop easily (a module-level ``out`` keeps its graph); a strong
+    reference would keep the group, and its gloo/NCCL threads, alive past ``destroy_process_group()`` until the
+    interpreter tears down, where destroying it can abort the process. ``None`` (the default group) stays None.
+    """
+
+    __slots__ = ("_ref", "_strong")
+
+    def __init__(self, group: Any):
+        self._ref, self._strong = None, None
+        if group is not None:
+            try:
+                self._ref = weakref.ref(group)
+            except TypeError:  # stub groups in tests
+                self._strong = group
+
+    def __call__(self) -> Any:
+        if self._ref is None:
+            return self._strong
+        group = self._ref()
+        if group is None:
+            raise RuntimeError(
+                "the CP process group was destroyed (torch.distributed.destroy_process_group) while a step or an "
+                "autograd graph of longtrain still used it: run backward and drop the step before destroying it"
+            )
+        return group
+
 
 _UNSUPPORTED_MARKERS = ("not supported", "does not support", "unsupported", "not implemented", "unimplemented")
 # (collective, backend) pairs whose native version raised "unsupported" once in this process.
@@ -133,14 +165,14 @@ class _AllGatherSeqDiff(torch.autograd.Function):
         x = x.contiguous()
         bufs = [torch.empty_like(x) for _ in range(world)]
         dist.all_gather(bufs, x, group=group)
-        ctx.group, ctx.seq_dim, ctx.world = group, seq_dim, world
+        ctx.group, ctx.seq_dim, ctx.world = GroupRef(group), seq_dim, world
         return torch.cat(bufs, dim=seq_dim)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         chunks = [c.contiguous() for c in grad.chunk(ctx.world, dim=ctx.seq_dim)]
         out = torch.empty_like(chunks[0])
-        _reduce_scatter(out, chunks, ctx.group)
+        _reduce_scatter(out, chunks, ctx.group())
         return out, None, None
 
 
@@ -170,7 +202,7 @@ class _LeftHaloExchange(torch.autograd.Function):
         send = x.narrow(dim, length - halo_size, halo_size).contiguous()
         _p2p(group, send if next_peer is not None else None, next_peer, recv if prev_peer is not None else None,
              prev_peer)  # fmt: skip
-        ctx.group, ctx.halo, ctx.shape, ctx.dim = group, halo_size, x.shape, dim
+        ctx.group, ctx.halo, ctx.shape, ctx.dim = GroupRef(group), halo_size, x.shape, dim
         ctx.prev_peer, ctx.next_peer = prev_peer, next_peer
         return recv
 
@@ -179,7 +211,7 @@ class _LeftHaloExchange(torch.autograd.Function):
         length = ctx.shape[ctx.dim]
         out = grad.new_zeros(ctx.shape)
         got = torch.zeros_like(grad)
-        _p2p(ctx.group, grad.contiguous() if ctx.prev_peer is not None else None, ctx.prev_peer,
+        _p2p(ctx.group(), grad.contiguous() if ctx.prev_peer is not None else None, ctx.prev_peer,
              got if ctx.next_peer is not None else None, ctx.next_peer)  # fmt: skip
         out.narrow(ctx.dim, length - ctx.halo, ctx.halo).copy_(got)
         return out, None, None, None, None, None
@@ -227,7 +259,7 @@ class _NeededKVExchange(torch.autograd.Function):
         send = tokens.index_select(0, send_index).contiguous()
         recv = x.new_empty((sum(out_splits), *tokens.shape[1:]))
         _all_to_all_single(recv, send, list(out_splits), list(in_splits), group)
-        ctx.group, ctx.in_splits, ctx.out_splits, ctx.dim = group, list(in_splits), list(out_splits), dim
+        ctx.group, ctx.in_splits, ctx.out_splits, ctx.dim = GroupRef(group), list(in_splits), list(out_splits), dim
         ctx.tokens_shape = tokens.shape
         ctx.save_for_backward(send_index)
         return recv.movedim(0, dim).contiguous()
@@ -237,7 +269,7 @@ class _NeededKVExchange(torch.autograd.Function):
         (send_index,) = ctx.saved_tensors
         grad_tokens = grad.movedim(ctx.dim, 0).contiguous()
         back = grad.new_empty((sum(ctx.in_splits), *grad_tokens.shape[1:]))
-        _all_to_all_single(back, grad_tokens, ctx.in_splits, ctx.out_splits, ctx.group)
+        _all_to_all_single(back, grad_tokens, ctx.in_splits, ctx.out_splits, ctx.group())
         acc = grad.new_zeros(ctx.tokens_shape)
         acc.index_add_(0, send_index, back)
         return acc.movedim(0, ctx.dim).contiguous(), None, None, None, None, None

@@ -19,6 +19,7 @@ import torch
 import torch.distributed
 
 from . import state
+from .exchange import GroupRef
 from .meta import VarlenMeta, check_packed_layout, resolve_device, segment_rank
 
 __all__ = ["CPStep", "ExchangePlan", "build_cp_step", "packed_runs", "resolve_cp_group"]
@@ -167,8 +168,8 @@ class CPStep:
     during the step except the memo ``cache``.
     """
 
-    group: Any
-    """The CP process group (``None`` on one rank without a group)."""
+    group_ref: Any = field(repr=False)
+    """The CP process group, held weakly (:class:`~longtrain.blockdiag_cp.exchange.GroupRef`): read :attr:`group`."""
     rank: int
     """This rank's index in the group."""
     world_size: int
@@ -191,12 +192,20 @@ class CPStep:
     """``[n_runs+1] int64`` run boundaries of the padded row on the compute device (padding tail: its own run)."""
     packed_cu_seqlens_cpu: torch.Tensor
     """The same on the host."""
-    model_state: state.BlockdiagCpModelState
-    """The view model layers read through :func:`~longtrain.blockdiag_cp.current_blockdiag_cp_state`."""
     device: torch.device
     """The compute device."""
     cache: dict = field(default_factory=dict, repr=False)
     """Memos of the step's first attention call (concrete backend per dtype, exchange path, preflight)."""
+
+    @property
+    def group(self) -> Any:
+        """The CP process group (``None`` on one rank without a group); the step does not keep it alive."""
+        return self.group_ref()
+
+    @property
+    def model_state(self) -> state.BlockdiagCpModelState:
+        """The view model layers read through :func:`~longtrain.blockdiag_cp.current_blockdiag_cp_state`."""
+        return state.BlockdiagCpModelState(self.group, self.packed_cu_seqlens, self.packed_cu_seqlens_cpu)
 
     @property
     def meta(self) -> VarlenMeta:
@@ -278,7 +287,7 @@ def build_cp_step(
     runs = runs_cpu.to(dev)
     ids_dev = row.detach().to(device=dev, dtype=torch.int64).view(1, full_len)
     return CPStep(
-        group=group,
+        group_ref=GroupRef(group),
         rank=rank,
         world_size=world,
         doc_ids=ids_dev,
@@ -290,6 +299,5 @@ def build_cp_step(
         kv_exchange=exchange,
         packed_cu_seqlens=runs,
         packed_cu_seqlens_cpu=runs_cpu,
-        model_state=state.BlockdiagCpModelState(group, runs, runs_cpu),
         device=dev,
     )

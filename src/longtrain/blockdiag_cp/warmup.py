@@ -18,7 +18,7 @@ import torch
 from . import providers
 from .meta import resolve_device, segment_rank
 from .runtime import attend
-from .state import cp_varlen_runtime_config
+from .state import cp_varlen_runtime_config, normalize_attn_backend
 
 __all__ = ["BLOCKDIAG_SHAPE_KEYS", "warmup"]
 
@@ -47,11 +47,12 @@ def warmup(
         num_heads, num_kv_heads, head_dim: the attention's static shape (``num_heads % num_kv_heads == 0``).
         dtype: the attention inputs' dtype (the fast backends need fp16/bf16).
         device: where training runs.
-        backend: a varlen backend name; None = the one ``configure_cp_varlen`` set (``"auto"`` by default).
+        backend: a backend name; None = the one ``configure_cp_varlen`` set (``"auto"`` by default).
         num_tokens: rows per simulated rank (>= 8).
 
     Returns:
-        ``{"backend": the resolved name, "layouts": 2, "fell_back": bool, "finite": bool, "seconds": float}``;
+        ``{"backend": the provider(s) warmed, "layouts": 2, "fell_back": bool, "finite": bool, "seconds": float}``
+        (``"auto"`` warms every provider it may pick for this dtype, whatever the documents' lengths);
         ``fell_back`` is True when the backend is ``dense``, cannot run here or raised (a training step takes the
         dense path then).
     """
@@ -73,29 +74,33 @@ def warmup(
     gen = torch.Generator().manual_seed(0)
     k = torch.randn(2 * num_tokens, num_kv_heads, head_dim, generator=gen).to(dev, dtype)
     v = torch.randn(2 * num_tokens, num_kv_heads, head_dim, generator=gen).to(dev, dtype)
-    finite, fell_back, resolved = True, False, name
-    for rank in range(2):
-        meta = segment_rank(ids, rank * num_tokens, num_tokens, dev)
-        resolved = providers.resolve_backend(name, dtype, dev, meta=meta)
-        if resolved == "dense" or providers.unavailable_reason(resolved, dtype, dev) is not None:
-            fell_back = True
-            continue
-        q = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dev, dtype).requires_grad_()
-        kk, vv = k.detach().requires_grad_(), v.detach().requires_grad_()
-        with torch.enable_grad():
-            try:
-                out = attend(q, kk, vv, meta, resolved)
-            except torch.OutOfMemoryError:
-                raise
-            except Exception:
+    metas = [segment_rank(ids, rank * num_tokens, num_tokens, dev) for rank in range(2)]
+    if normalize_attn_backend(name) == "auto":  # every provider "auto" may pick for this dtype, any layout
+        names = sorted({providers.auto_choice(dtype, dev, cls) for cls in ("long", "short")})
+    else:
+        names = [providers.resolve_backend(name)]
+    finite, fell_back = True, False
+    for resolved in names:
+        for meta in metas:
+            if resolved == "dense" or providers.unavailable_reason(resolved, dtype, dev) is not None:
                 fell_back = True
                 continue
-            grads = torch.autograd.grad(out, (q, kk, vv), torch.ones_like(out))
-        finite = finite and bool(torch.isfinite(out).all()) and all(bool(torch.isfinite(g).all()) for g in grads)
+            q = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dev, dtype).requires_grad_()
+            kk, vv = k.detach().requires_grad_(), v.detach().requires_grad_()
+            with torch.enable_grad():
+                try:
+                    out = attend(q, kk, vv, meta, resolved)
+                except torch.OutOfMemoryError:
+                    raise
+                except Exception:
+                    fell_back = True
+                    continue
+                grads = torch.autograd.grad(out, (q, kk, vv), torch.ones_like(out))
+            finite = finite and bool(torch.isfinite(out).all()) and all(bool(torch.isfinite(g).all()) for g in grads)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     return {
-        "backend": resolved,
+        "backend": ", ".join(names),
         "layouts": 2,
         "fell_back": fell_back,
         "finite": finite,

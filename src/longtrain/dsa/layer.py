@@ -271,14 +271,16 @@ class _GatherTokens(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
+        from longtrain.blockdiag_cp.exchange import GroupRef
+
+        ctx.group = GroupRef(group)  # the graph must not keep the group alive past destroy_process_group()
         parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, tensor.contiguous(), group=group)
         return torch.cat(parts, dim=0)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        group = ctx.group
+        group = ctx.group()
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         grad = grad.contiguous()
         if dist.get_backend(group) == "nccl":

@@ -26,6 +26,9 @@ def unavailable_reason(dtype: torch.dtype, device: torch.device) -> str | None:
         return f"FlashAttention-4 needs fp16/bf16, got {dtype}"
     if device.type != "cuda":
         return f"FlashAttention-4 requires CUDA, got device={device}"
+    ok, reason = _optional.cuda_sm(9, 0)
+    if not ok:
+        return f"FlashAttention-4 {reason}"
     major, _ = torch.cuda.get_device_capability(device)
     if major not in (9, 10):
         return f"FlashAttention-4 runs on SM90/SM100 here, this GPU is SM{major}x"
