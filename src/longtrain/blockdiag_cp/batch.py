@@ -376,15 +376,15 @@ def _step_context(step: CPStep) -> Iterator[CPStep]:
     real tokens (inside its kernel) and an all-padding rank (which may have saved nothing after the K/V
     exchange), so one rank would re-issue the exchange collective and the other not, and both would hang.
     """
-    state._CP_LAST_EXITED_STATE.set(None)
-    token = state._CP_BLOCKDIAG_STATE.set(step)
+    state.LAST_EXITED_SLOT.set(None)
+    token = state.STEP_SLOT.set(step)
     try:
         with torch.utils.checkpoint.set_checkpoint_early_stop(False):
             yield step
     finally:
-        state._CP_BLOCKDIAG_STATE.reset(token)
-        if step.cache.get("grad_calls") and state._CP_BLOCKDIAG_STATE.get() is None:
-            state._CP_LAST_EXITED_STATE.set(True)
+        state.STEP_SLOT.reset(token)
+        if step.cache.get("grad_calls") and state.STEP_SLOT.get() is None:
+            state.LAST_EXITED_SLOT.set(True)
 
 
 def _shard_deepstack(batch: dict, seq_len: int, full_len: int, row_offset: int, local_len: int) -> list | None:

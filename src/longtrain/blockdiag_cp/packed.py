@@ -50,7 +50,7 @@ class PackedState:
         return self.steps[0].varlen_meta
 
 
-_PACKED_STATE = state._ThreadSharedVar("cp1_packed_state")
+_PACKED_STATE = state.ThreadSharedVar("cp1_packed_state")
 # Function modes entered by the pre-hooks, exited (last in, first out) by the post-hooks.
 _MODE_STACK: list[_PackedSDPAMode] = []
 

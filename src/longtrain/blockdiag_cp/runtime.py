@@ -157,6 +157,8 @@ def _varlen_attention_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
               "deterministic": torch.are_deterministic_algorithms_enabled()}  # fmt: skip
     if plan.q_index is None:
         return attend(q, k, v, plan.meta, name, **kwargs)
+    if plan.meta.n_real == 0:  # no query sees a key: zeros, still attached to q/k/v
+        return exchange.zero_touch(q.new_empty(q.shape[0], q.shape[1], v.shape[2]), q, k, v)
     out = attend(q.index_select(0, plan.q_index), k.index_select(0, plan.k_index), v.index_select(0, plan.k_index),
                  plan.meta, name, **kwargs)  # fmt: skip
     return q.new_zeros(q.shape[0], q.shape[1], v.shape[2]).index_copy(0, plan.q_index, out)
@@ -360,7 +362,7 @@ def _cp_varlen_attention_impl(q, k, v, step, softmax_scale, dropout_p):
             f"cp_varlen_attention takes this rank's shard of {step.local_len} rows (the step's local length); got "
             f"q/k of {q.shape[0]}/{k.shape[0]} rows"
         )
-    state._CP_ATTN_FIRE_COUNT[0] += 1
+    state.count_cp_attn_call()
     dropout_p = float(dropout_p)
     backend = step.backend_for(q.dtype, dropout_p)
     deterministic = torch.are_deterministic_algorithms_enabled()
@@ -446,7 +448,7 @@ def cp_varlen_attention(
 
 def current_cp_step() -> CPStep | None:
     """The :class:`~longtrain.blockdiag_cp.step.CPStep` published by the active step context, or None outside one."""
-    return _step_from_slot(state._CP_BLOCKDIAG_STATE.get())
+    return _step_from_slot(state.STEP_SLOT.get())
 
 
 def _step_from_slot(value: Any) -> CPStep | None:
@@ -516,12 +518,12 @@ def _check_recompute_outside_context() -> None:
     marker is set when a context exits after CP attention ran with grad, and cleared by the next context or by
     the next forward call outside any context (the model is then used without CP).
     """
-    last = state._CP_LAST_EXITED_STATE.get()
+    last = state.LAST_EXITED_SLOT.get()
     if last is None:
         return
     task_id = getattr(torch._C, "_current_graph_task_id", None)
     if task_id is None or task_id() == -1:  # not inside a backward pass (or a torch that cannot tell)
-        state._CP_LAST_EXITED_STATE.set(None)
+        state.LAST_EXITED_SLOT.set(None)
         return
     raise RuntimeError(
         "cp_blockdiag_sdpa ran during backward (activation-checkpoint recompute) after the block-diagonal CP "

@@ -5,7 +5,7 @@ Two process-wide knobs choose how block-diagonal attention runs: the varlen atte
 ``halo`` or ``a2a``). ``configure_cp_varlen`` sets them; every :class:`~longtrain.blockdiag_cp.step.CPStep`
 snapshots them when it is built.
 
-The active step lives in a :class:`_ThreadSharedVar`, not a ``ContextVar``: autograd runs activation-checkpoint
+The active step lives in a :class:`ThreadSharedVar`, not a ``ContextVar``: autograd runs activation-checkpoint
 recompute on its own worker thread, where a ``ContextVar`` would read its default and the recomputed attention
 would silently run local-only. The slot only lets the SDPA drop-in find the step; everything else takes the step
 as an argument.
@@ -43,8 +43,12 @@ __all__ = [
     "KV_EXCHANGE_SYNONYMS",
     "KV_EXCHANGE_VALUES",
     "VARLEN_ATTN_BACKENDS",
+    "LAST_EXITED_SLOT",
+    "STEP_SLOT",
     "BlockdiagCpModelState",
+    "ThreadSharedVar",
     "configure_cp_varlen",
+    "count_cp_attn_call",
     "cp_attn_fire_count",
     "cp_varlen_runtime_config",
     "current_blockdiag_cp_state",
@@ -210,7 +214,7 @@ class BlockdiagCpModelState:
     packed_cu_seqlens_cpu: torch.Tensor
 
 
-class _ThreadSharedVar:
+class ThreadSharedVar:
     """A ContextVar-like slot holding one value for the whole process, visible from every thread.
 
     ``set`` returns the previous value as the token and ``reset(token)`` restores it, so nesting works.
@@ -235,15 +239,16 @@ class _ThreadSharedVar:
         self._value = token
 
     def __repr__(self) -> str:
-        return f"_ThreadSharedVar({self._name!r}, set={self._value is not None})"
+        return f"ThreadSharedVar({self._name!r}, set={self._value is not None})"
 
 
+_ThreadSharedVar = ThreadSharedVar  # the reference note's name
 #: The active CPStep (published by the batch builder's step context for ``cp_blockdiag_sdpa``).
-_CP_BLOCKDIAG_STATE = _ThreadSharedVar("cp_blockdiag_state")
+STEP_SLOT = _CP_BLOCKDIAG_STATE = ThreadSharedVar("cp_blockdiag_state")
 _CP_ATTN_FIRE_COUNT = [0]
-# The last step state whose context exited after CP attention ran with grad enabled; used to turn an
-# activation-checkpoint recompute that runs after the context exited into a clear error (see runtime).
-_CP_LAST_EXITED_STATE = _ThreadSharedVar("cp_blockdiag_last_exited_state")
+#: Set when a step context exited after CP attention ran with grad enabled; turns an activation-checkpoint
+#: recompute that runs after the context exited into a clear error (see runtime).
+LAST_EXITED_SLOT = _CP_LAST_EXITED_STATE = ThreadSharedVar("cp_blockdiag_last_exited_state")
 
 
 def current_blockdiag_cp_state() -> BlockdiagCpModelState | None:
@@ -256,6 +261,11 @@ def current_blockdiag_cp_state() -> BlockdiagCpModelState | None:
         return None
     model_state = step.get("model_state") if isinstance(step, dict) else getattr(step, "model_state", None)
     return model_state if isinstance(model_state, BlockdiagCpModelState) else None
+
+
+def count_cp_attn_call() -> None:
+    """Count one CP-path attention call (the runtime calls this; forward and recompute)."""
+    _CP_ATTN_FIRE_COUNT[0] += 1
 
 
 def reset_cp_attn_fire_count() -> None:
