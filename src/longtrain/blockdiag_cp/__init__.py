@@ -18,6 +18,7 @@ The documented kernels module is :mod:`longtrain.blockdiag_cp.kernels`; the back
 """
 
 from .batch import ShardLayout, make_cp_blockdiag_batch_and_ctx
+from .consensus import CPMismatchError, CPStepError, CPTimeoutError
 from .meta import VarlenMeta
 from .packed import (
     attach_cp1_packed_varlen_hooks,
@@ -37,7 +38,10 @@ from .step import CPStep, ExchangePlan, build_cp_step
 
 __all__ = [
     "BlockdiagCpModelState",
+    "CPMismatchError",
     "CPStep",
+    "CPStepError",
+    "CPTimeoutError",
     "ExchangePlan",
     "ShardLayout",
     "VarlenMeta",

@@ -11,7 +11,16 @@ import torch.nn.functional as F
 
 from .meta import VarlenMeta
 
-__all__ = ["ORIGINAL_SDPA", "blockdiag_mask", "dense_blockdiag_sdpa", "repeat_kv", "segment_mask"]
+__all__ = [
+    "ORIGINAL_SDPA",
+    "blockdiag_mask",
+    "dense_blockdiag_sdpa",
+    "finite_or_zero",
+    "nonfinite_tokens",
+    "repeat_kv",
+    "rows_seeing",
+    "segment_mask",
+]
 
 # Captured once at import: every stock SDPA call of this package goes through this object, so no
 # interception of ``F.scaled_dot_product_attention`` (the cp = 1 path's function mode) can recurse into itself.
@@ -54,6 +63,32 @@ def repeat_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, head_
     return key.repeat_interleave(hq // hkv, dim=head_dim), value.repeat_interleave(hq // hkv, dim=head_dim)
 
 
+def finite_or_zero(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with every non-finite element replaced by 0 (identity, bit for bit, on finite input)."""
+    return torch.where(torch.isfinite(x), x, x.new_zeros(()))
+
+
+def nonfinite_tokens(x: torch.Tensor, token_dim: int) -> torch.Tensor:
+    """Bool ``[T]`` (the sizes of ``x`` up to ``token_dim``): token ``t`` holds a non-finite value in any head/dim."""
+    return ~torch.isfinite(x).flatten(token_dim + 1).all(-1)
+
+
+def rows_seeing(meta: VarlenMeta, bad_keys: torch.Tensor, query_len: int, causal: bool) -> torch.Tensor:
+    """Bool ``[query_len]``: query row ``i`` attends (under ``meta``, bottom-right causal or not) a key flagged in
+    ``bad_keys [key_len]``. Device ops on the cached row tables, no sync."""
+    key_len = bad_keys.numel()
+    doc_q, doc_k, q_lim = meta.row_tables(query_len, key_len, bad_keys.device)
+    big = key_len + 1
+    first = torch.full((meta.n_docs + 1,), big, dtype=torch.int64, device=bad_keys.device)
+    pos = torch.arange(key_len, device=bad_keys.device)
+    in_doc = doc_k >= 0
+    # the first flagged key of every segment (slot n_docs collects keys outside every segment)
+    first.scatter_reduce_(0, torch.where(in_doc, doc_k.long(), meta.n_docs), torch.where(bad_keys, pos, big), "amin")
+    seen = first[doc_q.long().clamp(min=0)]
+    hit = seen <= q_lim if causal else seen < big
+    return hit & (doc_q >= 0)
+
+
 def dense_blockdiag_sdpa(
     query: torch.Tensor,
     key_full: torch.Tensor,
@@ -71,17 +106,32 @@ def dense_blockdiag_sdpa(
     attends only to itself. GQA is inferred whenever ``Hq != Hkv`` (``enable_gqa`` is accepted for signature
     compatibility and not required): K/V heads are repeated so SDPA stays on the memory-efficient kernel
     instead of materialising fp32 scores in the math kernel.
+
+    A non-finite value never crosses a document: SDPA runs on inputs whose non-finite elements are zeroed (a
+    masked-out NaN would otherwise reach every row through ``0 · NaN``), and every row that attends a non-finite
+    query, key or value is NaN in the output (its gradients are zero).
     """
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     del enable_gqa
+    if query.dim() != 4 or key_full.dim() != 4 or key_full.shape != value_full.shape:
+        raise ValueError(
+            f"dense block-diagonal attention takes query [B, Hq, L, D] and key/value [B, Hkv, S, D] of equal shape, "
+            f"got {tuple(query.shape)}, {tuple(key_full.shape)}, {tuple(value_full.shape)}"
+        )
+    if query.shape[-1] != key_full.shape[-1]:
+        raise ValueError(f"query and key head dims differ: {query.shape[-1]} vs {key_full.shape[-1]}")
     bsz, _, local_len, _ = query.shape
     key_full, value_full = repeat_kv(query, key_full, value_full)
     mask = blockdiag_mask(doc_ids, row_offset, local_len, key_full.shape[2], bsz).to(query.device)
+    bad_keys = nonfinite_tokens(key_full.transpose(1, 2), 1) | nonfinite_tokens(value_full.transpose(1, 2), 1)
+    bad_rows = (mask[:, 0] & bad_keys[:, None, :]).any(-1) | nonfinite_tokens(query.transpose(1, 2), 1)  # [B, L]
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-        return ORIGINAL_SDPA(
-            query, key_full, value_full, attn_mask=mask, dropout_p=dropout_p, is_causal=False, scale=scale
-        )
+        out = ORIGINAL_SDPA(
+            finite_or_zero(query), finite_or_zero(key_full), finite_or_zero(value_full), attn_mask=mask,
+            dropout_p=dropout_p, is_causal=False, scale=scale,
+        )  # fmt: skip
+    return out.masked_fill(bad_rows[:, None, :, None], float("nan"))
 
 
 def segment_mask(meta: VarlenMeta, query_len: int, key_len: int, device: torch.device, causal: bool) -> torch.Tensor:

@@ -26,14 +26,15 @@ import torch
 import torch.distributed
 import torch.nn.functional as F
 
-from . import exchange, providers, state
-from .mask import ORIGINAL_SDPA, dense_blockdiag_sdpa
+from . import consensus, exchange, providers, state
+from .mask import ORIGINAL_SDPA, dense_blockdiag_sdpa, finite_or_zero, nonfinite_tokens, rows_seeing
 from .meta import VarlenMeta, meta_from_cu_seqlens, resolve_device
 from .step import CPStep, build_cp_step
 
 __all__ = [
     "ALLOW_XNODE_ENV",
     "attend",
+    "check_ranks_agree",
     "check_qkv",
     "cp_blockdiag_sdpa",
     "cp_varlen_attention",
@@ -61,6 +62,11 @@ def reraised_errors() -> tuple[type[BaseException], ...]:
 
     stop = getattr(checkpoint, "_StopRecomputationError", None)
     return _OOM_ERRORS + ((stop,) if stop is not None else ())
+
+
+def reset_logs() -> None:
+    """Re-arm the one-time log lines (``configure_cp_varlen`` calls this when the knobs change)."""
+    _LOGGED.clear()
 
 
 def _once(key: str, level: int, msg: str, *args: Any) -> None:
@@ -110,27 +116,35 @@ def attend(
     [S_k, Hkv, D]`` (key index = the meta's key coordinate) -> ``[L, Hq, D]`` with rows ``>= meta.n_real`` exactly 0.
 
     An all-padding chunk launches no kernel and returns zeros attached to ``q``, ``k`` and ``v`` (so the backward
-    collectives of the exchange that produced ``k``/``v`` fire on every rank). Provider errors propagate.
+    collectives of the exchange that produced ``k``/``v`` fire on every rank). A provider that does not isolate
+    non-finite values by itself runs on inputs whose non-finite elements are zeroed, and every row that attends a
+    non-finite query, key or value comes out NaN (zero gradients): one document's NaN never reaches another
+    document. Provider errors propagate.
     """
     if meta.n_real == 0:
         return exchange.zero_touch(q, q, k, v)
     provider = providers.get(backend)
     n_real, length = meta.n_real, q.shape[0]
+    kwargs = {"scale": scale, "dropout_p": dropout_p, "causal": causal, "deterministic": deterministic}
     if provider.full_rows:
-        return provider.attention(
-            q, k, v, meta, scale=scale, dropout_p=dropout_p, causal=causal, deterministic=deterministic
-        ).reshape(length, q.shape[1], v.shape[2])
-    local = meta.cache.get(("local", meta.s_first, meta.real_end))
-    if local is None:
-        local = meta.cache[("local", meta.s_first, meta.real_end)] = meta.rebased(0, meta.kv_len)
-    qs = q if n_real == length else q[:n_real]
-    ks = k if (meta.s_first, meta.real_end) == (0, k.shape[0]) else k[meta.s_first : meta.real_end]
-    vs = v if (meta.s_first, meta.real_end) == (0, v.shape[0]) else v[meta.s_first : meta.real_end]
-    out = provider.attention(
-        qs, ks, vs, local, scale=scale, dropout_p=dropout_p, causal=causal, deterministic=deterministic
-    ).reshape(n_real, q.shape[1], v.shape[2])
-    if n_real < length:
-        out = F.pad(out, (0, 0, 0, 0, 0, length - n_real))
+        run_meta, qs, ks, vs = meta, q, k, v
+    else:
+        run_meta = meta.cache.get(("local", meta.s_first, meta.real_end))
+        if run_meta is None:
+            run_meta = meta.cache[("local", meta.s_first, meta.real_end)] = meta.rebased(0, meta.kv_len)
+        qs = q if n_real == length else q[:n_real]
+        ks = k if (meta.s_first, meta.real_end) == (0, k.shape[0]) else k[meta.s_first : meta.real_end]
+        vs = v if (meta.s_first, meta.real_end) == (0, v.shape[0]) else v[meta.s_first : meta.real_end]
+    bad_rows = None
+    if not provider.isolates_nonfinite:
+        bad_keys = nonfinite_tokens(ks, 0) | nonfinite_tokens(vs, 0)
+        bad_rows = rows_seeing(run_meta, bad_keys, qs.shape[0], causal) | nonfinite_tokens(qs, 0)
+        qs, ks, vs = finite_or_zero(qs), finite_or_zero(ks), finite_or_zero(vs)
+    out = provider.attention(qs, ks, vs, run_meta, **kwargs).reshape(qs.shape[0], q.shape[1], v.shape[2])
+    if bad_rows is not None:
+        out = out.masked_fill(bad_rows[:, None, None], float("nan"))
+    if out.shape[0] < length:
+        out = F.pad(out, (0, 0, 0, 0, 0, length - out.shape[0]))
     return out
 
 
@@ -351,6 +365,33 @@ def _attend_or_dense(q, k_full, v_full, step: CPStep, backend: str, scale, dropo
     return out
 
 
+def check_ranks_agree(step: CPStep, q: torch.Tensor, k: torch.Tensor) -> None:
+    """Once per step, before its first size-dependent collective: every rank compares what decides the step's
+    collectives (:mod:`.consensus`); a difference is the same :class:`~.consensus.CPMismatchError` on every rank."""
+    payload = ";".join(
+        f"{name}={value}"
+        for name, value in (
+            ("document layout (ids hash/length)", step.layout_hash),
+            ("world size", step.world_size),
+            ("local length", step.local_len),
+            ("dtype", str(q.dtype).replace("torch.", "")),
+            ("query heads", q.shape[1]),
+            ("key/value heads", k.shape[1]),
+            ("head dim", q.shape[2]),
+            ("attention backend", step.attn_backend),
+            ("kv_exchange", step.kv_exchange),
+        )
+    )
+    payloads = consensus.exchange_fingerprints(step.group, step.rank, step.world_size, payload, state.step_timeout_s())
+    problem = consensus.mismatch(payloads)
+    if problem is not None:
+        raise consensus.CPMismatchError(
+            f"{problem}: every CP rank must build its step from the same packed row and run the same attention "
+            "(same ids, dtype, heads and knobs); no collective of the step was issued"
+        )
+    step.cache["ranks_agree"] = True
+
+
 def _cp_varlen_attention_impl(q, k, v, step, softmax_scale, dropout_p):
     if not isinstance(step, CPStep):
         raise TypeError(
@@ -366,6 +407,8 @@ def _cp_varlen_attention_impl(q, k, v, step, softmax_scale, dropout_p):
     dropout_p = float(dropout_p)
     backend = step.backend_for(q.dtype, dropout_p)
     deterministic = torch.are_deterministic_algorithms_enabled()
+    if step.world_size > 1 and "ranks_agree" not in step.cache:
+        check_ranks_agree(step, q, k)
     if step.world_size == 1:
         return _attend_or_dense(q, k, v, step, backend, softmax_scale, dropout_p, deterministic)
     path, _ = select_kv_exchange_path(step, backend, q.dtype, dropout_p)
@@ -404,7 +447,7 @@ def _cp_varlen_attention_impl(q, k, v, step, softmax_scale, dropout_p):
         return out
     logger.error("needed-only CP %s exchange: varlen kernel failed on at least one rank (this rank: %s) diagnostic=%s",
                  path, failure or "ok", diagnostic)  # fmt: skip
-    raise RuntimeError(
+    raise consensus.CPStepError(
         f"needed-only CP {path} exchange completed, but the {backend} varlen kernel failed on at least one CP rank; "
         "all ranks are refusing an unsafe post-exchange full-allgather fallback (the all-gather exchange, "
         "configure_cp_varlen(kv_exchange='allgather'), can fall back to the dense mask per rank)"

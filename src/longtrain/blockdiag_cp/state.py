@@ -56,6 +56,7 @@ __all__ = [
     "normalize_kv_exchange",
     "require_provided",
     "reset_cp_attn_fire_count",
+    "step_timeout_s",
 ]
 
 ATTN_BACKEND_AUTO = "auto"
@@ -157,33 +158,59 @@ def normalize_kv_exchange(value: object) -> str:
 
 _ATTN_BACKEND: str = ATTN_BACKEND_DEFAULT
 _KV_EXCHANGE: str = KV_EXCHANGE_DEFAULT
+#: Knobs beyond the two documented ones, with their defaults; they appear in :func:`cp_varlen_runtime_config`
+#: only while they differ from the default, so the documented two-key dict is what a default setup reports.
+EXTRA_KNOB_DEFAULTS: dict[str, Any] = {"step_timeout_s": None}
+_EXTRA: dict[str, Any] = dict(EXTRA_KNOB_DEFAULTS)
 
 
-def cp_varlen_runtime_config() -> dict[str, str]:
-    """The current knobs as ``{"attn_backend": ..., "kv_exchange": ...}`` (canonical names)."""
-    return {"attn_backend": _ATTN_BACKEND, "kv_exchange": _KV_EXCHANGE}
+def cp_varlen_runtime_config() -> dict[str, Any]:
+    """The current knobs as ``{"attn_backend": ..., "kv_exchange": ...}`` (canonical names), plus every other knob
+    (``step_timeout_s``) whose value is not its default; ``configure_cp_varlen(**this)`` restores them all."""
+    extra = {k: v for k, v in _EXTRA.items() if v != EXTRA_KNOB_DEFAULTS[k]}
+    return {"attn_backend": _ATTN_BACKEND, "kv_exchange": _KV_EXCHANGE, **extra}
+
+
+def step_timeout_s() -> float | None:
+    """The bound on a step's own consensus exchange (None: the process group store's timeout)."""
+    return _EXTRA["step_timeout_s"]
+
+
+def _check_timeout(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value != value:
+        raise ValueError(f"step_timeout_s must be a positive number of seconds or None, got {value!r}")
+    return float(value)
 
 
 def configure_cp_varlen(
-    *, attn_backend: str | None = ATTN_BACKEND_DEFAULT, kv_exchange: str | None = KV_EXCHANGE_DEFAULT
-) -> dict[str, str]:
-    """Set the process-wide attention backend and K/V exchange used by the next CP steps.
+    *,
+    attn_backend: str | None = ATTN_BACKEND_DEFAULT,
+    kv_exchange: str | None = KV_EXCHANGE_DEFAULT,
+    step_timeout_s: float | None = None,
+) -> dict[str, Any]:
+    """Set the process-wide knobs used by the next CP steps.
 
-    Both values are normalised before anything changes, so an invalid value leaves the knobs untouched.
-    Returns the previous settings: ``configure_cp_varlen(**previous)`` restores them exactly. A step
-    already built keeps the snapshot taken when its batch was sharded.
+    ``attn_backend`` and ``kv_exchange`` (any synonym), and ``step_timeout_s``: the bound, in seconds, on the step's
+    once-per-step consensus (past it every waiting rank raises ``CPTimeoutError`` naming the ranks that did not
+    arrive; None: the process group store's timeout). Every value is validated before anything changes, so an
+    invalid value leaves the knobs untouched. Returns the previous settings: ``configure_cp_varlen(**previous)``
+    restores them exactly. A step already built keeps the snapshot taken when it was built.
     """
     global _ATTN_BACKEND, _KV_EXCHANGE
     backend = require_provided(normalize_attn_backend(attn_backend))
     exchange = normalize_kv_exchange(kv_exchange)
+    timeout = _check_timeout(step_timeout_s)
     previous = cp_varlen_runtime_config()
+    _EXTRA["step_timeout_s"] = timeout
     if (backend, exchange) != (_ATTN_BACKEND, _KV_EXCHANGE):
         _ATTN_BACKEND, _KV_EXCHANGE = backend, exchange
         # Re-arm the one-time "varlen engaged" / "path" logs so the new configuration announces itself.
         kernels = importlib.import_module(f"{__package__}.kernels")
         if hasattr(kernels, "_CP_FLASH_ENGAGED"):
             kernels._CP_FLASH_ENGAGED = False
-        importlib.import_module(f"{__package__}.runtime")._LOGGED.clear()
+        importlib.import_module(f"{__package__}.runtime").reset_logs()
     return previous
 
 

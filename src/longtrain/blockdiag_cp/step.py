@@ -12,6 +12,7 @@ the step (``cache``), so every rank makes them once, in the same order.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -194,6 +195,8 @@ class CPStep:
     """The same on the host."""
     device: torch.device
     """The compute device."""
+    layout_hash: str = ""
+    """A hash of the whole row's ids and length (what the ranks compare once per step)."""
     cache: dict = field(default_factory=dict, repr=False)
     """Memos of the step's first attention call (concrete backend per dtype, exchange path, preflight)."""
 
@@ -286,6 +289,7 @@ def build_cp_step(
     runs_cpu = packed_runs(host)
     runs = runs_cpu.to(dev)
     ids_dev = row.detach().to(device=dev, dtype=torch.int64).view(1, full_len)
+    digest = hashlib.blake2b(host.numpy().tobytes(), digest_size=8).hexdigest()
     return CPStep(
         group_ref=GroupRef(group),
         rank=rank,
@@ -300,4 +304,5 @@ def build_cp_step(
         packed_cu_seqlens=runs,
         packed_cu_seqlens_cpu=runs_cpu,
         device=dev,
+        layout_hash=f"{digest}/{full_len}",
     )

@@ -333,7 +333,9 @@ def sparse_mla_attention(
     ``topk_length`` is None) holding an index in ``[0, T_k)``; other slots (``-1``) are ignored, duplicates
     count with multiplicity. ``out[t, h] = sum_j softmax_j(scale * q[t, h] . kv[j]) * kv[j, :d_v]``, with the
     optional per-head sink logit in the softmax denominator (sink value = 0). A row with no valid key gives
-    exact zeros and zero gradients, never NaN.
+    exact zeros and zero gradients, never NaN. Ignored slots contribute nothing whatever the key row they would
+    point to holds. A sink of ``+inf`` makes its head's rows 0 (zero gradients, sink included), ``-inf`` is no sink,
+    and ``NaN`` makes its head's rows NaN.
 
     Args:
         q: ``[T_q, H, D_qk]`` float (the absorbed query, e.g. ``[T, 64, 576] bf16``).
@@ -350,6 +352,19 @@ def sparse_mla_attention(
     """
     _check_backend(backend)
     indices = _validate_sparse_mla(q, kv, topk_indices, softmax_scale, d_v, topk_length, attn_sink)
+    if attn_sink is None:
+        return _sparse_mla_dispatch(q, kv, indices, softmax_scale, d_v, topk_length, None, backend)
+    # Non-finite sinks, the same in every backend: +inf takes all the mass (the head's rows are 0, the sink's
+    # gradient 0), NaN is visible (the head's rows are NaN), -inf is no sink. The kernels run on a finite sink.
+    posinf, nan = attn_sink == float("inf"), torch.isnan(attn_sink)
+    finite_sink = torch.where(posinf | nan, torch.zeros_like(attn_sink), attn_sink)
+    out = _sparse_mla_dispatch(q, kv, indices, softmax_scale, d_v, topk_length, finite_sink, backend)
+    fill = torch.where(nan, float("nan"), 0.0).to(out.dtype)
+    return torch.where((posinf | nan)[None, :, None], fill[None, :, None], out)
+
+
+def _sparse_mla_dispatch(q, kv, indices, softmax_scale, d_v, topk_length, attn_sink, backend):
+    """The backends of :func:`sparse_mla_attention` on validated inputs and a finite (or -inf / absent) sink."""
     cudnn_fits = (
         q.dtype == torch.bfloat16
         and q.shape[2] == 576

@@ -138,6 +138,8 @@ def sparse_mla_reference(
         slot = torch.arange(idx.shape[1], device=idx.device)
         valid &= slot[None, :] < topk_length.to(torch.int64)[:, None]
     keys = kv[:, 0].to(dtype)[idx.clamp(0, total_keys - 1)]  # [T_q, K, D_qk]
+    # An ignored slot contributes nothing, whatever the row it clamps to holds (0 * NaN would be NaN).
+    keys = torch.where(valid[..., None], keys, keys.new_zeros(()))
     logits = softmax_scale * torch.einsum("thd,tkd->thk", q.to(dtype), keys)
     logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
     # Any finite shift gives the same result; a detached one keeps exp() in range without affecting gradients.

@@ -89,7 +89,13 @@ class PrewarmConfig:
             )
         to_dict = getattr(section, "to_dict", None)
         if not isinstance(section, Mapping) and callable(to_dict):
-            section = to_dict()
+            try:
+                section = to_dict()
+            except Exception as exc:
+                raise PrewarmConfigError(
+                    f"the prewarm section's to_dict() raised {type(exc).__name__}: {exc}; pass a plain mapping of "
+                    "prewarm names to true/false. Valid keys: " + ", ".join(_valid_keys())
+                ) from exc
         if not isinstance(section, Mapping):
             raise PrewarmConfigError(
                 f"the prewarm section must be a mapping of prewarm names to true/false, got "

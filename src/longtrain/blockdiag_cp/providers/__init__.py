@@ -61,6 +61,12 @@ class Provider:
     """Whether the kernel applies attention dropout (otherwise ``dropout_p > 0`` is refused)."""
     status_hint: Callable[[], str | None] | None = None
     """Extra detail for ``longtrain doctor`` when the provider can run (e.g. which route it takes)."""
+    isolates_nonfinite: bool = False
+    """The kernel alone already gives the isolation contract: a non-finite query, key or value changes only the rows
+    that attend it (which come out non-finite), never another row's outputs or gradients. The runtime wraps every
+    other provider: it runs it on inputs with non-finite elements zeroed and makes NaN every row that attends one
+    (no provider claims it today: even per-document math SDPA lets a later NaN value reach earlier rows of its own
+    document through ``0 * NaN``)."""
     full_rows: bool = False
     """Takes the whole query chunk and key tensor with the meta in their coordinates (rows ``>= n_real`` and keys
     outside ``[s_first, real_end)`` belong to no segment) and returns every row: for kernels compiled per shape,

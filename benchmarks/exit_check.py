@@ -1,0 +1,104 @@
+"""Clean exit after ``destroy_process_group()``: repeated multi-rank gloo runs that used the library (CPU).
+
+Scenarios, each launched ``--repeats`` times with ``torchrun --standalone --nproc-per-node W``:
+
+- ``cp_step``: a CP step over THD shards (all-to-all-v exchange, forward and backward), with the step and the output
+  (and so its autograd graph) still referenced by module globals when the process group is destroyed and the
+  interpreter exits;
+- ``comm_prewarm``: the comm-group prewarm on a ``W/2 x 2`` DeviceMesh with DTensor parameters sharded over both dims.
+
+A run is clean when every rank exits with status 0; the report counts the runs that died (SIGABRT: "terminate called
+without an active exception") per scenario and world size. Run from the repository root::
+
+    PYTHONPATH=src python benchmarks/exit_check.py [--repeats 50] [--worlds 2 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import machine_header, write_report  # noqa: E402
+
+SCENARIOS = {
+    "cp_step": """
+import torch
+import torch.distributed as dist
+
+from longtrain.blockdiag_cp import build_cp_step, cp_varlen_attention
+
+dist.init_process_group("gloo")
+ids = torch.tensor([1] * 300 + [2] * 500 + [3] * 150 + [0] * 74)
+step = build_cp_step(ids, dist.group.WORLD, kv_exchange="a2a")
+q = torch.randn(step.local_len, 8, 64, requires_grad=True)
+k = torch.randn(step.local_len, 2, 64, requires_grad=True)
+out = cp_varlen_attention(q, k, k, step)
+out.sum().backward()
+dist.destroy_process_group()  # step and out (with its graph) are still alive here
+""",
+    "comm_prewarm": """
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from longtrain.prewarm import PrewarmConfig
+
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("dp", "cp"))
+model = torch.nn.Linear(8, 8)
+model.weight = torch.nn.Parameter(distribute_tensor(model.weight.detach(), mesh, [Shard(0), Shard(1)]))
+PrewarmConfig(comm_groups=True).apply([model], torch.device("cpu"))
+dist.destroy_process_group()  # the mesh and the DTensor parameter are still alive here
+""",
+}
+
+
+def run_once(script: Path, world: int) -> tuple[bool, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", str(script)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    text = res.stdout + res.stderr
+    return res.returncode == 0, "terminate called" if "terminate called" in text else text[-300:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
+    parser.add_argument("--out-dir", default=None)
+    parser.add_argument("--name", default="exit_check")
+    args = parser.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.scenarios:
+            script = Path(tmp) / f"{name}.py"
+            script.write_text(SCENARIOS[name])
+            for world in args.worlds:
+                failures = [run_once(script, world) for _ in range(args.repeats)]
+                bad = [why for ok, why in failures if not ok]
+                rows.append({"scenario": name, "W": world, "runs": args.repeats, "failed": len(bad),
+                             "sigabrt": sum(1 for why in bad if why == "terminate called"),
+                             "first failure": bad[0][:120] if bad else ""})  # fmt: skip
+                print(rows[-1], flush=True)
+    columns = [("scenario", "scenario"), ("W", "ranks"), ("runs", "runs"), ("failed", "failed runs"),
+               ("sigabrt", "of which SIGABRT at exit"), ("first failure", "first failure")]  # fmt: skip
+    notes = (
+        "Each run is a fresh torchrun job of gloo ranks on this CPU machine; a failed run is one where any rank exited "
+        "non-zero. The scenarios keep the library's objects (step, autograd graph; DeviceMesh, DTensor) alive past "
+        "destroy_process_group()."
+    )
+    md, js = write_report(args.name, rows, columns, notes, header=machine_header(), out_dir=args.out_dir,
+                          title="Clean exit after destroy_process_group() (gloo, CPU)")  # fmt: skip
+    print(f"wrote {md} and {js}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
