@@ -219,3 +219,25 @@ def test_prewarm_section_whose_to_dict_raises_is_a_config_error():
 
     with pytest.raises(PrewarmConfigError, match="to_dict\\(\\) raised RuntimeError: interpolation failed"):
         PrewarmConfig.from_dict(Node())
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+def test_sanitize_zeroes_non_finite_elements_and_flags_their_tokens(kernel, dtype, request):
+    from longtrain.blockdiag_cp.sanitize import sanitize
+
+    if kernel:
+        request.getfixturevalue("triton_interpret")
+    x = torch.randn(37, 3, 20, dtype=torch.float64).to(dtype)
+    x[5, 1, 3], x[9, 0, 0], x[36, 2, 19] = float("nan"), float("inf"), float("-inf")
+    x[20, 0, 0] = torch.finfo(dtype).max  # the largest finite value stays
+    clean, bad = sanitize(x, kernel=kernel)
+    assert bad.dtype == torch.bool and bad.nonzero().flatten().tolist() == [5, 9, 36]
+    expect = x.clone()
+    expect[5, 1, 3] = expect[9, 0, 0] = expect[36, 2, 19] = 0
+    assert torch.equal(clean, expect)
+    y = torch.randn(300, 2, 1100, dtype=dtype).requires_grad_()  # rows longer than one block
+    clean, bad = sanitize(y, kernel=kernel)
+    assert torch.equal(clean, y.detach()) and not bad.any()
+    clean.backward(torch.full_like(clean, 2.0))
+    assert torch.equal(y.grad, torch.full_like(y, 2.0))

@@ -27,8 +27,9 @@ import torch.distributed
 import torch.nn.functional as F
 
 from . import consensus, exchange, providers, state
-from .mask import ORIGINAL_SDPA, dense_blockdiag_sdpa, finite_or_zero, nonfinite_tokens, rows_seeing
+from .mask import ORIGINAL_SDPA, dense_blockdiag_sdpa, rows_seeing
 from .meta import VarlenMeta, meta_from_cu_seqlens, resolve_device
+from .sanitize import sanitize
 from .step import CPStep, build_cp_step
 
 __all__ = [
@@ -137,9 +138,8 @@ def attend(
         vs = v if (meta.s_first, meta.real_end) == (0, v.shape[0]) else v[meta.s_first : meta.real_end]
     bad_rows = None
     if not provider.isolates_nonfinite:
-        bad_keys = nonfinite_tokens(ks, 0) | nonfinite_tokens(vs, 0)
-        bad_rows = rows_seeing(run_meta, bad_keys, qs.shape[0], causal) | nonfinite_tokens(qs, 0)
-        qs, ks, vs = finite_or_zero(qs), finite_or_zero(ks), finite_or_zero(vs)
+        (qs, bad_q), (ks, bad_k), (vs, bad_v) = sanitize(qs), sanitize(ks), sanitize(vs)
+        bad_rows = rows_seeing(run_meta, bad_k | bad_v, qs.shape[0], causal) | bad_q
     out = provider.attention(qs, ks, vs, run_meta, **kwargs).reshape(qs.shape[0], q.shape[1], v.shape[2])
     if bad_rows is not None:
         out = out.masked_fill(bad_rows[:, None, None], float("nan"))
