@@ -32,8 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import machine_header, write_report  # noqa: E402
 from blockdiag_attention import HKV, HQ, LAYOUTS, D, doc_lengths  # noqa: E402
 from longtrain.blockdiag_cp import build_cp_step, consensus, cp_varlen_attention, providers, runtime  # noqa: E402
+from longtrain.blockdiag_cp.providers import cudnn  # noqa: E402
 
-PROVIDERS = ["cudnn", "cudnn_fa4", "fa4", "fa4_cudnn", "flash", "flex"]
+# "cudnn" runs its CuTe DSL route where it can; "cudnn:graph" forces the graph route (which isolates by itself)
+PROVIDERS = ["cudnn", "cudnn:graph", "cudnn_fa4", "fa4", "fa4_cudnn", "flash", "flex"]
 
 
 def _time(do_bench, fn, q, k, v, dout):
@@ -58,8 +60,9 @@ def isolation_rows(tokens: int) -> list[dict]:
         q, k, v = (torch.randn(tokens, h, D, device=dev, dtype=torch.bfloat16, generator=gen).requires_grad_()
                    for h in (HQ, HKV, HKV))  # fmt: skip
         dout = torch.randn(tokens, HQ, D, device=dev, dtype=torch.bfloat16, generator=gen)
-        for name in PROVIDERS:
-            row = {"layout": f"U[{lo},{hi}]", "provider": name}
+        for label in PROVIDERS:
+            name, _, route = label.partition(":")
+            row = {"layout": f"U[{lo},{hi}]", "provider": label}
             reason = providers.unavailable_reason(name, torch.bfloat16, dev)
             if reason is not None:
                 rows.append({**row, "status": f"unavailable: {reason}"})
@@ -69,7 +72,9 @@ def isolation_rows(tokens: int) -> list[dict]:
             def fn(q, k, v, name=name, meta=step.varlen_meta):
                 return runtime.attend(q, k, v, meta, name)
 
+            saved_route = cudnn.ROUTE
             try:
+                cudnn.ROUTE = route or "auto"
                 providers.PROVIDERS[name] = replace(entry, isolates_nonfinite=False)
                 iso = _time(do_bench, fn, q, k, v, dout)
                 providers.PROVIDERS[name] = replace(entry, isolates_nonfinite=True)
@@ -84,6 +89,7 @@ def isolation_rows(tokens: int) -> list[dict]:
                 row["status"] = f"error: {type(exc).__name__}: {str(exc)[:120]}"
             finally:
                 providers.PROVIDERS[name] = entry
+                cudnn.ROUTE = saved_route
             rows.append(row)
             print(row, flush=True)
     return rows
@@ -144,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                ("exchanges_in_8_layers", "exchanges in 8 layers")]  # fmt: skip
     notes = (
         f"{args.tokens} tokens, bf16, Hq={HQ}, Hkv={HKV}, D={D}, per-document causal, runtime.attend on a one-rank "
-        "step. 'raw': the provider marked as isolating non-finite values itself (no sanitize pass, no NaN fill). "
+        "step. 'isolated': the runtime's wrapper forced on (sanitize pass over q/k/v, NaN fill of the rows that "
+        "attended a non-finite value); 'raw': forced off. "
         "Backward = median(fwd+bwd) - median(fwd)."
     )
     md, js = write_report("guarantee_cost", rows, columns, notes, header=header, out_dir=args.out_dir,

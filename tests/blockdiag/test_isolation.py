@@ -241,3 +241,44 @@ def test_sanitize_zeroes_non_finite_elements_and_flags_their_tokens(kernel, dtyp
     assert torch.equal(clean, y.detach()) and not bad.any()
     clean.backward(torch.full_like(clean, 2.0))
     assert torch.equal(y.grad, torch.full_like(y, 2.0))
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fill_rows_sets_flagged_rows_and_zeroes_their_gradient(kernel, dtype, request):
+    from longtrain.blockdiag_cp.sanitize import fill_rows
+
+    if kernel:
+        request.getfixturevalue("triton_interpret")
+    x = torch.randn(50, 3, 700, dtype=dtype).requires_grad_()
+    flags = torch.zeros(50, dtype=torch.bool)
+    flags[[0, 17, 49]] = True
+    out = fill_rows(x, flags, float("nan"), kernel=kernel)
+    assert torch.isnan(out[flags]).all() and torch.equal(out[~flags], x.detach()[~flags])
+    out.backward(torch.full_like(out, 3.0))
+    assert torch.equal(x.grad[flags], torch.zeros_like(x.grad[flags]))
+    assert torch.equal(x.grad[~flags], torch.full_like(x.grad[~flags], 3.0))
+
+
+def test_nonfinite_knob(monkeypatch):
+    from longtrain.blockdiag_cp import runtime, state
+
+    calls = []
+    real = runtime.sanitize
+    monkeypatch.setattr(runtime, "sanitize", lambda x, **kw: calls.append(1) or real(x, **kw))
+    q, k, v = _qkv()
+    step = build_cp_step(IDS)
+    previous = configure_cp_varlen(attn_backend="reference")
+    try:
+        clean = cp_varlen_attention(q, k, v, step)
+        assert len(calls) == 3  # reference does not isolate by itself: q, k and v are sanitized
+        configure_cp_varlen(attn_backend="reference", nonfinite="propagate")
+        assert state.cp_varlen_runtime_config()["nonfinite"] == "propagate"
+        step = build_cp_step(IDS)
+        assert torch.equal(cp_varlen_attention(q, k, v, step), clean) and len(calls) == 3  # no pass: same result
+        with pytest.raises(ValueError, match="nonfinite must be one of"):
+            configure_cp_varlen(nonfinite="ignore")
+        assert state.nonfinite_mode() == "propagate"
+    finally:
+        configure_cp_varlen(**previous)
+    assert state.nonfinite_mode() == "isolate" and "nonfinite" not in state.cp_varlen_runtime_config()

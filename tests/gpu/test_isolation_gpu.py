@@ -113,3 +113,15 @@ def test_sanitize_kernel_on_the_gpu(dtype):
     clean_t, bad_t = sanitize_torch(x)
     assert torch.equal(clean, clean_t) and torch.equal(bad, bad_t)
     assert bad.nonzero().flatten().tolist() == [5, 900, 4096]
+
+
+def test_fill_rows_kernel_on_the_gpu():
+    from longtrain.blockdiag_cp.sanitize import fill_rows
+
+    x = torch.randn(4097, 8, 128, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    flags = torch.zeros(4097, dtype=torch.bool, device="cuda")
+    flags[[3, 4096]] = True
+    out = fill_rows(x, flags, float("nan"))
+    assert torch.isnan(out[flags]).all() and torch.equal(out[~flags], x.detach()[~flags])
+    out.backward(torch.ones_like(out))
+    assert not x.grad[flags].any() and bool((x.grad[~flags] == 1).all())

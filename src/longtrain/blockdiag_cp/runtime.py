@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from . import consensus, exchange, providers, state
 from .mask import ORIGINAL_SDPA, dense_blockdiag_sdpa, rows_seeing
 from .meta import VarlenMeta, meta_from_cu_seqlens, resolve_device
-from .sanitize import sanitize
+from .sanitize import fill_rows, sanitize
 from .step import CPStep, build_cp_step
 
 __all__ = [
@@ -137,12 +137,15 @@ def attend(
         ks = k if (meta.s_first, meta.real_end) == (0, k.shape[0]) else k[meta.s_first : meta.real_end]
         vs = v if (meta.s_first, meta.real_end) == (0, v.shape[0]) else v[meta.s_first : meta.real_end]
     bad_rows = None
-    if not provider.isolates_nonfinite:
+    isolates = provider.isolates_nonfinite
+    if callable(isolates):
+        isolates = isolates(qs, ks)
+    if not isolates and state.nonfinite_mode() == state.NONFINITE_ISOLATE:
         (qs, bad_q), (ks, bad_k), (vs, bad_v) = sanitize(qs), sanitize(ks), sanitize(vs)
         bad_rows = rows_seeing(run_meta, bad_k | bad_v, qs.shape[0], causal) | bad_q
     out = provider.attention(qs, ks, vs, run_meta, **kwargs).reshape(qs.shape[0], q.shape[1], v.shape[2])
     if bad_rows is not None:
-        out = out.masked_fill(bad_rows[:, None, None], float("nan"))
+        out = fill_rows(out, bad_rows, float("nan"))
     if out.shape[0] < length:
         out = F.pad(out, (0, 0, 0, 0, 0, length - out.shape[0]))
     return out

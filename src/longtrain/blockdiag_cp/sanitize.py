@@ -13,9 +13,10 @@ import torch
 
 from longtrain import _optional
 
-__all__ = ["sanitize", "sanitize_torch"]
+__all__ = ["fill_rows", "sanitize", "sanitize_torch"]
 
 _KERNEL = None
+_FILL_KERNEL = None
 
 
 def _kernel():
@@ -42,6 +43,62 @@ def _kernel():
     return _KERNEL
 
 
+def _fill_kernel():
+    global _FILL_KERNEL
+    if _FILL_KERNEL is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def fill_rows_kernel(x_ptr, out_ptr, flag_ptr, row_len, value, BLOCK: tl.constexpr):
+            row = tl.program_id(0).to(tl.int64)
+            base = row * row_len
+            flagged = (tl.zeros([BLOCK], dtype=tl.int32) + tl.load(flag_ptr + row).to(tl.int32)) != 0
+            for start in range(0, row_len, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                inside = offs < row_len
+                x = tl.load(x_ptr + base + offs, mask=inside & ~flagged, other=0.0)
+                x = tl.where(flagged, x + value, x)  # a flagged row loads as 0: 0 + value
+                tl.store(out_ptr + base + offs, x, mask=inside)
+
+        _FILL_KERNEL = fill_rows_kernel
+    return _FILL_KERNEL
+
+
+def _block(row_len: int) -> int:
+    return 1024 if row_len >= 1024 else max(16, 1 << (row_len - 1).bit_length())
+
+
+def _fill(x: torch.Tensor, flags: torch.Tensor, value: float, kernel: bool) -> torch.Tensor:
+    if not kernel:
+        return x.masked_fill(flags.view((-1,) + (1,) * (x.dim() - 1)), value)
+    src = x.contiguous()
+    out = torch.empty_like(src)
+    row_len = src[0].numel()
+    _fill_kernel()[(src.shape[0],)](src, out, flags.view(torch.int8), row_len, value, BLOCK=_block(row_len))
+    return out
+
+
+class _FillRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, flags, value, kernel):
+        ctx.save_for_backward(flags)
+        ctx.kernel = kernel
+        return _fill(x, flags, value, kernel)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (flags,) = ctx.saved_tensors
+        return _fill(grad, flags, 0.0, ctx.kernel), None, None, None
+
+
+def fill_rows(x: torch.Tensor, flags: torch.Tensor, value: float, *, kernel: bool | None = None) -> torch.Tensor:
+    """``x`` with every row ``t`` (dim 0) where ``flags[t]`` (bool ``[T]``) set to ``value``; the gradient of those
+    rows is 0. One Triton pass on CUDA (``kernel`` as in :func:`sanitize`), ``masked_fill`` elsewhere."""
+    use = (_use_kernel(x) and x.shape[0] == flags.numel()) if kernel is None else kernel
+    return _FillRows.apply(x, flags.to(torch.bool), float(value), bool(use))
+
+
 def sanitize_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch-ops form of :func:`sanitize` (any device; differentiable through ``torch.where``)."""
     finite = torch.isfinite(x)
@@ -59,8 +116,7 @@ class _Sanitize(torch.autograd.Function):
         out = torch.empty_like(src)
         bad = torch.empty(src.shape[0], dtype=torch.int8, device=src.device)
         row_len = src[0].numel()
-        block = 1024 if row_len >= 1024 else max(16, 1 << (row_len - 1).bit_length())
-        _kernel()[(src.shape[0],)](src, out, bad, row_len, BLOCK=block)
+        _kernel()[(src.shape[0],)](src, out, bad, row_len, BLOCK=_block(row_len))
         ctx.mark_non_differentiable(bad)
         return out, bad
 
@@ -78,4 +134,4 @@ def sanitize(x: torch.Tensor, *, kernel: bool | None = None) -> tuple[torch.Tens
     if not (_use_kernel(x) if kernel is None else kernel):
         return sanitize_torch(x)
     out, bad = _Sanitize.apply(x)
-    return out, bad.bool()
+    return out, bad.view(torch.bool)

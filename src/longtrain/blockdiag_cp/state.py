@@ -57,6 +57,10 @@ __all__ = [
     "require_provided",
     "reset_cp_attn_fire_count",
     "step_timeout_s",
+    "nonfinite_mode",
+    "NONFINITE_ISOLATE",
+    "NONFINITE_MODES",
+    "NONFINITE_PROPAGATE",
 ]
 
 ATTN_BACKEND_AUTO = "auto"
@@ -160,15 +164,23 @@ _ATTN_BACKEND: str = ATTN_BACKEND_DEFAULT
 _KV_EXCHANGE: str = KV_EXCHANGE_DEFAULT
 #: Knobs beyond the two documented ones, with their defaults; they appear in :func:`cp_varlen_runtime_config`
 #: only while they differ from the default, so the documented two-key dict is what a default setup reports.
-EXTRA_KNOB_DEFAULTS: dict[str, Any] = {"step_timeout_s": None}
+NONFINITE_ISOLATE, NONFINITE_PROPAGATE = "isolate", "propagate"
+NONFINITE_MODES = (NONFINITE_ISOLATE, NONFINITE_PROPAGATE)
+EXTRA_KNOB_DEFAULTS: dict[str, Any] = {"step_timeout_s": None, "nonfinite": NONFINITE_ISOLATE}
 _EXTRA: dict[str, Any] = dict(EXTRA_KNOB_DEFAULTS)
 
 
 def cp_varlen_runtime_config() -> dict[str, Any]:
     """The current knobs as ``{"attn_backend": ..., "kv_exchange": ...}`` (canonical names), plus every other knob
-    (``step_timeout_s``) whose value is not its default; ``configure_cp_varlen(**this)`` restores them all."""
+    (``step_timeout_s``, ``nonfinite``) whose value is not its default; ``configure_cp_varlen(**this)`` restores
+    them all."""
     extra = {k: v for k, v in _EXTRA.items() if v != EXTRA_KNOB_DEFAULTS[k]}
     return {"attn_backend": _ATTN_BACKEND, "kv_exchange": _KV_EXCHANGE, **extra}
+
+
+def nonfinite_mode() -> str:
+    """``"isolate"`` (default) or ``"propagate"``: see :func:`configure_cp_varlen`."""
+    return _EXTRA["nonfinite"]
 
 
 def step_timeout_s() -> float | None:
@@ -189,21 +201,30 @@ def configure_cp_varlen(
     attn_backend: str | None = ATTN_BACKEND_DEFAULT,
     kv_exchange: str | None = KV_EXCHANGE_DEFAULT,
     step_timeout_s: float | None = None,
+    nonfinite: str = NONFINITE_ISOLATE,
 ) -> dict[str, Any]:
     """Set the process-wide knobs used by the next CP steps.
 
     ``attn_backend`` and ``kv_exchange`` (any synonym), and ``step_timeout_s``: the bound, in seconds, on the step's
     once-per-step consensus (past it every waiting rank raises ``CPTimeoutError`` naming the ranks that did not
-    arrive; None: the process group store's timeout). Every value is validated before anything changes, so an
-    invalid value leaves the knobs untouched. Returns the previous settings: ``configure_cp_varlen(**previous)``
-    restores them exactly. A step already built keeps the snapshot taken when it was built.
+    arrive; None: the process group store's timeout). ``nonfinite``: ``"isolate"`` (default) keeps a NaN or inf of
+    one document out of every other document on every provider: a provider whose kernel lets a masked-out non-finite
+    value through (cudnn's CuTe route, fa4, the split providers, flex) runs on inputs with those elements zeroed and
+    the rows that attended them come out NaN; ``"propagate"`` skips that pass (faster: the measured cost is in the
+    README) and lets such a value reach the neighbouring document on those providers. Every value is validated
+    before anything changes, so an invalid value leaves the knobs untouched. Returns the previous settings:
+    ``configure_cp_varlen(**previous)`` restores them exactly. A step already built keeps the snapshot taken when it
+    was built.
     """
     global _ATTN_BACKEND, _KV_EXCHANGE
     backend = require_provided(normalize_attn_backend(attn_backend))
     exchange = normalize_kv_exchange(kv_exchange)
     timeout = _check_timeout(step_timeout_s)
+    if nonfinite not in NONFINITE_MODES:
+        raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
     previous = cp_varlen_runtime_config()
     _EXTRA["step_timeout_s"] = timeout
+    _EXTRA["nonfinite"] = nonfinite
     if (backend, exchange) != (_ATTN_BACKEND, _KV_EXCHANGE):
         _ATTN_BACKEND, _KV_EXCHANGE = backend, exchange
         # Re-arm the one-time "varlen engaged" / "path" logs so the new configuration announces itself.

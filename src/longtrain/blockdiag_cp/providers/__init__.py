@@ -61,12 +61,12 @@ class Provider:
     """Whether the kernel applies attention dropout (otherwise ``dropout_p > 0`` is refused)."""
     status_hint: Callable[[], str | None] | None = None
     """Extra detail for ``longtrain doctor`` when the provider can run (e.g. which route it takes)."""
-    isolates_nonfinite: bool = False
-    """The kernel alone already gives the isolation contract: a non-finite query, key or value changes only the rows
-    that attend it (which come out non-finite), never another row's outputs or gradients. The runtime wraps every
-    other provider: it runs it on inputs with non-finite elements zeroed and makes NaN every row that attends one
-    (no provider claims it today: even per-document math SDPA lets a later NaN value reach earlier rows of its own
-    document through ``0 * NaN``)."""
+    isolates_nonfinite: bool | Callable[[torch.Tensor, torch.Tensor], bool] = False
+    """The kernel alone keeps a non-finite query, key or value inside its document: it never changes another
+    document's outputs or gradients (measured on the H200 for the CUDA kernels, ``tests/gpu/test_isolation_gpu.py``).
+    A callable ``(q, k) -> bool`` decides per call (a provider with several routes). The runtime wraps every other
+    provider (``configure_cp_varlen(nonfinite="isolate")``, the default): it runs it on inputs with non-finite
+    elements zeroed and makes NaN every row that attends one."""
     full_rows: bool = False
     """Takes the whole query chunk and key tensor with the meta in their coordinates (rows ``>= n_real`` and keys
     outside ``[s_first, real_end)`` belong to no segment) and returns every row: for kernels compiled per shape,
@@ -84,11 +84,26 @@ def _split(forward: str, backward: str) -> Provider:
 
 
 _ENTRIES = (
-    Provider("cudnn", cudnn.SUMMARY, cudnn.unavailable_reason, cudnn.attention, False, cudnn.route_hint),
+    Provider(
+        "cudnn",
+        cudnn.SUMMARY,
+        cudnn.unavailable_reason,
+        cudnn.attention,
+        False,
+        cudnn.route_hint,
+        isolates_nonfinite=cudnn.takes_graph_route,
+    ),  # fmt: skip
     Provider("fa4", fa4.SUMMARY, fa4.unavailable_reason, fa4.attention, False),
     _split("cudnn", "fa4"),
     _split("fa4", "cudnn"),
-    Provider("flash", flash.SUMMARY, flash.unavailable_reason, flash.attention, True),
+    Provider(
+        "flash",
+        flash.SUMMARY,
+        flash.unavailable_reason,
+        flash.attention,
+        True,
+        isolates_nonfinite=flash.isolates_nonfinite,
+    ),  # fmt: skip
     Provider("te", te.SUMMARY, te.unavailable_reason, te.attention, False),
     Provider("flex", flex.SUMMARY, flex.unavailable_reason, flex.attention, False, full_rows=True),
     Provider("reference", reference.SUMMARY, reference.unavailable_reason, reference.attention, True),

@@ -19,7 +19,7 @@ import torch
 from ..meta import VarlenMeta
 from . import cudnn_cute, cudnn_graph
 
-__all__ = ["ROUTE", "ROUTES", "SUMMARY", "attention", "route_hint", "unavailable_reason"]
+__all__ = ["ROUTE", "ROUTES", "SUMMARY", "attention", "route_hint", "takes_graph_route", "unavailable_reason"]
 
 SUMMARY = "cuDNN frontend: CuTe DSL varlen attention, else cuDNN SDPA graphs (CUDA SM90+, fp16/bf16, no dropout)"
 #: "auto" (the CuTe DSL route when it can run, else the graph API), "cute" or "graph".
@@ -39,6 +39,24 @@ def route_hint(device: torch.device | str = "cuda") -> str:
     return "cudnn route -> CuTe DSL" if why is None else f"cudnn route -> graph API (CuTe DSL: {why})"
 
 
+def _check_route() -> None:
+    if ROUTE not in ROUTES:
+        raise ValueError(f"providers.cudnn.ROUTE must be one of {ROUTES}, got {ROUTE!r}")
+
+
+def takes_graph_route(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether :func:`attention` will run the graph route for these inputs (cheap; no kernel, no sync). The graph
+    route keeps a non-finite value inside its document (measured on the H200 with each of its backwards,
+    ``tests/gpu/test_isolation_gpu.py``); the CuTe DSL route does not."""
+    _check_route()
+    if ROUTE == "graph":
+        return True
+    if ROUTE == "cute":
+        return False
+    shape = ("cute", q.shape[1], k.shape[1], q.shape[2], q.dtype)
+    return (cudnn_graph.FAILED.get(shape) or cudnn_cute.cute_unavailable_reason(q, k)) is not None
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -56,8 +74,7 @@ def attention(
             f"the cuDNN varlen backend has no attention dropout (got dropout_p={dropout_p}): cuDNN supports a "
             "bottom-right causal diagonal only without dropout; use backend='flash' for dropout"
         )
-    if ROUTE not in ROUTES:
-        raise ValueError(f"providers.cudnn.ROUTE must be one of {ROUTES}, got {ROUTE!r}")
+    _check_route()
     hq, d = q.shape[1], q.shape[2]
     scale = scale if scale is not None else d**-0.5
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()

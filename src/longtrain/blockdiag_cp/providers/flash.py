@@ -21,6 +21,7 @@ __all__ = [
     "SUMMARY",
     "attention",
     "flash_attn_long_prefix_guard",
+    "isolates_nonfinite",
     "flash_attn_module",
     "torch_flash_reason",
     "torch_flash_varlen",
@@ -187,6 +188,12 @@ def torch_flash_varlen(
     return _TorchFlashVarlen.apply(
         q, k, v, cu_q, cu_k, int(max_q), int(max_k), scale, float(dropout_p), deterministic, causal
     )
+
+
+def isolates_nonfinite(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """torch's bundled FA2 keeps a non-finite value inside its document (measured on the H200,
+    ``tests/gpu/test_isolation_gpu.py``); the flash-attn package's kernels are not measured, so they are wrapped."""
+    return flash_attn_module() is None
 
 
 def attention(
