@@ -5,7 +5,10 @@ Scenarios, each launched ``--repeats`` times with ``torchrun --standalone --npro
 - ``cp_step``: a CP step over THD shards (all-to-all-v exchange, forward and backward), with the step and the output
   (and so its autograd graph) still referenced by module globals when the process group is destroyed and the
   interpreter exits;
-- ``comm_prewarm``: the comm-group prewarm on a ``W/2 x 2`` DeviceMesh with DTensor parameters sharded over both dims.
+- ``comm_prewarm``: the comm-group prewarm on a ``W/2 x 2`` DeviceMesh with DTensor parameters sharded over both dims;
+- ``control_allreduce`` / ``control_mesh_only``: the same without the library (its all-reduces written by hand; the
+  mesh and parameter alone), to tell our objects from torch's;
+- ``*_barrier``: the same with ``dist.barrier()`` before ``destroy_process_group()`` (the workaround).
 
 A run is clean when every rank exits with status 0; the report counts the runs that died (SIGABRT: "terminate called
 without an active exception") per scenario and world size. Run from the repository root::
@@ -41,22 +44,38 @@ out = cp_varlen_attention(q, k, k, step)
 out.sum().backward()
 dist.destroy_process_group()  # step and out (with its graph) are still alive here
 """,
-    "comm_prewarm": """
+}
+
+# A W/2 x 2 DeviceMesh with a DTensor parameter sharded over both dims; the scenarios below add their steps.
+_MESH = """
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from longtrain.prewarm import PrewarmConfig
-
 dist.init_process_group("gloo")
 mesh = init_device_mesh("cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("dp", "cp"))
 model = torch.nn.Linear(8, 8)
 model.weight = torch.nn.Parameter(distribute_tensor(model.weight.detach(), mesh, [Shard(0), Shard(1)]))
+"""
+_PREWARM = """
+from longtrain.prewarm import PrewarmConfig
 PrewarmConfig(comm_groups=True).apply([model], torch.device("cpu"))
-dist.destroy_process_group()  # the mesh and the DTensor parameter are still alive here
-""",
-}
+"""
+# the controls: the prewarm's one-element all-reduces on both mesh dims written by hand, without the library
+_BY_HAND = """
+for dim in range(2):
+    dist.all_reduce(torch.zeros(()), group=mesh.get_group(mesh_dim=dim))
+"""
+_BARRIER = "dist.barrier()  # every rank is done with every group before any rank tears one down\n"
+_DESTROY = "dist.destroy_process_group()  # the mesh and the DTensor parameter are still alive here\n"
+SCENARIOS.update({
+    "comm_prewarm": _MESH + _PREWARM + _DESTROY,
+    "control_allreduce": _MESH + _BY_HAND + _DESTROY,
+    "control_mesh_only": _MESH + _DESTROY,
+    "comm_prewarm_barrier": _MESH + _PREWARM + _BARRIER + _DESTROY,
+    "control_allreduce_barrier": _MESH + _BY_HAND + _BARRIER + _DESTROY,
+})  # fmt: skip
 
 
 def run_once(script: Path, world: int) -> tuple[bool, str]:

@@ -1,0 +1,229 @@
+"""Hugging Face integration: a tiny Llama (float64, CPU) with ``attn_implementation="longtrain_blockdiag"`` equals
+Hugging Face's per-document result (every document run alone) in logits, loss and every parameter gradient, at
+cp = 1 (packed position ids, flash-attention offsets, a padding mask, several rows) and on 2 and 3 gloo ranks
+through ``hf_cp_batch`` (labels shifted over the full row before sharding); FSDP2 + CP gradients; clear errors.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+transformers = pytest.importorskip("transformers")
+
+from longtrain.integrations import hf  # noqa: E402
+
+LENS = [7, 12, 5]  # three documents ...
+TAIL = 4  # ... and a padding tail
+RTOL = 1e-6
+
+
+def _config():
+    return transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=128, use_cache=False,
+    )  # fmt: skip
+
+
+def _models(seed=0):
+    """(ours, reference): the same weights; ours runs longtrain_blockdiag, the reference eager attention."""
+    hf.register()
+    torch.manual_seed(seed)
+    ref = transformers.LlamaForCausalLM(_config()).to(torch.float64)
+    ref.set_attn_implementation("eager")
+    ours = transformers.LlamaForCausalLM(_config()).to(torch.float64)
+    ours.load_state_dict(ref.state_dict())
+    ours.set_attn_implementation(hf.ATTN_IMPLEMENTATION)
+    return ours, ref
+
+
+def _row(seed=1, tail=TAIL):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 64, (1, sum(LENS) + tail), generator=gen)
+    pos = torch.cat([torch.arange(n) for n in LENS] + [torch.arange(tail)])[None]
+    real = torch.tensor([1] * sum(LENS) + [0] * tail)[None]
+    labels = torch.where(real.bool(), ids, -100)
+    for start in torch.tensor([0, *LENS]).cumsum(0)[:-1]:
+        labels[0, start] = -100  # DataCollatorWithFlattening's separator: no prediction across documents
+    return ids, pos, real, labels
+
+
+def _per_document(ref, ids, labels):
+    """Hugging Face run on every document alone: logits of the real rows, the loss of the packed row (mean over its
+    labels, shifted over the full row like the model does) and every parameter gradient."""
+    ref.zero_grad(set_to_none=True)
+    logits, start = [], 0
+    for n in LENS:
+        logits.append(ref(input_ids=ids[:, start : start + n]).logits)
+        start += n
+    logits = torch.cat(logits, 1)
+    shifted = hf.shift_labels(labels)[:, : logits.shape[1]]
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), shifted.flatten(), ignore_index=-100)
+    loss.backward()
+    return logits.detach(), loss.detach(), {n: p.grad.clone() for n, p in ref.named_parameters()}
+
+
+def _close(a, b, what):
+    err = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
+    assert err <= RTOL, f"{what}: relative error {err:.3e}"
+
+
+def _check_grads(model, ref_grads):
+    for name, p in model.named_parameters():
+        _close(p.grad, ref_grads[name], name)
+
+
+@pytest.mark.parametrize("source", ["position_ids", "cu_seq_lens", "attention_mask"])
+def test_one_process_equals_per_document(source):
+    ours, ref = _models()
+    ids, pos, real, labels = _row()
+    ref_logits, ref_loss, ref_grads = _per_document(ref, ids, labels)
+    kwargs = {"position_ids": pos}
+    if source == "cu_seq_lens":  # DataCollatorWithFlattening(return_flash_attn_kwargs=True); the tail its own run
+        cu = torch.tensor([0, *LENS, TAIL]).cumsum(0).to(torch.int32)
+        kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(LENS), max_length_k=max(LENS))
+    if source == "attention_mask":  # a padding mask; the documents still come from the position ids
+        kwargs["attention_mask"] = real
+    out = ours(input_ids=ids, labels=labels, **kwargs)
+    out.loss.backward()
+    _close(out.logits[:, : sum(LENS)], ref_logits, "logits")
+    _close(out.loss, ref_loss, "loss")
+    _check_grads(ours, ref_grads)
+
+
+def test_rows_with_padding_equal_hugging_face():
+    """Two rows, left and right padding, no packing: Hugging Face's own masked result per row."""
+    ours, ref = _models()
+    ids = torch.randint(1, 64, (2, 10))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[0, :3] = 0
+    mask[1, 7:] = 0
+    a = ours(input_ids=ids, attention_mask=mask).logits
+    for row in range(2):
+        keep = mask[row].bool()
+        alone = ref(input_ids=ids[row : row + 1, keep]).logits[0]
+        _close(a[row, keep], alone, f"row {row}")
+
+
+def test_hugging_face_sdpa_packed_needs_use_cache_false():
+    """Why the reference runs every document alone: with the cache on (Llama's default config), Hugging Face's own
+    sdpa path does not see packed position ids and attends across documents; ours does not depend on it."""
+    hf.register()
+    torch.manual_seed(0)
+    config = _config()
+    config.use_cache = True
+    ref = transformers.LlamaForCausalLM(config).to(torch.float64)
+    ref.set_attn_implementation("sdpa")
+    ours = transformers.LlamaForCausalLM(copy.deepcopy(config)).to(torch.float64)
+    ours.load_state_dict(ref.state_dict())
+    ours.set_attn_implementation(hf.ATTN_IMPLEMENTATION)
+    ids, pos, _, _ = _row(tail=0)
+    crossed = ref(input_ids=ids, position_ids=pos).logits
+    packed = ref(input_ids=ids, position_ids=pos, use_cache=False).logits
+    mine = ours(input_ids=ids, position_ids=pos).logits
+    assert (crossed - packed).abs().max() > 1e-3
+    _close(mine, packed, "logits")
+
+
+def _cp_worker(rank, world):
+    ours, ref = _models()
+    ids, pos, real, labels = _row()
+    ref_logits, ref_loss, ref_grads = _per_document(ref, ids, labels)
+    batch = {"input_ids": ids, "position_ids": pos, "labels": labels, "attention_mask": real}
+    ctx, kwargs, layout = hf.hf_cp_batch(batch, dist.group.WORLD)
+    assert batch["labels"] is labels and "attention_mask" in batch  # the caller's batch is untouched
+    local = layout.padded_seq_len // world
+    start = rank * local
+    grow = layout.padded_seq_len - ids.shape[1]
+    shifted_full = torch.nn.functional.pad(hf.shift_labels(labels), (0, grow), value=-100)
+    assert torch.equal(kwargs["shift_labels"][0], shifted_full[0, start : start + local])  # shifted before sharding
+    with ctx():
+        out = ours(**kwargs)
+        out.loss.backward()
+    loss = out.loss.detach().clone()
+    dist.all_reduce(loss)
+    for p in ours.parameters():
+        dist.all_reduce(p.grad)
+    _close(loss, ref_loss, "loss")
+    _check_grads(ours, ref_grads)
+    n_real = max(0, min(sum(LENS), start + local) - start)
+    if n_real:
+        _close(out.logits[0, :n_real], ref_logits[0, start : start + n_real], "logits")
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_cp_ranks_equal_per_document(gloo, world):
+    assert all(gloo(_cp_worker, world, timeout=180))
+
+
+def _fsdp_worker(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    ours, ref = _models()
+    ids, pos, _, labels = _row(tail=0)
+    _, _, ref_grads = _per_document(ref, ids, labels)
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp_shard", "cp"))
+    for layer in ours.model.layers:
+        fully_shard(layer, mesh=mesh["dp_shard", "cp"]._flatten("dp_shard_cp"))
+    fully_shard(ours, mesh=mesh["dp_shard", "cp"]._flatten("dp_shard_cp"))
+    results = {}
+    for factor in (None, 1.0):
+        if factor is not None:
+            assert hf.set_fsdp_gradient_divide_factor(ours, factor) == len(ours.model.layers) + 1
+        ours.zero_grad(set_to_none=True)
+        ctx, kwargs, _ = hf.hf_cp_batch({"input_ids": ids, "position_ids": pos, "labels": labels}, mesh["cp"])
+        with ctx():
+            ours(**kwargs).loss.backward()
+        ratios = []
+        for name, p in ours.named_parameters():
+            full = p.grad.full_tensor()
+            ratios.append(float((full * ref_grads[name]).sum() / (ref_grads[name] * ref_grads[name]).sum()))
+            if factor is not None:
+                _close(full, ref_grads[name], name)
+        results[factor] = ratios
+    return results
+
+
+def test_fsdp2_with_cp_needs_the_divide_factor(gloo):
+    """FSDP2 over a dp_shard x cp mesh: by default every gradient comes out divided by the CP size (0.5x at cp = 2);
+    set_fsdp_gradient_divide_factor(model, 1.0) makes it equal the single-process gradient."""
+    results = gloo(_fsdp_worker, 2, timeout=240)
+    for per_rank in results:
+        assert all(abs(r - 0.5) < RTOL for r in per_rank[None])
+        assert all(abs(r - 1.0) < RTOL for r in per_rank[1.0])
+
+
+def test_clear_errors():
+    ours, _ = _models()
+    ids, pos, _, _ = _row()
+    layer = ours.model.layers[0].self_attn
+    q = torch.zeros(1, 4, 5, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="generate with"):
+        hf.blockdiag_attention_forward(layer, q, q[:, :2, :3], q[:, :2, :3], None)
+    layer.is_causal = False
+    with pytest.raises(ValueError, match="not causal"):
+        hf.blockdiag_attention_forward(layer, q, q[:, :2], q[:, :2], None)
+    with pytest.raises(ValueError, match="cu_seq_lens must rise"):
+        hf.packed_doc_ids(1, 5, cu_seq_lens=torch.tensor([0, 3]))
+    with pytest.raises(ValueError, match="2-D padding mask"):
+        hf.packed_doc_ids(1, 5, attention_mask=torch.ones(1, 1, 5, 5))
+    with pytest.raises(ValueError, match="needs 'input_ids' or 'inputs_embeds'"):
+        hf.hf_cp_batch({"labels": ids}, None)
+    with pytest.raises(ValueError, match="no FSDP2 module"):
+        hf.set_fsdp_gradient_divide_factor(ours)
+
+
+def test_from_config_and_doc_ids():
+    hf.register()
+    model = transformers.AutoModelForCausalLM.from_config(_config(), attn_implementation=hf.ATTN_IMPLEMENTATION)
+    assert model.config._attn_implementation == hf.ATTN_IMPLEMENTATION
+    pos = torch.tensor([[0, 1, 2, 0, 1, 5, 6]])
+    assert hf.packed_doc_ids(1, 7, position_ids=pos).tolist() == [[1, 1, 1, 2, 2, 3, 3]]  # a jump starts a document
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0, 0]])
+    assert hf.packed_doc_ids(1, 7, position_ids=pos, attention_mask=mask).tolist() == [[1, 1, 1, 2, 2, 0, 0]]
+    assert hf.packed_doc_ids(2, 3).tolist() == [[1, 1, 1], [2, 2, 2]]
