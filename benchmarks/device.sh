@@ -2,7 +2,9 @@
 # One lent-GPU session's steps, run from the repository root on the GPU machine (no internet there).
 #
 #   bash benchmarks/device.sh stash                 # keep .whl-a/ (part one of the CuTe DSL libs wheel) in /tmp
-#   bash benchmarks/device.sh install               # install .whl-b/ + that part into /tmp/site (pip --target)
+#   bash benchmarks/device.sh stash-hf              # keep .whl-hf/ (transformers and its deps) in /tmp/hfw
+#   bash benchmarks/device.sh install               # install .whl-b/ + that part into /tmp/site (pip --target),
+#                                                   # and /tmp/hfw's wheels into /tmp/hfsite when stashed
 #   bash benchmarks/device.sh pytest ARGS...        # pytest with the installed extras, log under $OUT
 #   bash benchmarks/device.sh python ARGS...        # python with the installed extras
 #
@@ -15,16 +17,22 @@ CU13=nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
 export PYTHONUNBUFFERED=1
 env_setup() {
   export PYTHONPATH="$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages:$PWD/src:$PWD"
+  if [ -d /tmp/hfsite ]; then export PYTHONPATH="$PYTHONPATH:/tmp/hfsite"; fi
   export LONGTRAIN_COMMIT="${LONGTRAIN_COMMIT:-unknown}"
 }
 case "${1:-}" in
   stash)
     mkdir -p /tmp/parts && cp .whl-a/cu13part_aa /tmp/parts/ && ls -la /tmp/parts ;;
+  stash-hf)
+    mkdir -p /tmp/hfw && cp .whl-hf/*.whl /tmp/hfw/ && ls /tmp/hfw | wc -l ;;
   install)
     if [ ! -f /tmp/parts/cu13part_aa ]; then echo "part one of the CuTe DSL wheel is gone (machine restarted)"; exit 3; fi
     cat /tmp/parts/cu13part_aa .whl-b/cu13part_ab > "/tmp/$CU13"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
       .whl-b/*.whl "/tmp/$CU13"
+    if [ -d /tmp/hfw ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/hfsite /tmp/hfw/*.whl
+    fi
     env_setup
     python3 -c "import cudnn, cudnn.flex_attention, flash_attn.cute; print('cudnn', cudnn.backend_version(), 'ok')" ;;
   pytest)
