@@ -8,9 +8,8 @@ Scenarios, each launched ``--repeats`` times with ``torchrun --standalone --npro
 - ``comm_prewarm``: the comm-group prewarm on a ``W/2 x 2`` DeviceMesh with DTensor parameters sharded over both dims;
 - ``control_allreduce`` / ``control_mesh_only``: the same without the library (its all-reduces written by hand; the
   mesh and parameter alone), to tell our objects from torch's;
-- ``*_barrier``: the same with ``dist.barrier()`` before ``destroy_process_group()``; ``*_subgroups_first``: the
-  mesh's subgroups destroyed first, each after a barrier over it; ``*_no_destroy``: the process exits without
-  ``destroy_process_group()`` (workarounds).
+- ``*_barrier``: the same with ``dist.barrier()`` before ``destroy_process_group()``; ``*_no_destroy``: the process
+  exits without ``destroy_process_group()`` (workarounds).
 
 A run is clean when every rank exits with status 0; the report counts the runs that died (SIGABRT: "terminate called
 without an active exception") per scenario and world size. Run from the repository root::
@@ -70,13 +69,6 @@ for dim in range(2):
     dist.all_reduce(torch.zeros(()), group=mesh.get_group(mesh_dim=dim))
 """
 _BARRIER = "dist.barrier()  # every rank is done with every group before any rank tears one down\n"
-# tear the mesh's subgroups down first, each after a barrier over it, then the default group
-_SUBGROUPS_FIRST = """
-for dim in range(2):
-    dist.barrier(group=mesh.get_group(mesh_dim=dim))
-    dist.destroy_process_group(mesh.get_group(mesh_dim=dim))
-dist.barrier()
-"""
 _DESTROY = "dist.destroy_process_group()  # the mesh and the DTensor parameter are still alive here\n"
 SCENARIOS.update({
     "comm_prewarm": _MESH + _PREWARM + _DESTROY,
@@ -84,7 +76,6 @@ SCENARIOS.update({
     "control_mesh_only": _MESH + _DESTROY,
     "comm_prewarm_barrier": _MESH + _PREWARM + _BARRIER + _DESTROY,
     "control_allreduce_barrier": _MESH + _BY_HAND + _BARRIER + _DESTROY,
-    "control_allreduce_subgroups_first": _MESH + _BY_HAND + _SUBGROUPS_FIRST + _DESTROY,
     "control_allreduce_no_destroy": _MESH + _BY_HAND,
 })  # fmt: skip
 

@@ -34,6 +34,7 @@ from longtrain.blockdiag_cp.runtime import cp_blockdiag_sdpa
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "apply_dsa",
     "MIN_TRANSFORMERS",
     "blockdiag_attention_forward",
     "hf_cp_batch",
@@ -64,6 +65,14 @@ def _transformers():
             f"longtrain.integrations.hf needs transformers>={MIN_TRANSFORMERS}, found {transformers.__version__}"
         )
     return transformers
+
+
+def apply_dsa(model: torch.nn.Module, *, backend: str = "auto") -> int:
+    """Train transformers' DSA models (``glm_moe_dsa``, ``deepseek_v32``) on our fused indexer top-k and sparse MLA
+    kernels; see :mod:`longtrain.integrations.hf_dsa`. Returns the number of attention modules replaced."""
+    from .hf_dsa import apply_dsa as _apply
+
+    return _apply(model, backend=backend)
 
 
 def register() -> str:

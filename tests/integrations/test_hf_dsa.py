@@ -1,0 +1,183 @@
+"""``apply_dsa`` on transformers' tiny GLM-MoE-DSA and DeepSeek-V3.2 models (float64, CPU, torch backend): logits,
+loss and every parameter gradient equal Hugging Face's eager model run on every document alone, at cp = 1 and on 2
+and 3 gloo ranks (``hf_cp_batch``); IndexShare ("shared") layers reuse the previous top-k; no ``[B, S, T]`` tensor.
+
+Tolerance: Hugging Face's eager path computes its softmax and the indexer scores in float32 even for a float64
+model, so the reference itself carries float32 rounding (about 1e-7 relative); we compare at 1e-5 relative.
+The indexer has 16 heads so that no two keys tie on a score (a relu score of exactly 0 on every head would tie, and
+ties are broken differently by the two top-k implementations).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+transformers = pytest.importorskip("transformers")
+
+from longtrain.integrations import hf  # noqa: E402
+
+LENS = [7, 12, 5]
+RTOL = 1e-5  # the reference's own float32 softmax and indexer scores (module docstring)
+
+
+def _config(family):
+    common = dict(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8,
+        index_topk=4, index_head_dim=16, index_n_heads=16, use_cache=False, max_position_embeddings=128,
+    )  # fmt: skip
+    if family == "glm":
+        return transformers.GlmMoeDsaConfig(**common, mlp_layer_types=["dense"] * 3,
+                                            indexer_types=["full", "shared", "full"])  # fmt: skip
+    return transformers.DeepseekV32Config(**common, first_k_dense_replace=3)
+
+
+def _models(family):
+    torch.manual_seed(0)
+    cls = transformers.GlmMoeDsaForCausalLM if family == "glm" else transformers.DeepseekV32ForCausalLM
+    ref = cls(_config(family)).to(torch.float64)
+    ref.set_attn_implementation("eager")
+    ours = cls(copy.deepcopy(_config(family))).to(torch.float64)
+    ours.load_state_dict(ref.state_dict())
+    assert hf.apply_dsa(ours, backend="torch") == 3
+    return ours, ref
+
+
+def _row(seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 64, (1, sum(LENS)), generator=gen)
+    pos = torch.cat([torch.arange(n) for n in LENS])[None]
+    labels = ids.clone()
+    for start in torch.tensor([0, *LENS]).cumsum(0)[:-1]:
+        labels[0, start] = -100
+    return ids, pos, labels
+
+
+def _per_document(ref, ids, labels):
+    ref.zero_grad(set_to_none=True)
+    logits, start = [], 0
+    for n in LENS:
+        logits.append(ref(input_ids=ids[:, start : start + n]).logits)
+        start += n
+    logits = torch.cat(logits, 1)
+    loss = torch.nn.functional.cross_entropy(logits[0], hf.shift_labels(labels)[0], ignore_index=-100)
+    loss.backward()
+    grads = {n: None if p.grad is None else p.grad.clone() for n, p in ref.named_parameters()}
+    return logits.detach(), loss.detach(), grads
+
+
+def _close(a, b, what):
+    err = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
+    assert err <= RTOL, f"{what}: relative error {err:.3e}"
+
+
+def _check_grads(model, ref_grads):
+    for name, p in model.named_parameters():
+        if ref_grads[name] is None:  # the indexer: no gradient in Hugging Face (no_grad) nor here (integer top-k)
+            assert p.grad is None or not p.grad.any(), name
+        else:
+            _close(p.grad, ref_grads[name], name)
+
+
+@pytest.mark.parametrize("family", ["glm", "deepseek"])
+def test_one_process_equals_per_document(family):
+    ours, ref = _models(family)
+    ids, pos, labels = _row()
+    ref_logits, ref_loss, ref_grads = _per_document(ref, ids, labels)
+    out = ours(input_ids=ids, position_ids=pos, labels=labels)
+    out.loss.backward()
+    _close(out.logits, ref_logits, "logits")
+    _close(out.loss, ref_loss, "loss")
+    _check_grads(ours, ref_grads)
+
+
+def test_shared_layers_reuse_the_previous_top_k(monkeypatch):
+    from longtrain.integrations import hf_dsa
+
+    ours, _ = _models("glm")
+    ids, pos, _ = _row()
+    calls = []
+    real = hf_dsa.ops.indexer_topk
+    monkeypatch.setattr(hf_dsa.ops, "indexer_topk", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ours(input_ids=ids, position_ids=pos)
+    assert len(calls) == 2  # layers 0 and 2 are "full", layer 1 is "shared"
+
+
+def test_no_dense_score_matrix(monkeypatch):
+    """Around our ops, no tensor of T x T elements (Hugging Face's dense [B, S, T] indexer scores or its mask) is
+    created in the forward: a row of 300 tokens, where every other tensor of the tiny model is far smaller than
+    300 x 300. (Inside the ops, the torch backend used here is the dense reference; the Triton and cuDNN kernels
+    never build the scores: tests/dsa.)"""
+    from longtrain.integrations import hf_dsa
+
+    ours, _ = _models("glm")
+    inside = []
+    for name in ("indexer_topk", "sparse_mla_attention"):
+        real = getattr(hf_dsa.ops, name)
+
+        def wrapped(*a, _real=real, **k):
+            inside.append(1)
+            try:
+                return _real(*a, **k)
+            finally:
+                inside.pop()
+
+        monkeypatch.setattr(hf_dsa.ops, name, wrapped)
+    lens = [100, 150, 50]
+    ids = torch.randint(1, 64, (1, sum(lens)))
+    pos = torch.cat([torch.arange(n) for n in lens])[None]
+    t = ids.shape[1]
+    sizes = []
+
+    class Watch(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and not inside:
+                sizes.append(out.numel())
+            return out
+
+    with Watch():
+        ours(input_ids=ids, position_ids=pos)
+    assert sizes and max(sizes) < t * t, max(sizes)
+
+
+def _cp_worker(rank, world, family):
+    ours, ref = _models(family)
+    ids, pos, labels = _row()
+    ref_logits, ref_loss, ref_grads = _per_document(ref, ids, labels)
+    ctx, kwargs, layout = hf.hf_cp_batch({"input_ids": ids, "position_ids": pos, "labels": labels}, dist.group.WORLD)
+    with ctx():
+        out = ours(**kwargs)
+        out.loss.backward()
+    loss = out.loss.detach().clone()
+    dist.all_reduce(loss)
+    for p in ours.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+    _close(loss, ref_loss, "loss")
+    _check_grads(ours, ref_grads)
+    local = layout.padded_seq_len // world
+    start = rank * local
+    n_real = max(0, min(sum(LENS), start + local) - start)
+    if n_real:
+        _close(out.logits[0, :n_real], ref_logits[0, start : start + n_real], "logits")
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_cp_ranks_equal_per_document(gloo, world):
+    assert all(gloo(_cp_worker, world, "glm", timeout=180))
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="no DSA attention module"):
+        hf.apply_dsa(torch.nn.Linear(2, 2))
+    ours, _ = _models("glm")
+    ours.eval()
+    ids, pos, _ = _row()
+    with pytest.raises(ValueError, match="not KV-cache generation"):
+        ours(input_ids=ids, position_ids=pos, use_cache=True)
