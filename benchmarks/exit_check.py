@@ -9,7 +9,8 @@ Scenarios, each launched ``--repeats`` times with ``torchrun --standalone --npro
 - ``control_allreduce`` / ``control_mesh_only``: the same without the library (its all-reduces written by hand; the
   mesh and parameter alone), to tell our objects from torch's;
 - ``*_barrier``: the same with ``dist.barrier()`` before ``destroy_process_group()``; ``*_no_destroy``: the process
-  exits without ``destroy_process_group()`` (workarounds).
+  exits without ``destroy_process_group()``; ``*_os_exit``: ``os._exit(0)`` after it, skipping the interpreter's
+  teardown (workarounds).
 
 A run is clean when every rank exits with status 0; the report counts the runs that died (SIGABRT: "terminate called
 without an active exception") per scenario and world size. Run from the repository root::
@@ -69,6 +70,8 @@ for dim in range(2):
     dist.all_reduce(torch.zeros(()), group=mesh.get_group(mesh_dim=dim))
 """
 _BARRIER = "dist.barrier()  # every rank is done with every group before any rank tears one down\n"
+# leave without the interpreter's teardown (flush what you print first)
+_OS_EXIT = "import os, sys\nsys.stdout.flush()\nos._exit(0)\n"
 _DESTROY = "dist.destroy_process_group()  # the mesh and the DTensor parameter are still alive here\n"
 SCENARIOS.update({
     "comm_prewarm": _MESH + _PREWARM + _DESTROY,
@@ -77,6 +80,8 @@ SCENARIOS.update({
     "comm_prewarm_barrier": _MESH + _PREWARM + _BARRIER + _DESTROY,
     "control_allreduce_barrier": _MESH + _BY_HAND + _BARRIER + _DESTROY,
     "control_allreduce_no_destroy": _MESH + _BY_HAND,
+    "control_allreduce_os_exit": _MESH + _BY_HAND + _DESTROY + _OS_EXIT,
+    "comm_prewarm_os_exit": _MESH + _PREWARM + _DESTROY + _OS_EXIT,
 })  # fmt: skip
 
 
