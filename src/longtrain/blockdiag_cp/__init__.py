@@ -28,6 +28,7 @@ from .packed import (
 )
 from .providers import resolve_backend
 from .runtime import cp_blockdiag_sdpa, cp_varlen_attention, current_cp_step, varlen_attention
+from .sharding import CPShardPlan, plan_cp_shards
 from .state import (
     BlockdiagCpModelState,
     configure_cp_varlen,
@@ -39,6 +40,7 @@ from .step import CPStep, ExchangePlan, build_cp_step
 __all__ = [
     "BlockdiagCpModelState",
     "CPMismatchError",
+    "CPShardPlan",
     "CPStep",
     "CPStepError",
     "CPTimeoutError",
@@ -57,6 +59,7 @@ __all__ = [
     "disable_cp1_packed_varlen",
     "enable_cp1_packed_varlen",
     "make_cp_blockdiag_batch_and_ctx",
+    "plan_cp_shards",
     "resolve_backend",
     "varlen_attention",
 ]

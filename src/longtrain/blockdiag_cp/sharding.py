@@ -1,0 +1,279 @@
+"""Which positions of a packed row each CP rank owns: contiguous blocks, or a causal-work-balanced plan.
+
+Causal attention work grows along each document (query ``j`` of a document attends ``j + 1`` keys), so contiguous
+blocks load the ranks unevenly. :func:`plan_cp_shards` with ``sharding="balanced"`` gives every rank the same
+number of positions and nearly the same causal work:
+
+- a document of at least ``2 * W * chunk`` tokens is cut into ``2W`` pieces and rank ``r`` takes pieces ``r`` and
+  ``2W - 1 - r`` (per-document head-tail: each rank's share of the document costs the same), with piece sizes
+  chosen so that every rank's token count stays equal;
+- a shorter document of ``n`` tokens goes head-tail over the ``k = n // (2 chunk)`` least-loaded ranks that have
+  room for a share (``2k`` pieces of at least ``chunk`` tokens, rank ``i`` taking pieces ``i`` and ``2k - 1 - i``),
+  or whole to the least-loaded rank with room when ``k < 2``, longest documents first; a document no rank has room
+  for is split at the ranks' room;
+- the padding tail fills the remaining room (it costs nothing).
+
+The plan is deterministic (host integers only, same input -> same plan on every rank). A rank's positions are
+listed in ascending order; :attr:`CPShardPlan.pieces` gives them as ranges.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["CPShardPlan", "SHARDING_MODES", "plan_cp_shards", "causal_work_of"]
+
+SHARDING_CONTIGUOUS, SHARDING_BALANCED = "contiguous", "balanced"
+SHARDING_MODES = (SHARDING_CONTIGUOUS, SHARDING_BALANCED)
+CHUNK_DEFAULT = 128
+
+
+@dataclass(frozen=True, eq=False)
+class CPShardPlan:
+    """Per rank: the positions of the padded row it owns (``token_index[r]``, int64, ascending, each position of the
+    row exactly once over all ranks) and the causal same-document query-key pairs of its queries
+    (``causal_work[r]``)."""
+
+    sharding: str
+    world_size: int
+    seq_len: int
+    """``S``: positions of the padded row (documents and padding)."""
+    local_len: int
+    """``S / W``: positions per rank."""
+    pieces: tuple[tuple[tuple[int, int], ...], ...]
+    """Per rank, its positions as ascending half-open ranges (adjacent ranges merged: one may span documents)."""
+    causal_work: tuple[int, ...]
+    doc_lens: tuple[int, ...]
+    pad: int
+    chunk: int
+    _index: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def token_index(self) -> tuple[torch.Tensor, ...]:
+        """Per rank, ``[L] int64`` global positions in local order."""
+        hit = self._index.get("cpu")
+        if hit is None:
+            hit = self._index["cpu"] = tuple(
+                torch.cat([torch.arange(a, b, dtype=torch.int64) for a, b in ranges])
+                if ranges
+                else torch.zeros(0, dtype=torch.int64)
+                for ranges in self.pieces
+            )
+        return hit
+
+    @property
+    def permutation(self) -> torch.Tensor:
+        """``[S] int64``: position ``i`` of the ranks' concatenated local rows holds global position
+        ``permutation[i]``."""
+        return torch.cat(self.token_index)
+
+    @property
+    def imbalance(self) -> float:
+        """Busiest rank's causal work over the mean (1.0 when there is no work)."""
+        total = sum(self.causal_work)
+        return max(self.causal_work) * self.world_size / total if total else 1.0
+
+    @property
+    def is_contiguous(self) -> bool:
+        """Whether rank ``r`` owns exactly ``[r * L, (r + 1) * L)``."""
+        return all(
+            ranges in ((), ((r * self.local_len, (r + 1) * self.local_len),)) and self._covers(r, ranges)
+            for r, ranges in enumerate(self.pieces)
+        )
+
+    def _covers(self, r: int, ranges) -> bool:
+        return sum(b - a for a, b in ranges) == self.local_len and (not ranges or ranges[0][0] == r * self.local_len)
+
+    def gather(self, tensor: torch.Tensor, rank: int, dim: int = 1) -> torch.Tensor:
+        """``tensor``'s rows of ``rank`` along ``dim`` (the full row -> this rank's local tensor, in local order);
+        a view when the rank's positions are one range."""
+        ranges = self.pieces[rank]
+        if len(ranges) == 1:
+            a, b = ranges[0]
+            return tensor.narrow(dim, a, b - a)
+        index = self.token_index[rank].to(tensor.device)
+        return tensor.index_select(dim, index)
+
+    def unshard(self, parts: list[torch.Tensor] | tuple[torch.Tensor, ...], dim: int = 1) -> torch.Tensor:
+        """Every rank's local tensor (in rank order, local order along ``dim``) -> the tensor in row order."""
+        if len(parts) != self.world_size:
+            raise ValueError(f"unshard takes one tensor per rank ({self.world_size}), got {len(parts)}")
+        joined = torch.cat(list(parts), dim=dim)
+        if joined.shape[dim] != self.seq_len:
+            raise ValueError(f"the parts hold {joined.shape[dim]} positions along dim {dim}, the row {self.seq_len}")
+        inverse = torch.empty(self.seq_len, dtype=torch.int64)
+        inverse[self.permutation] = torch.arange(self.seq_len)
+        return joined.index_select(dim, inverse.to(joined.device))
+
+
+def causal_work_of(doc_lens: list[int], ranges) -> int:
+    """Causal same-document query-key pairs of the queries at positions ``ranges`` (half-open; padding after the
+    documents costs nothing)."""
+    starts, acc = [], 0
+    for n in doc_lens:
+        starts.append(acc)
+        acc += n
+    total = 0
+    for a, b in ranges:
+        d = max(bisect.bisect_right(starts, a) - 1, 0)
+        while d < len(starts) and starts[d] < b:
+            s, n = starts[d], doc_lens[d]
+            lo, hi = max(a, s), min(b, s + n)
+            if lo < hi:  # document-relative positions i .. j-1 attend (pos + 1) keys each
+                i, j = lo - s, hi - s
+                total += (j * (j + 1) - i * (i + 1)) // 2
+            d += 1
+    return total
+
+
+def _check(doc_lens, world_size: int, sharding: str, chunk: int, pad: int) -> list[int]:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if sharding not in SHARDING_MODES:
+        raise ValueError(f"sharding must be one of {SHARDING_MODES}, got {sharding!r}")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be a positive int (tokens), got {chunk!r}")
+    if isinstance(pad, bool) or not isinstance(pad, int) or pad < 0:
+        raise ValueError(f"pad must be a non-negative int (padding positions after the documents), got {pad!r}")
+    lens = [int(n) for n in (doc_lens.tolist() if isinstance(doc_lens, torch.Tensor) else doc_lens)]
+    if any(n < 0 for n in lens):
+        raise ValueError(f"doc_lens must be non-negative, got {lens}")
+    total = sum(lens) + pad
+    if total % world_size:
+        raise ValueError(
+            f"the padded row has {total} positions (documents {sum(lens)} + pad {pad}), not a multiple of the world "
+            f"size {world_size}: pass pad={pad + (-total) % world_size} or more"
+        )
+    return lens
+
+
+def plan_cp_shards(
+    doc_lens,
+    world_size: int,
+    *,
+    sharding: str = SHARDING_BALANCED,
+    chunk: int = CHUNK_DEFAULT,
+    pad: int = 0,
+) -> CPShardPlan:
+    """Plan which positions of one packed row each of ``world_size`` CP ranks owns.
+
+    Args:
+        doc_lens: document lengths in row order (list or 1-D tensor of ints; empty documents allowed). A padding
+            tail is given as ``pad`` (it is not a document).
+        world_size: ``W``; ``sum(doc_lens) + pad`` must be a multiple of it (every rank owns ``L = S / W``
+            positions).
+        sharding: ``"contiguous"`` (rank ``r`` owns ``[r L, (r+1) L)``: the seed's split) or ``"balanced"`` (module
+            docstring).
+        chunk: the smallest piece, in tokens, a balanced plan cuts a document into (documents shorter than
+            ``2 W chunk`` stay whole); kernels stay efficient on pieces of 128 tokens and more.
+        pad: padding positions after the last document.
+
+    Returns:
+        :class:`CPShardPlan`. Raises ``ValueError`` for invalid arguments.
+    """
+    lens = _check(doc_lens, world_size, sharding, chunk, pad)
+    w = world_size
+    seq_len = sum(lens) + pad
+    local = seq_len // w
+    if sharding == SHARDING_CONTIGUOUS or w == 1:
+        pieces = [[(r * local, (r + 1) * local)] if local else [] for r in range(w)]
+    else:
+        pieces = _balanced(lens, pad, w, local, chunk)
+    pieces = tuple(tuple(_merge(p)) for p in pieces)
+    work = tuple(causal_work_of(lens, p) for p in pieces)
+    mode = SHARDING_CONTIGUOUS if w == 1 else sharding
+    return CPShardPlan(mode, w, seq_len, local, pieces, work, tuple(lens), pad, chunk)
+
+
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(r for r in ranges if r[1] > r[0]):
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def _tri(n: int) -> int:
+    return n * (n + 1) // 2
+
+
+def _balanced(lens: list[int], pad: int, w: int, local: int, chunk: int) -> list[list[tuple[int, int]]]:
+    pieces: list[list[tuple[int, int]]] = [[] for _ in range(w)]
+    tokens = [0] * w
+    work = [0] * w
+    starts, acc = [], 0
+    for n in lens:
+        starts.append(acc)
+        acc += n
+
+    def head_tail(d: int, ranks: list[int]) -> None:
+        """Document ``d`` over ``ranks`` (k of them): 2k pieces, ``ranks[i]`` takes pieces i and 2k-1-i; shares are
+        floor/ceil of n / k, the extra tokens to the ranks holding the fewest so far."""
+        n, s, k = lens[d], starts[d], len(ranks)
+        base, extra = divmod(n, k)
+        share = {r: base for r in ranks}
+        for r in sorted(ranks, key=lambda r: (tokens[r], r))[:extra]:
+            share[r] += 1
+        pos = s
+        for r in ranks:
+            head = share[r] // 2
+            pieces[r].append((pos, pos + head))
+            pos += head
+        for r in reversed(ranks):
+            tail = share[r] - share[r] // 2
+            pieces[r].append((pos, pos + tail))
+            pos += tail
+        for r in ranks:
+            tokens[r] += share[r]
+            work[r] += causal_work_of([n], [(a - s, b - s) for a, b in pieces[r][-2:]])
+
+    # long documents: per-document head-tail over every rank (each rank's share costs the same)
+    for d, n in enumerate(lens):
+        if n >= 2 * w * chunk:
+            head_tail(d, list(range(w)))
+    # shorter documents, longest first: head-tail over the k = n // (2 chunk) least-loaded ranks with room for a
+    # share (pieces of at least `chunk` tokens), whole onto the least-loaded rank with room when k < 2
+    for d in sorted((d for d, n in enumerate(lens) if 0 < n < 2 * w * chunk), key=lambda d: (-lens[d], d)):
+        n, s = lens[d], starts[d]
+        by_work = sorted(range(w), key=lambda r: (work[r], r))
+        best = None
+        for k in range(max(1, min(w, n // (2 * chunk))), 0, -1):
+            ranks = [r for r in by_work if local - tokens[r] >= -(-n // k)][:k]
+            if len(ranks) == k:
+                best = ranks
+                break
+        if best is not None:
+            if len(best) == 1:
+                r = best[0]
+                pieces[r].append((s, s + n))
+                tokens[r] += n
+                work[r] += _tri(n)
+            else:
+                head_tail(d, sorted(best))
+            continue
+        done = 0  # no rank has room for it whole (nor for a share): split at the ranks' room, prefix first
+        for r in sorted(range(w), key=lambda r: (-(local - tokens[r]), r)):
+            room = min(local - tokens[r], n - done)
+            if room <= 0:
+                continue
+            pieces[r].append((s + done, s + done + room))
+            work[r] += _tri(done + room) - _tri(done)
+            tokens[r] += room
+            done += room
+            if done == n:
+                break
+    # the padding tail fills the rest, rank by rank
+    pos = sum(lens)
+    for r in range(w):
+        room = local - tokens[r]
+        if room:
+            pieces[r].append((pos, pos + room))
+            pos += room
+            tokens[r] += room
+    assert pos == sum(lens) + pad and all(t == local for t in tokens), (pos, tokens)
+    return pieces
