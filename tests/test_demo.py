@@ -208,3 +208,14 @@ def test_torchrun_launch(tmp_path):
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "parity:" in res.stdout and "OK" in res.stdout
+
+
+def test_demo_balanced_sharding_parity_passes(tmp_path):
+    """--sharding balanced: the GQA layers on the planned pieces, DSA/GDN on the whole row; step 1 equals one rank."""
+    out = tmp_path / "run"
+    res = _run(["demo", "--cp", "2", "--steps", "2", "--seq-len", "512", "--sharding", "balanced", "--out", str(out),
+                "--no-prewarm"])  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    parity = [line for line in res.stdout.splitlines() if line.startswith("parity:")]
+    assert len(parity) == 1 and parity[0].endswith("OK"), res.stdout
+    assert json.loads((out / "summary.json").read_text())["sharding"] == "balanced"

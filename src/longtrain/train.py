@@ -66,6 +66,9 @@ class DemoConfig:
     """Varlen backend of the GQA layers (any name ``configure_cp_varlen`` accepts)."""
     kv_exchange: str = "allgather"
     """K/V exchange of the GQA layers: ``allgather``, ``halo`` or ``a2a``."""
+    sharding: str = "contiguous"
+    """Which positions each CP rank owns: ``contiguous`` or ``balanced`` (equal causal work; the DSA and GDN layers
+    then run on the whole row and keep each rank's rows)."""
     dsa_backend: str = "auto"
     """Backend of the DSA layers: ``auto``, ``triton``, ``cudnn`` or ``torch``."""
     seed: int = 0
@@ -95,6 +98,8 @@ class DemoConfig:
             )
         if self.seq_len < 16:
             raise DemoConfigError(f"--seq-len must be at least 16, got {self.seq_len}")
+        if self.sharding not in ("contiguous", "balanced"):
+            raise DemoConfigError(f"--sharding must be contiguous or balanced, got {self.sharding!r}")
         if self.device not in ("cpu", "cuda", "auto"):
             raise DemoConfigError(f"--device must be one of cpu, cuda, auto; got {self.device!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -374,12 +379,20 @@ def run_rank(cfg: DemoConfig) -> dict[str, Any]:
         num_labels = int((batch["labels"] != -100).sum())
         # One path at every world size: the step's context makes cp_blockdiag_sdpa block-diagonal (no collective
         # on one rank) and the DSA layers read the same step's metadata.
-        ctx, local, _layout = make_cp_blockdiag_batch_and_ctx(mesh, None, batch)
+        ctx, local, _layout = make_cp_blockdiag_batch_and_ctx(mesh, None, batch, sharding=cfg.sharding)
         with ctx() as cp_step:
             cu = cp_step.packed_cu_seqlens.to(torch.int32)
             padding = local["_packed_seq_ids"][0] == 0
-            meta = DSAAttention.metadata_for_step(cp_step)
-            step_inputs = StepInputs(cu_seqlens=cu, padding_mask=padding, dsa_metadata=meta, cp_group=group)
+            if cp_step.contiguous:
+                meta = DSAAttention.metadata_for_step(cp_step)
+                step_inputs = StepInputs(cu_seqlens=cu, padding_mask=padding, dsa_metadata=meta, cp_group=group)
+            else:  # balanced: the DSA / GDN layers run on the whole row (its metadata), each rank keeps its rows
+                meta = DSAAttention.prepare_metadata(cu, cp_step.full_len, padding_mask=cp_step.doc_ids[0] == 0)
+                perm = cp_step.shard_plan.permutation
+                order = torch.empty_like(perm)
+                order[perm] = torch.arange(perm.numel())
+                step_inputs = StepInputs(cu_seqlens=cu, padding_mask=padding, dsa_metadata=meta, cp_group=group,
+                                         token_index=cp_step.token_index, row_order=order.to(device))  # fmt: skip
             loss = _step_loss(
                 model, local["input_ids"], local["position_ids"], local["labels"], step_inputs, num_labels
             )
@@ -577,6 +590,7 @@ def write_outputs(cfg: DemoConfig, result: dict[str, Any], wall_s: float) -> dic
     summary = {
         "steps": len(history),
         "cp": cfg.cp,
+        "sharding": cfg.sharding,
         "device": result["device"],
         "dtype": result["dtype"],
         "layers": result["layers"],
@@ -624,6 +638,7 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
         f"dense (default {d.attn_backend})",
     )
     p.add_argument("--kv-exchange", help=f"K/V exchange: allgather, halo, a2a (default {d.kv_exchange})")
+    p.add_argument("--sharding", help=f"CP sharding: contiguous or balanced (default {d.sharding})")
     p.add_argument("--dsa-backend", help=f"DSA kernels: auto, triton, cudnn, torch (default {d.dsa_backend})")
     p.add_argument("--seed", type=int, help=f"seed of the model and the data (default {d.seed})")
     p.add_argument("--lr", type=float, help=f"AdamW learning rate (default {d.lr})")
@@ -641,6 +656,7 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
         "dtype",
         "attn_backend",
         "kv_exchange",
+        "sharding",
         "dsa_backend",
         "seed",
         "lr",

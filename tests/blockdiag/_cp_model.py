@@ -99,6 +99,19 @@ def reference_run(ids: torch.Tensor) -> dict:
     return {"y": y.detach(), "x_grad": x.grad, "param_grads": [p.grad for p in params], "g": weight}
 
 
+def fp32_case(name: str):
+    """``(ids, S, float64 reference run, fp32 params, fp32 embeddings x, the batch)`` of a case: what a CP run of
+    the layer on the case starts from (``x`` and the params require grad)."""
+    ids = case_ids(name)
+    s = ids.numel()
+    x64, _ = make_inputs(s)
+    ref = reference_run(ids)
+    params = [p.float().requires_grad_() for p in make_params()]
+    x = x64.float().requires_grad_()
+    batch = {"inputs_embeds": x, "_packed_seq_ids": ids[None].clone(), "labels": torch.arange(s)[None]}
+    return ids, s, ref, params, x, batch
+
+
 _COUNTED = ("all_gather", "reduce_scatter", "all_reduce", "batch_isend_irecv", "all_to_all_single")
 
 

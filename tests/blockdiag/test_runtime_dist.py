@@ -32,13 +32,7 @@ def _run_cp(rank, world, name, *, ckpt=None):
     """
     from longtrain.blockdiag_cp import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx, state
 
-    ids = cm.case_ids(name)
-    s = ids.numel()
-    x64, _ = cm.make_inputs(s)
-    ref = cm.reference_run(ids)
-    params = [p.float().requires_grad_() for p in cm.make_params()]
-    x = x64.float().requires_grad_()
-    batch = {"inputs_embeds": x, "_packed_seq_ids": ids[None].clone(), "labels": torch.arange(s)[None]}
+    ids, s, ref, params, x, batch = cm.fp32_case(name)
     factory, batch, layout = make_cp_blockdiag_batch_and_ctx(cm.FakeMesh(world, rank, dist.group.WORLD), None, batch)
     local_len = layout.padded_seq_len // world
     off = rank * local_len

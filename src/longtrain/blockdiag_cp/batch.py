@@ -46,6 +46,28 @@ class ShardLayout:
     padded_seq_len: int
     step: CPStep | None = field(default=None, compare=False, repr=False)
 
+    def unshard(self, local: Any, dim: int = 1) -> torch.Tensor:
+        """A local tensor (this rank's rows along ``dim``, e.g. logits ``[1, L, V]``) back in row order, the
+        padding removed: ``[..., original_seq_len, ...]``. Pass one tensor to all-gather it over the CP group (a
+        collective: every rank calls it), or every rank's tensors as a list (no collective). Differentiable only
+        in the list form."""
+        step = self.step
+        world = step.world_size if step is not None else 1
+        if isinstance(local, (list, tuple)):
+            parts = list(local)
+        elif world == 1:
+            parts = [local]
+        else:
+            parts = [torch.empty_like(local) for _ in range(world)]
+            torch.distributed.all_gather(parts, local.contiguous(), group=step.group)
+        if len(parts) != world:
+            raise ValueError(f"unshard takes this rank's tensor or one tensor per rank ({world}), got {len(parts)}")
+        if step is None or step.contiguous:
+            joined = torch.cat(parts, dim=dim)
+        else:
+            joined = step.shard_plan.unshard(parts, dim=dim)
+        return joined.narrow(dim, 0, self.original_seq_len)
+
 
 def _fill_value(key: str, tensor: torch.Tensor, padding_token_id: int) -> Any:
     if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
@@ -259,6 +281,8 @@ def make_cp_blockdiag_batch_and_ctx(
     loss_mask: torch.Tensor | None = None,
     padding_token_id: int = 0,
     shard_primary: bool = True,
+    sharding: str | None = None,
+    shard_chunk: int | None = None,
 ) -> tuple[Callable[[], contextlib.AbstractContextManager], dict, ShardLayout]:
     """Shard one packed sequence contiguously over the CP ranks and build the step context.
 
@@ -277,7 +301,11 @@ def make_cp_blockdiag_batch_and_ctx(
     ``padding_token_id``, ``loss_mask`` 0, ``padding_mask`` True, floats 0.0, everything else 0) and every sequence
     tensor keeps the rows ``[r·L, (r+1)·L)``, ``L = S_full / W``; with one rank nothing is padded or sliced.
     ``shard_primary=False`` leaves the primary stream unsharded (same object) for models that embed the full
-    sequence and shard hidden states themselves.
+    sequence and shard hidden states themselves. ``sharding``: ``"contiguous"`` (the split above) or
+    ``"balanced"`` (every rank gets the positions :func:`~longtrain.blockdiag_cp.plan_cp_shards` plans for it, in
+    ascending order, so that the ranks' causal attention work is equal; every sequence tensor is gathered with the
+    same plan); default: ``configure_cp_varlen(sharding=...)``. ``shard_chunk``: the plan's smallest piece.
+    ``layout.unshard(local)`` maps a local tensor back to row order in both modes.
 
     Returns ``(ctx_factory, batch, layout)``. The factory gives a fresh context manager per call, which publishes the
     step's :class:`~longtrain.blockdiag_cp.step.CPStep` (``with ctx_factory() as step:``) so that
@@ -325,7 +353,13 @@ def make_cp_blockdiag_batch_and_ctx(
     row_offset = rank * local_len
     doc_ids_full = torch.cat([doc_ids, doc_ids.new_zeros((bsz, pad_len))], dim=1) if pad_len else doc_ids
     # Validates padding-as-tail and one run per document (ValueError), segments every rank: one host copy.
-    step = build_cp_step(doc_ids_full, _Mesh(group, rank, world) if world > 1 else group, device=device)
+    step = build_cp_step(doc_ids_full, _Mesh(group, rank, world) if world > 1 else group, device=device,
+                         sharding=sharding, shard_chunk=shard_chunk)  # fmt: skip
+    if not step.contiguous and isinstance(batch.get("_deepstack_visual_embeds"), (list, tuple)):
+        raise ValueError(
+            "sharding='balanced' does not shard _deepstack_visual_embeds (their visual tokens are sliced by one "
+            "contiguous row range); use sharding='contiguous' for this batch"
+        )
     deepstack = _shard_deepstack(batch, seq_len, full_len, row_offset, local_len)
 
     # ---- build every new value, then mutate ----
@@ -334,10 +368,16 @@ def make_cp_blockdiag_batch_and_ctx(
     sources["padding_mask"] = padding_mask
     if loss_mask is not None:
         sources["loss_mask"] = loss_mask
-    sharded = {
-        k: _shard(t, k, seq_len, full_len, row_offset, local_len, _fill_value(k, t, padding_token_id))
-        for k, t in sources.items()
-    }
+    if step.contiguous:
+        sharded = {
+            k: _shard(t, k, seq_len, full_len, row_offset, local_len, _fill_value(k, t, padding_token_id))
+            for k, t in sources.items()
+        }
+    else:
+        sharded = {
+            k: _shard_pieces(t, k, seq_len, full_len, step, _fill_value(k, t, padding_token_id))
+            for k, t in sources.items()
+        }
     for key in ("attention_mask", *_BOUNDARY_KEYS):
         batch.pop(key, None)
     batch.update(sharded)
@@ -349,6 +389,16 @@ def make_cp_blockdiag_batch_and_ctx(
         return _step_context(step)
 
     return ctx_factory, batch, ShardLayout(seq_len, full_len, step=step)
+
+
+def _shard_pieces(tensor: torch.Tensor, key: str, seq_len: int, full_len: int, step: CPStep, fill: Any):
+    """This rank's positions (``step.token_index``, ascending) of ``tensor`` padded with ``fill`` to ``full_len``."""
+    dim = _seq_dim(key, tensor)
+    if full_len > seq_len:
+        shape = list(tensor.shape)
+        shape[dim] = full_len - seq_len
+        tensor = torch.cat([tensor, tensor.new_full(shape, fill)], dim=dim)
+    return tensor.index_select(dim, step.token_index.to(tensor.device))
 
 
 class _Mesh:

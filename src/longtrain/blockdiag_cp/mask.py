@@ -16,6 +16,7 @@ __all__ = [
     "blockdiag_mask",
     "dense_blockdiag_sdpa",
     "finite_or_zero",
+    "masked_sdpa",
     "nonfinite_tokens",
     "repeat_kv",
     "rows_seeing",
@@ -111,8 +112,6 @@ def dense_blockdiag_sdpa(
     masked-out NaN would otherwise reach every row through ``0 · NaN``), and every row that attends a non-finite
     query, key or value is NaN in the output (its gradients are zero).
     """
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     del enable_gqa
     if query.dim() != 4 or key_full.dim() != 4 or key_full.shape != value_full.shape:
         raise ValueError(
@@ -122,8 +121,17 @@ def dense_blockdiag_sdpa(
     if query.shape[-1] != key_full.shape[-1]:
         raise ValueError(f"query and key head dims differ: {query.shape[-1]} vs {key_full.shape[-1]}")
     bsz, _, local_len, _ = query.shape
-    key_full, value_full = repeat_kv(query, key_full, value_full)
     mask = blockdiag_mask(doc_ids, row_offset, local_len, key_full.shape[2], bsz).to(query.device)
+    return masked_sdpa(query, key_full, value_full, mask, scale=scale, dropout_p=dropout_p)
+
+
+def masked_sdpa(query, key_full, value_full, mask, *, scale=None, dropout_p=0.0) -> torch.Tensor:
+    """SDPA under a boolean ``mask [B, 1, L, S]`` (EFFICIENT / MATH kernels, GQA by repeating K/V heads) that keeps
+    a non-finite value inside the rows that attend it: SDPA runs on inputs whose non-finite elements are zeroed,
+    and every row that attends a non-finite query, key or value is NaN (zero gradient)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    key_full, value_full = repeat_kv(query, key_full, value_full)
     bad_keys = nonfinite_tokens(key_full.transpose(1, 2), 1) | nonfinite_tokens(value_full.transpose(1, 2), 1)
     bad_rows = (mask[:, 0] & bad_keys[:, None, :]).any(-1) | nonfinite_tokens(query.transpose(1, 2), 1)  # [B, L]
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):

@@ -29,6 +29,7 @@ __all__ = [
     "check_packed_layout",
     "empty_meta",
     "meta_from_cu_seqlens",
+    "meta_from_segments",
     "resolve_device",
     "segment_rank",
     "validate_meta_dict",
@@ -195,6 +196,14 @@ def _meta(n_real: int, s_first: int, real_end: int, seg_q: list[int], seg_k: lis
         cu_q=_offsets(tuple(seg_q), device),
         cu_k=_offsets(tuple(seg_k), device),
     )
+
+
+def meta_from_segments(seg_q: list[int], seg_k: list[int], device: Any) -> VarlenMeta:
+    """The segmentation of compacted query rows and compacted keys: segment ``s`` pairs query rows
+    ``[cu_q[s], cu_q[s+1])`` with keys ``[cu_k[s], cu_k[s+1])`` (bottom-right causal; ``seg_k[s] >= seg_q[s] >= 1``)."""
+    if not seg_q:
+        return empty_meta()
+    return _meta(sum(seg_q), 0, sum(seg_k), list(seg_q), list(seg_k), device)
 
 
 def check_packed_layout(ids: torch.Tensor) -> None:

@@ -27,7 +27,7 @@ import torch.distributed
 import torch.nn.functional as F
 
 from . import consensus, exchange, providers, state
-from .mask import ORIGINAL_SDPA, dense_blockdiag_sdpa, rows_seeing
+from .mask import ORIGINAL_SDPA, dense_blockdiag_sdpa, masked_sdpa, rows_seeing
 from .meta import VarlenMeta, meta_from_cu_seqlens, resolve_device
 from .sanitize import fill_rows, sanitize
 from .step import CPStep, build_cp_step
@@ -277,6 +277,8 @@ def _needed_only_local_reason(step: CPStep, backend: str, dtype: torch.dtype) ->
     if reason is not None:
         return reason
     plan, meta, rank = step.kv_plan, step.varlen_meta, step.rank
+    if plan is None:  # a balanced step: its all-to-all-v comes from the shard plan
+        return None
     if plan.nreal[rank] != meta.n_real or (
         meta.n_real and (plan.s_first[rank] != meta.s_first or plan.real_end[rank] != meta.real_end)
     ):
@@ -322,10 +324,10 @@ def select_kv_exchange_path(step: CPStep, backend: str, dtype: torch.dtype, drop
                 state.KV_EXCHANGE_ALLGATHER,
                 f"needed-only preflight failed: {reason or 'varlen kernel is unavailable on at least one CP rank'}",
             )
-        elif mode == state.KV_EXCHANGE_HALO and step.kv_plan.use_halo:
+        elif mode == state.KV_EXCHANGE_HALO and step.kv_plan is not None and step.kv_plan.use_halo:
             res = (state.KV_EXCHANGE_HALO, "neighbor p2p (doc<=2 ranks)")
         else:
-            res = (state.KV_EXCHANGE_A2A, "all-to-all-v (doc spans >2 ranks)")
+            res = (state.KV_EXCHANGE_A2A, "all-to-all-v (doc spans >2 ranks, or balanced sharding)")
     step.cache[key] = res
     _once(f"path:{res[0]}", logging.INFO, "block-diagonal CP K/V path=%s (%s) backend=%s cp_size=%d local_len=%d",
           res[0], res[1], backend, step.world_size, step.local_len)  # fmt: skip
@@ -415,6 +417,8 @@ def _cp_varlen_attention_impl(q, k, v, step, softmax_scale, dropout_p):
     if step.world_size == 1:
         return _attend_or_dense(q, k, v, step, backend, softmax_scale, dropout_p, deterministic)
     path, _ = select_kv_exchange_path(step, backend, q.dtype, dropout_p)
+    if not step.contiguous:
+        return _cp_pieces_attention(q, k, v, step, path, backend, softmax_scale, dropout_p, deterministic)
     kv = torch.stack([k, v])  # [2, L, Hkv, D]: K and V of the exchanged result stay contiguous views
     group, plan, rank = step.group, step.kv_plan, step.rank
     if path == state.KV_EXCHANGE_ALLGATHER:
@@ -454,6 +458,80 @@ def _cp_varlen_attention_impl(q, k, v, step, softmax_scale, dropout_p):
         f"needed-only CP {path} exchange completed, but the {backend} varlen kernel failed on at least one CP rank; "
         "all ranks are refusing an unsafe post-exchange full-allgather fallback (the all-gather exchange, "
         "configure_cp_varlen(kv_exchange='allgather'), can fall back to the dense mask per rank)"
+    )
+
+
+def _dense_rows(q, k_full, v_full, step: CPStep, scale, dropout_p):
+    """The dense-mask attention of this rank's rows at global positions ``step.token_index`` (``k_full``: every key
+    of the row in row order): the balanced path's ``dense`` backend and fallback."""
+    ids = step.doc_ids[0]
+    pos = step.token_index
+    q_doc, k_doc = ids[pos], ids
+    keys = torch.arange(ids.numel(), device=ids.device)
+    allow = (q_doc[:, None] == k_doc[None, :]) & (k_doc[None, :] > 0) & (keys[None, :] <= pos[:, None])
+    allow |= keys[None, :] == pos[:, None]
+    out = masked_sdpa(q.transpose(0, 1)[None], k_full.transpose(0, 1)[None], v_full.transpose(0, 1)[None],
+                      allow[None, None], scale=scale, dropout_p=dropout_p)  # fmt: skip
+    return out[0].transpose(0, 1)
+
+
+def _cp_pieces_attention(q, k, v, step: CPStep, path: str, backend: str, scale, dropout_p, deterministic):
+    """A balanced step: this rank's rows are several pieces of the row. K/V travel by all-gather (then the keys of
+    every pass are picked from the gathered rows) or by one all-to-all-v of exactly the needed keys ("halo"
+    becomes all-to-all-v); each pass (at most one segment per document) is one varlen call over compacted keys,
+    and the passes' rows are written back to local order. Padding rows are zero. On the all-gather path a provider
+    that cannot run or raises falls back to the dense mask on this rank alone (no collective depends on it); on
+    the all-to-all-v path a failure on any rank is the same ``CPStepError`` on every rank."""
+    pieces, group, rank = step.pieces, step.group, step.rank
+    kv = torch.stack([k, v])
+    gathered = path == state.KV_EXCHANGE_ALLGATHER
+    if gathered:
+        buf = exchange.all_gather_tokens(kv, group, dim=1)  # rows in plan order
+        key_index = pieces.key_index("allgather", step.shard_plan.permutation, q.device)
+    else:
+        in_splits, out_splits, send_index, recv_pos = pieces.a2a_splits(rank, q.device)
+        buf = exchange.needed_a2a(kv, group, in_splits, out_splits, send_index, dim=1)
+        key_index = pieces.key_index("a2a", recv_pos, q.device)
+    out = exchange.zero_touch(q.new_empty(q.shape[0], q.shape[1], v.shape[2]), q, buf)
+    failure = None
+    if backend == state.ATTN_BACKEND_DENSE:
+        failure = "the dense backend"
+    else:
+        failure = providers.unavailable_reason(backend, q.dtype, q.device, dropout_p=dropout_p)
+    if failure is None:
+        try:
+            for rp, kidx in zip(pieces.passes, key_index):
+                kp, vp = buf[0].index_select(0, kidx), buf[1].index_select(0, kidx)
+                o = attend(q.index_select(0, rp.q_rows), kp, vp, rp.meta, backend, scale=scale, dropout_p=dropout_p,
+                           deterministic=deterministic)  # fmt: skip
+                out = out.index_copy(0, rp.q_rows, o)
+        except reraised_errors():
+            raise
+        except Exception as exc:
+            failure = f"{type(exc).__name__}: {str(exc)[:200]}"
+    if gathered:
+        if failure is None:
+            return out
+        if backend != state.ATTN_BACKEND_DENSE:
+            _once(f"failed:{backend}:pieces", logging.WARNING,
+                  "block-diagonal CP varlen backend=%s cannot run or failed (%s); using the dense path", backend,
+                  failure)  # fmt: skip
+        inverse = pieces.cache.get(("inverse", str(q.device)))
+        if inverse is None:
+            perm = step.shard_plan.permutation
+            inverse = torch.empty_like(perm)
+            inverse[perm] = torch.arange(perm.numel())
+            inverse = pieces.cache[("inverse", str(q.device))] = inverse.to(q.device)
+        full = buf.index_select(1, inverse)  # rows in row order
+        return _dense_rows(q, full[0], full[1], step, scale, dropout_p) + out
+    diagnostic = {"path": path, "rank": rank, "world": step.world_size, "sharding": "balanced",
+                  "needed_len": int(buf.shape[1]), "failure": failure}  # fmt: skip
+    if _all_ranks_ok(failure is None, group, q.device, diagnostic=diagnostic):
+        return out
+    raise consensus.CPStepError(
+        f"balanced CP {path} exchange completed, but the {backend} varlen kernel failed on at least one CP rank; "
+        "every rank raises this error (the all-gather exchange, configure_cp_varlen(kv_exchange='allgather'), lets "
+        "each rank fall back on its own)"
     )
 
 

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-__all__ = ["CPShardPlan", "SHARDING_MODES", "plan_cp_shards", "causal_work_of"]
+__all__ = ["CPShardPlan", "RankPass", "RankPieces", "SHARDING_MODES", "causal_work_of", "plan_cp_shards", "rank_pieces"]
 
 SHARDING_CONTIGUOUS, SHARDING_BALANCED = "contiguous", "balanced"
 SHARDING_MODES = (SHARDING_CONTIGUOUS, SHARDING_BALANCED)
@@ -277,3 +278,120 @@ def _balanced(lens: list[int], pad: int, w: int, local: int, chunk: int) -> list
             tokens[r] += room
     assert pos == sum(lens) + pad and all(t == local for t in tokens), (pos, tokens)
     return pieces
+
+
+# ----------------------------------------------------------------------------------------------------------
+# attention over a rank's pieces: passes of varlen segments over compacted keys
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class RankPass:
+    """One varlen call of a rank whose rows are not one range: at most one segment per document.
+
+    ``q_rows``: ``[n] int64`` local rows (device) whose queries the call computes, segment after segment;
+    ``key_pos``: ``[m] int64`` global key positions (host), segment after segment (a segment's keys run from its
+    document's start to its last query); ``meta``: the segmentation over the compacted rows and keys.
+    """
+
+    q_rows: torch.Tensor
+    key_pos: torch.Tensor
+    meta: Any
+
+
+@dataclass(frozen=True, eq=False)
+class RankPieces:
+    """Everything a rank of a non-contiguous plan needs per attention call, built once per step (host work)."""
+
+    passes: tuple[RankPass, ...]
+    needed: tuple[torch.Tensor, ...]
+    """Per rank, ``[n_r] int64`` sorted global key positions its passes read (host)."""
+    plan: CPShardPlan
+    cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def n_real(self) -> int:
+        return sum(p.meta.n_real for p in self.passes)
+
+    def key_index(self, kind: str, buffer_pos: torch.Tensor, device: Any) -> tuple[torch.Tensor, ...]:
+        """Per pass, the indices of its keys in a K/V buffer whose row ``i`` holds global position
+        ``buffer_pos[i]`` (host, every needed position present). Memoised per buffer ``kind`` and device."""
+        key = ("key_index", kind, str(device))
+        hit = self.cache.get(key)
+        if hit is None:
+            where = torch.full((self.plan.seq_len,), -1, dtype=torch.int64)
+            where[buffer_pos] = torch.arange(buffer_pos.numel())
+            hit = self.cache[key] = tuple(where[p.key_pos].to(device) for p in self.passes)
+        return hit
+
+    def a2a_splits(self, rank: int, device: Any) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
+        """``(in_splits, out_splits, send_index, recv_pos)`` of the all-to-all-v that gives ``rank`` its needed keys:
+        as a sender, the local rows every destination needs (destination order); as a receiver, the count from each
+        source and the global position of every received row (source order). Memoised per device."""
+        key = ("a2a", rank, str(device))
+        hit = self.cache.get(key)
+        if hit is not None:
+            return hit
+        plan = self.plan
+        owner = torch.empty(plan.seq_len, dtype=torch.int64)
+        local_row = torch.empty(plan.seq_len, dtype=torch.int64)
+        for r, idx in enumerate(plan.token_index):
+            owner[idx] = r
+            local_row[idx] = torch.arange(idx.numel())
+        in_splits, send = [], []
+        for dest in range(plan.world_size):
+            mine = self.needed[dest][owner[self.needed[dest]] == rank]
+            in_splits.append(int(mine.numel()))
+            send.append(local_row[mine])
+        recv_pos = [self.needed[rank][owner[self.needed[rank]] == src] for src in range(plan.world_size)]
+        out_splits = [int(p.numel()) for p in recv_pos]
+        send_index = torch.cat(send).to(device) if send else torch.zeros(0, dtype=torch.int64, device=device)
+        hit = self.cache[key] = (in_splits, out_splits, send_index, torch.cat(recv_pos))
+        return hit
+
+
+def _segments(plan: CPShardPlan, rank: int) -> list[tuple[int, int, int]]:
+    """``(doc_start, q_lo, q_hi)`` of every document piece of ``rank`` (global positions, ascending)."""
+    starts, acc = [], 0
+    for n in plan.doc_lens:
+        starts.append(acc)
+        acc += n
+    out = []
+    for a, b in plan.pieces[rank]:
+        d = max(bisect.bisect_right(starts, a) - 1, 0)
+        while d < len(starts) and starts[d] < b:
+            lo, hi = max(a, starts[d]), min(b, starts[d] + plan.doc_lens[d])
+            if lo < hi:
+                out.append((starts[d], lo, hi))
+            d += 1
+    return out
+
+
+def rank_pieces(plan: CPShardPlan, rank: int, device: Any) -> RankPieces:
+    """The passes of ``rank`` and every rank's needed key positions (host work, once per step)."""
+    from .meta import meta_from_segments
+
+    def passes_of(r: int) -> list[list[tuple[int, int, int]]]:
+        passes: list[list[tuple[int, int, int]]] = []
+        seen: dict[int, int] = {}
+        for seg in _segments(plan, r):
+            p = seen.get(seg[0], 0)
+            seen[seg[0]] = p + 1
+            while len(passes) <= p:
+                passes.append([])
+            passes[p].append(seg)
+        return passes
+
+    needed = []
+    for r in range(plan.world_size):
+        pos = [torch.arange(ds, hi, dtype=torch.int64) for p in passes_of(r) for ds, _, hi in p]
+        needed.append(torch.unique(torch.cat(pos)) if pos else torch.zeros(0, dtype=torch.int64))
+    index = plan.token_index[rank]
+    built = []
+    for segs in passes_of(rank):
+        q_pos = torch.cat([torch.arange(lo, hi, dtype=torch.int64) for _, lo, hi in segs])
+        key_pos = torch.cat([torch.arange(ds, hi, dtype=torch.int64) for ds, _, hi in segs])
+        rows = torch.searchsorted(index, q_pos)
+        meta = meta_from_segments([hi - lo for _, lo, hi in segs], [hi - ds for ds, _, hi in segs], device)
+        built.append(RankPass(rows.to(device), key_pos, meta))
+    return RankPieces(tuple(built), tuple(needed), plan)

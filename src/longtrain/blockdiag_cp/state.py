@@ -58,6 +58,8 @@ __all__ = [
     "reset_cp_attn_fire_count",
     "step_timeout_s",
     "nonfinite_mode",
+    "shard_chunk",
+    "sharding_mode",
     "NONFINITE_ISOLATE",
     "NONFINITE_MODES",
     "NONFINITE_PROPAGATE",
@@ -166,16 +168,31 @@ _KV_EXCHANGE: str = KV_EXCHANGE_DEFAULT
 #: only while they differ from the default, so the documented two-key dict is what a default setup reports.
 NONFINITE_ISOLATE, NONFINITE_PROPAGATE = "isolate", "propagate"
 NONFINITE_MODES = (NONFINITE_ISOLATE, NONFINITE_PROPAGATE)
-EXTRA_KNOB_DEFAULTS: dict[str, Any] = {"step_timeout_s": None, "nonfinite": NONFINITE_ISOLATE}
+EXTRA_KNOB_DEFAULTS: dict[str, Any] = {
+    "step_timeout_s": None,
+    "nonfinite": NONFINITE_ISOLATE,
+    "sharding": "contiguous",
+    "shard_chunk": 128,
+}
 _EXTRA: dict[str, Any] = dict(EXTRA_KNOB_DEFAULTS)
 
 
 def cp_varlen_runtime_config() -> dict[str, Any]:
     """The current knobs as ``{"attn_backend": ..., "kv_exchange": ...}`` (canonical names), plus every other knob
-    (``step_timeout_s``, ``nonfinite``) whose value is not its default; ``configure_cp_varlen(**this)`` restores
-    them all."""
+    (``step_timeout_s``, ``nonfinite``, ``sharding``, ``shard_chunk``) whose value is not its default;
+    ``configure_cp_varlen(**this)`` restores them all."""
     extra = {k: v for k, v in _EXTRA.items() if v != EXTRA_KNOB_DEFAULTS[k]}
     return {"attn_backend": _ATTN_BACKEND, "kv_exchange": _KV_EXCHANGE, **extra}
+
+
+def sharding_mode() -> str:
+    """``"contiguous"`` (default) or ``"balanced"``: see :func:`configure_cp_varlen`."""
+    return _EXTRA["sharding"]
+
+
+def shard_chunk() -> int:
+    """The smallest piece (tokens) a balanced plan cuts a document into."""
+    return _EXTRA["shard_chunk"]
 
 
 def nonfinite_mode() -> str:
@@ -202,6 +219,8 @@ def configure_cp_varlen(
     kv_exchange: str | None = KV_EXCHANGE_DEFAULT,
     step_timeout_s: float | None = None,
     nonfinite: str = NONFINITE_ISOLATE,
+    sharding: str = "contiguous",
+    shard_chunk: int = 128,
 ) -> dict[str, Any]:
     """Set the process-wide knobs used by the next CP steps.
 
@@ -211,7 +230,9 @@ def configure_cp_varlen(
     one document out of every other document on every provider: a provider whose kernel lets a masked-out non-finite
     value through (cudnn's CuTe route, fa4, the split providers, flex) runs on inputs with those elements zeroed and
     the rows that attended them come out NaN; ``"propagate"`` skips that pass (faster: the measured cost is in the
-    README) and lets such a value reach the neighbouring document on those providers. Every value is validated
+    README) and lets such a value reach the neighbouring document on those providers. ``sharding``: which positions
+    of the row each rank owns, ``"contiguous"`` (default: ``[r L, (r+1) L)``) or ``"balanced"`` (equal causal work,
+    :func:`~longtrain.blockdiag_cp.plan_cp_shards`), with ``shard_chunk`` its smallest piece. Every value is validated
     before anything changes, so an invalid value leaves the knobs untouched. Returns the previous settings:
     ``configure_cp_varlen(**previous)`` restores them exactly. A step already built keeps the snapshot taken when it
     was built.
@@ -222,9 +243,16 @@ def configure_cp_varlen(
     timeout = _check_timeout(step_timeout_s)
     if nonfinite not in NONFINITE_MODES:
         raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
+    from .sharding import SHARDING_MODES
+
+    if sharding not in SHARDING_MODES:
+        raise ValueError(f"sharding must be one of {SHARDING_MODES}, got {sharding!r}")
+    if isinstance(shard_chunk, bool) or not isinstance(shard_chunk, int) or shard_chunk < 1:
+        raise ValueError(f"shard_chunk must be a positive int (tokens), got {shard_chunk!r}")
     previous = cp_varlen_runtime_config()
     _EXTRA["step_timeout_s"] = timeout
     _EXTRA["nonfinite"] = nonfinite
+    _EXTRA["sharding"], _EXTRA["shard_chunk"] = sharding, shard_chunk
     if (backend, exchange) != (_ATTN_BACKEND, _KV_EXCHANGE):
         _ATTN_BACKEND, _KV_EXCHANGE = backend, exchange
         # Re-arm the one-time "varlen engaged" / "path" logs so the new configuration announces itself.

@@ -21,7 +21,8 @@ import torch.distributed
 
 from . import state
 from .exchange import GroupRef
-from .meta import VarlenMeta, check_packed_layout, resolve_device, segment_rank
+from .meta import VarlenMeta, check_packed_layout, empty_meta, resolve_device, segment_rank
+from .sharding import plan_cp_shards, rank_pieces
 
 __all__ = ["CPStep", "ExchangePlan", "build_cp_step", "packed_runs", "resolve_cp_group"]
 
@@ -111,6 +112,12 @@ def exchange_plan(ids: torch.Tensor, world: int, local_len: int) -> ExchangePlan
     return ExchangePlan(tuple(recv), tuple(nreal), tuple(s_first), tuple(real_end), local_len)
 
 
+def doc_lengths(ids_host: torch.Tensor, runs: torch.Tensor) -> list[int]:
+    """Lengths of the documents of a validated packed row (runs with a nonzero id), in row order."""
+    flat = ids_host.reshape(-1)
+    return [int(b - a) for a, b in zip(runs[:-1].tolist(), runs[1:].tolist()) if int(flat[a]) != 0]
+
+
 def packed_runs(ids_host: torch.Tensor) -> torch.Tensor:
     """Run boundaries ``[n_runs+1] int64`` of the flattened padded ids (the padding tail is its own run)."""
     flat = ids_host.reshape(-1)
@@ -196,7 +203,15 @@ class CPStep:
     device: torch.device
     """The compute device."""
     layout_hash: str = ""
-    """A hash of the whole row's ids and length (what the ranks compare once per step)."""
+    """A hash of the whole row's ids and length and of the sharding (what the ranks compare once per step)."""
+    shard_plan: Any = None
+    """The :class:`~longtrain.blockdiag_cp.sharding.CPShardPlan` of the row (every rank's positions)."""
+    pieces: Any = None
+    """``None`` when this rank owns the contiguous rows ``[row_offset, row_offset + local_len)``; else its
+    :class:`~longtrain.blockdiag_cp.sharding.RankPieces` (``sharding="balanced"``): the varlen passes over its
+    pieces and every rank's needed keys. ``row_offset`` is then -1 and ``varlen_meta`` the first pass's."""
+    token_index: torch.Tensor | None = None
+    """``[L] int64`` global positions of this rank's rows on the compute device (ascending)."""
     cache: dict = field(default_factory=dict, repr=False)
     """Memos of the step's first attention call (concrete backend per dtype, exchange path, preflight)."""
 
@@ -206,8 +221,22 @@ class CPStep:
         return self.group_ref()
 
     @property
+    def contiguous(self) -> bool:
+        """Whether this rank's rows are one range (``sharding="contiguous"``, or a balanced plan that is)."""
+        return self.pieces is None
+
+    def require_contiguous(self, what: str) -> None:
+        """A ``ValueError`` for consumers that read this rank's rows as one range, on a balanced step."""
+        if not self.contiguous:
+            raise ValueError(
+                f"{what} reads this rank's rows as one contiguous range, but the step's sharding is balanced (each "
+                "rank owns several pieces of the row); build the step with sharding='contiguous'"
+            )
+
+    @property
     def model_state(self) -> state.BlockdiagCpModelState:
         """The view model layers read through :func:`~longtrain.blockdiag_cp.current_blockdiag_cp_state`."""
+        self.require_contiguous("the model state (document runs for layers with their own CP path)")
         return state.BlockdiagCpModelState(self.group, self.packed_cu_seqlens, self.packed_cu_seqlens_cpu)
 
     @property
@@ -245,6 +274,8 @@ def build_cp_step(
     device: Any = None,
     attn_backend: str | None = None,
     kv_exchange: str | None = None,
+    sharding: str | None = None,
+    shard_chunk: int | None = None,
 ) -> CPStep:
     """The :class:`CPStep` of one packed row of document ids, for this rank of ``cp_mesh``.
 
@@ -252,7 +283,10 @@ def build_cp_step(
     contiguous run), the whole padded row, identical on every rank; ``S_full`` must be a multiple of the world size
     (``make_cp_blockdiag_batch_and_ctx`` pads to a multiple of ``2W``). ``cp_mesh``: see :func:`resolve_cp_group`.
     ``device``: where attention runs (default: the ids' device). ``attn_backend`` / ``kv_exchange``: override the
-    knobs of :func:`~longtrain.blockdiag_cp.configure_cp_varlen` for this step (any synonym).
+    knobs of :func:`~longtrain.blockdiag_cp.configure_cp_varlen` for this step (any synonym). ``sharding`` /
+    ``shard_chunk``: which positions each rank owns (:func:`~longtrain.blockdiag_cp.plan_cp_shards`; default: the
+    knobs); with ``"balanced"`` the caller must give each rank its rows in the plan's order
+    (``step.token_index``; the batch builder does).
 
     Makes one device-to-host copy of the ids; raises ``ValueError``/``TypeError`` for a malformed row.
     """
@@ -284,18 +318,31 @@ def build_cp_step(
     local_len = full_len // world
     host = row.detach().to("cpu", torch.int64)  # the one device-to-host copy of the step
     check_packed_layout(host)
-    meta = segment_rank(host, rank * local_len, local_len, dev)
-    plan = exchange_plan(host, world, local_len) if world > 1 else None
+    mode = sharding if sharding is not None else state.sharding_mode()
+    chunk = shard_chunk if shard_chunk is not None else state.shard_chunk()
     runs_cpu = packed_runs(host)
+    shard_plan = plan_cp_shards(doc_lengths(host, runs_cpu), world, sharding=mode, chunk=chunk,
+                                pad=int((host == 0).sum()))  # fmt: skip
+    pieces = token_index = None
+    if shard_plan.is_contiguous:
+        meta = segment_rank(host, rank * local_len, local_len, dev)
+        plan = exchange_plan(host, world, local_len) if world > 1 else None
+        row_offset = rank * local_len
+    else:
+        pieces = rank_pieces(shard_plan, rank, dev)
+        meta = pieces.passes[0].meta if pieces.passes else empty_meta()
+        plan, row_offset = None, -1
+        token_index = shard_plan.token_index[rank].to(dev)
     runs = runs_cpu.to(dev)
     ids_dev = row.detach().to(device=dev, dtype=torch.int64).view(1, full_len)
-    digest = hashlib.blake2b(host.numpy().tobytes(), digest_size=8).hexdigest()
+    digest = hashlib.blake2b(host.numpy().tobytes() + f"{shard_plan.sharding}/{chunk}".encode(), digest_size=8)
+    digest = f"{digest.hexdigest()}/{shard_plan.sharding}"
     return CPStep(
         group_ref=GroupRef(group),
         rank=rank,
         world_size=world,
         doc_ids=ids_dev,
-        row_offset=rank * local_len,
+        row_offset=row_offset,
         local_len=local_len,
         varlen_meta=meta,
         kv_plan=plan,
@@ -305,4 +352,7 @@ def build_cp_step(
         packed_cu_seqlens_cpu=runs_cpu,
         device=dev,
         layout_hash=f"{digest}/{full_len}",
+        shard_plan=shard_plan,
+        pieces=pieces,
+        token_index=token_index,
     )

@@ -364,6 +364,7 @@ class DSAAttention(nn.Module):
         """The DSA metadata of a block-diagonal :class:`~longtrain.blockdiag_cp.CPStep` (its document runs, padding
         tail and rank), built once per step (one synchronization) and cached on the step for every layer."""
         _cp_from_step(cp_step, None)
+        cp_step.require_contiguous("DSAAttention")
         hit = cp_step.cache.get("dsa_metadata")
         if hit is None:
             rows = slice(cp_step.row_offset, cp_step.row_offset + cp_step.local_len)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from longtrain.blockdiag_cp import cp_blockdiag_sdpa, current_blockdiag_cp_state
+from longtrain.blockdiag_cp import cp_blockdiag_sdpa, current_cp_step
 from longtrain.dsa.layer import DSAAttention, DSAConfig, gather_tokens
 
 __all__ = ["LAYER_KINDS", "StepInputs", "TinyLM", "TinyLMConfig", "default_layer_pattern"]
@@ -116,6 +116,16 @@ class StepInputs:
     padding_mask: torch.Tensor
     dsa_metadata: Any
     cp_group: Any = None
+    token_index: torch.Tensor | None = None
+    """Under balanced sharding: ``[L] int64`` global positions of this rank's rows (None: contiguous rows)."""
+    row_order: torch.Tensor | None = None
+    """Under balanced sharding: ``[S] int64``, row ``p`` of the row is row ``row_order[p]`` of the ranks' rows
+    gathered in rank order. The DSA and GDN layers then run on the whole row (``dsa_metadata`` describes it) and
+    keep this rank's rows: exact, without their own CP split."""
+
+    def whole_row(self, x: torch.Tensor) -> torch.Tensor:
+        """``[L, ...]`` local rows -> ``[S, ...]`` the whole row in row order (differentiable all-gather)."""
+        return gather_tokens(x, self.cp_group).index_select(0, self.row_order)
 
 
 def _rope_half(x: torch.Tensor, position_ids: torch.Tensor, theta: float) -> torch.Tensor:
@@ -156,7 +166,7 @@ class GQAAttention(nn.Module):
         v = self.v_proj(x).view(b, length, c.num_kv_heads, c.head_dim).transpose(1, 2)
         q, k = _rope_half(q, position_ids, c.rope_theta), _rope_half(k, position_ids, c.rope_theta)
         gqa = c.num_heads != c.num_kv_heads
-        if current_blockdiag_cp_state() is not None:
+        if current_cp_step() is not None:
             out = cp_blockdiag_sdpa(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
             # Outside a step (the parity reference): the packed-varlen hooks route this call inside the module.
@@ -181,6 +191,9 @@ class GDNMixer(nn.Module):
 
     def forward(self, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
         length = x.shape[1]
+        if step.row_order is not None:  # balanced sharding: the whole row in row order, this rank's rows kept
+            out = self.gdn(step.whole_row(x[0])[None], cu_seqlens=step.cu_seqlens.to(torch.int32))[0]
+            return out[:, step.token_index]
         full = gather_tokens(x[0], step.cp_group)[None]
         out = self.gdn(full, cu_seqlens=step.cu_seqlens.to(torch.int32))[0]
         if step.cp_group is None:
@@ -223,6 +236,16 @@ class Block(nn.Module):
             h = self.self_attn(h, position_ids)
         elif self.kind == "N":
             h = self.gdn(h, step)
+        elif step.row_order is not None:  # balanced sharding: the whole row on every rank, this rank's rows kept
+            h, topk = self.dsa(
+                step.whole_row(h[0]),
+                step.whole_row(position_ids[0]),
+                step.cu_seqlens,
+                metadata=step.dsa_metadata,
+                prev_topk=topk if self.kind == "S" else None,
+                return_topk=True,
+            )
+            h = h[step.token_index][None]
         else:
             h, topk = self.dsa(
                 h[0],
