@@ -1,20 +1,21 @@
-"""Load imbalance of contiguous block-diagonal CP sharding, simulated in one process.
+"""CP load balance of contiguous and balanced sharding, simulated in one process.
 
-For W in {2, 4, 8} and the document distributions of ``blockdiag_attention.py`` (32K and 64K tokens, document
-lengths U[512, 8192] seed 1 and U[64, 2048] seed 2), every rank's local shard work is computed:
+For W in {2, 4, 8}, the document layouts of ``blockdiag_attention.py`` (documents U[512, 8192] seed 1 and
+U[64, 2048] seed 2) and one long document, at 32K and 128K tokens, and each sharding mode of
+:func:`longtrain.blockdiag_cp.plan_cp_shards` (``contiguous``: the seed's split; ``balanced``, chunk 128):
 
-- the mask area of its queries (attended (query, key) pairs), from the per-rank varlen metadata; the
-  imbalance is max/mean over ranks. The same quantity under the round-robin "head + tail chunk" layout is
-  shown for comparison (that layout balances one causal document, but is not what block-diagonal CP uses);
-- the K/V tokens a rank must receive: all-gather ``S - L`` versus the needed-only exchanges
-  (``s_first .. real_end`` minus its own rows; max over ranks);
-- on CUDA, the measured time of each rank's ``_cp_blockdiag_varlen`` call (forward, and forward+backward) with
-  the fastest available backend (Hq=32, Hkv=8, D=128, bf16), run one rank after the other on one GPU, and
-  the max/mean of those times. Without CUDA the timing columns read "n/a (no CUDA)".
+- the planner's causal work (same-document query-key pairs of a rank's queries) max/mean over ranks, next to
+  per-document head-tail (torch's layout: every document cut into 2W pieces, no minimum piece size);
+- the K/V tokens a rank receives per layer: all-gather ``S - L`` (both modes) versus the all-to-all-v of exactly
+  the needed keys (max over ranks), and the varlen passes per rank;
+- the host time of planning a step (the plan and one rank's passes, as every rank does once per step);
+- on CUDA, each rank's attention (its varlen passes over the gathered keys, the provider ``auto`` picks,
+  Hq=32, Hkv=8, D=128, bf16) timed forward+backward one rank after the other on one GPU, and the busiest rank's
+  time over the mean. Without CUDA the timing columns read "n/a (no CUDA)".
 
 Run from the repository root::
 
-    PYTHONPATH=src python benchmarks/cp_imbalance.py [--worlds 2 4 8] [--tokens 32768 65536] [--out-dir DIR]
+    PYTHONPATH=src python benchmarks/cp_imbalance.py [--worlds 2 4 8] [--tokens 32768 131072] [--time-tokens 32768]
 
 It writes ``cp_imbalance_<date>.md`` and ``.json`` (machine header first) to ``--out-dir`` (default
 ``benchmarks/results``).
@@ -23,7 +24,9 @@ It writes ``cp_imbalance_<date>.md`` and ``.json`` (machine header first) to ``-
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -31,135 +34,124 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import machine_header, write_report  # noqa: E402
 from blockdiag_attention import HKV, HQ, LAYOUTS, D, doc_lengths  # noqa: E402
-from longtrain.blockdiag_cp import kernels, resolve_backend  # noqa: E402
+from longtrain.blockdiag_cp import plan_cp_shards, resolve_backend, runtime  # noqa: E402
+from longtrain.blockdiag_cp.meta import segment_rank  # noqa: E402
+from longtrain.blockdiag_cp.sharding import rank_pieces  # noqa: E402
 
 NO_CUDA = "n/a (no CUDA)"
+MODES = ("contiguous", "balanced")
 
 
-def ids_from_lengths(lengths: list[int], full_len: int) -> torch.Tensor:
-    """``[full_len] int64`` document ids (1, 2, ...) with a zero tail."""
-    ids = torch.repeat_interleave(torch.arange(1, len(lengths) + 1), torch.tensor(lengths))
-    return torch.cat([ids, torch.zeros(full_len - ids.numel(), dtype=torch.int64)])
+def head_tail_work(lens: list[int], world: int) -> list[int]:
+    """Causal work per rank when every document is cut into 2W near-equal pieces, rank r taking r and 2W-1-r."""
+    work = [0] * world
+    for n in lens:
+        b = [round(i * n / (2 * world)) for i in range(2 * world + 1)]
+        for r in range(world):
+            for piece in (r, 2 * world - 1 - r):
+                lo, hi = b[piece], b[piece + 1]
+                work[r] += (hi * (hi + 1) - lo * (lo + 1)) // 2
+    return work
 
 
-def meta_mask_area(meta: dict) -> int:
-    """Attended (query, key) pairs of one rank from its metadata: per segment ``q·(k - q) + q·(q + 1)/2``."""
-    if meta["n_real"] == 0:
-        return 0
-    cq, ck = meta["cu_q"].tolist(), meta["cu_k"].tolist()
-    area = 0
-    for i in range(len(cq) - 1):
-        q, k = cq[i + 1] - cq[i], ck[i + 1] - ck[i]
-        area += q * (k - q) + q * (q + 1) // 2
-    return area
+def _imbalance(values) -> float:
+    mean = sum(values) / len(values)
+    return max(values) / mean if mean > 0 else 1.0
 
 
-def position_weight(ids: torch.Tensor) -> torch.Tensor:
-    """Keys each position attends to: its index inside its document plus one (0 for padding)."""
-    pos = torch.arange(ids.numel())
-    change = torch.cat([torch.ones(1, dtype=torch.bool), ids[1:] != ids[:-1]])
-    start = torch.cummax(torch.where(change, pos, 0), dim=0).values
-    return torch.where(ids > 0, pos - start + 1, 0)
+def rank_calls(plan, ids: torch.Tensor, rank: int, device) -> list[tuple[torch.Tensor, torch.Tensor, object]]:
+    """``(query rows, key positions, meta)`` of each varlen call rank ``rank`` makes (global key positions)."""
+    if plan.is_contiguous:
+        local = plan.local_len
+        meta = segment_rank(ids, rank * local, local, device)
+        if meta.n_real == 0:
+            return []
+        rows = torch.arange(meta.n_real, device=device)
+        keys = torch.arange(meta.s_first, meta.real_end)
+        return [(rows, keys, meta.rebased(0, meta.kv_len))]
+    pieces = rank_pieces(plan, rank, device)
+    return [(p.q_rows, p.key_pos, p.meta) for p in pieces.passes]
 
 
-def round_robin_areas(ids: torch.Tensor, world: int) -> list[int]:
-    """Mask area per rank under the head+tail layout: rank r owns chunks r and 2W-1-r of 2W equal chunks."""
-    chunks = position_weight(ids).view(2 * world, -1).sum(1)
-    return [int(chunks[r] + chunks[2 * world - 1 - r]) for r in range(world)]
-
-
-def time_ranks(ids: torch.Tensor, world: int, metas: list[dict], backend: str) -> tuple[list[float], list[float]]:
-    """Median ms of each rank's varlen call (forward; forward+backward), one rank after the other."""
+def time_ranks(plan, ids: torch.Tensor, backend: str) -> list[float]:
+    """Median ms of each rank's forward+backward attention (all its varlen calls), one rank after the other."""
     from triton.testing import do_bench
 
     dev = torch.device("cuda")
-    full_len = ids.numel()
-    local_len = full_len // world
     gen = torch.Generator(device=dev).manual_seed(0)
-    k = torch.randn(1, HKV, full_len, D, device=dev, dtype=torch.bfloat16, generator=gen)
-    v = torch.randn(1, HKV, full_len, D, device=dev, dtype=torch.bfloat16, generator=gen)
-    ids_dev = ids.to(dev)[None]
-    fwd, fwd_bwd = [], []
-    for r, meta in enumerate(metas):
-        meta = {key: (val.to(dev) if isinstance(val, torch.Tensor) else val) for key, val in meta.items()}
-        q = torch.randn(1, HQ, local_len, D, device=dev, dtype=torch.bfloat16, generator=gen, requires_grad=True)
-        kk, vv = k.clone().requires_grad_(), v.clone().requires_grad_()
-        dout = torch.randn_like(q)
+    k_all = torch.randn(plan.seq_len, HKV, D, device=dev, dtype=torch.bfloat16, generator=gen)
+    v_all = torch.randn(plan.seq_len, HKV, D, device=dev, dtype=torch.bfloat16, generator=gen)
+    times = []
+    for r in range(plan.world_size):
+        calls = rank_calls(plan, ids, r, dev)
+        q = torch.randn(plan.local_len, HQ, D, device=dev, dtype=torch.bfloat16, generator=gen, requires_grad=True)
+        ins = [(rows, k_all[keys.to(dev)].requires_grad_(), v_all[keys.to(dev)].requires_grad_(), meta)
+               for rows, keys, meta in calls]  # fmt: skip
+        if not ins:
+            times.append(0.0)
+            continue
 
-        def call(q=q, kk=kk, vv=vv, meta=meta, r=r):
-            out = kernels._cp_blockdiag_varlen(q, kk, vv, ids_dev, r * local_len, None, backend, meta=meta)
-            if out is None:
-                raise RuntimeError(f"{backend} varlen declined on rank {r}")
-            return out
+        def step(q=q, ins=ins):
+            outs, leaves = [], [q]
+            for rows, kk, vv, meta in ins:
+                outs.append(runtime.attend(q.index_select(0, rows), kk, vv, meta, backend))
+                leaves += [kk, vv]
+            torch.autograd.grad(outs, leaves, [torch.ones_like(o) for o in outs])
 
-        def step(call=call, q=q, kk=kk, vv=vv, dout=dout):
-            torch.autograd.grad(call(), (q, kk, vv), dout, allow_unused=True)
-
-        call()
-        step()  # warm-up: compile / autotune / graph caches
-        fwd.append(do_bench(lambda call=call: call(), quantiles=[0.5], rep=100))
-        fwd_bwd.append(do_bench(step, quantiles=[0.5], rep=200))
-    return fwd, fwd_bwd
+        step()  # warm-up: compile / autotune / plan caches
+        times.append(do_bench(step, quantiles=[0.5], rep=100))
+    return times
 
 
-def _imbalance(values: list[float]) -> float:
-    mean = sum(values) / len(values)
-    return max(values) / mean if mean > 0 else float("nan")
-
-
-def run(worlds: list[int], token_counts: list[int]) -> tuple[list[dict], str]:
+def run(worlds: list[int], token_counts: list[int], time_tokens: list[int]) -> tuple[list[dict], str]:
     cuda = torch.cuda.is_available()
     backend = resolve_backend("auto", torch.bfloat16, "cuda") if cuda else None
     rows = []
     for tokens in token_counts:
-        for layout, (lo, hi, seed) in LAYOUTS.items():
-            lengths = doc_lengths(tokens, lo, hi, seed)
+        layouts = {f"U[{lo},{hi}]": doc_lengths(tokens, lo, hi, seed) for lo, hi, seed in LAYOUTS.values()}
+        layouts["one document"] = [tokens]
+        for name, lens in layouts.items():
             for world in worlds:
-                full_len = tokens + (-tokens) % (2 * world)
-                local_len = full_len // world
-                ids = ids_from_lengths(lengths, full_len)
-                metas = [
-                    kernels.precompute_blockdiag_varlen_meta(
-                        ids, row_offset=r * local_len, local_len=local_len, device="cpu"
-                    )
-                    for r in range(world)
-                ]
-                areas = [meta_mask_area(m) for m in metas]
-                weight = position_weight(ids).view(world, local_len).sum(1).tolist()
-                assert areas == weight, (areas, weight)  # the metadata and the direct count agree
-                needed = [0 if m["n_real"] == 0 else (m["real_end"] - m["s_first"]) - m["n_real"] for m in metas]
-                row = {
-                    "tokens": tokens,
-                    "docs": f"{layout} U[{lo},{hi}] ({len(lengths)} docs)",
-                    "W": world,
-                    "area_max_over_mean": _imbalance(areas),
-                    "busiest_rank": max(range(world), key=lambda r: areas[r]),
-                    "rr_area_max_over_mean": _imbalance(round_robin_areas(ids, world)),
-                    "kv_recv_allgather": full_len - local_len,
-                    "kv_recv_needed_max": max(needed),
-                }
-                if cuda:
-                    fwd, fwd_bwd = time_ranks(ids, world, metas, backend)
-                    row.update(
-                        backend=backend,
-                        fwd_ms_max=max(fwd),
-                        fwd_max_over_mean=_imbalance(fwd),
-                        fwd_bwd_ms_max=max(fwd_bwd),
-                        fwd_bwd_max_over_mean=_imbalance(fwd_bwd),
-                    )
-                else:
-                    row.update(backend=NO_CUDA, fwd_max_over_mean=NO_CUDA, fwd_bwd_max_over_mean=NO_CUDA)
-                rows.append(row)
-                print(row, flush=True)
+                pad = (-tokens) % (2 * world)
+                ids = torch.cat([torch.repeat_interleave(torch.arange(1, len(lens) + 1), torch.tensor(lens)),
+                                 torch.zeros(pad, dtype=torch.int64)])  # fmt: skip
+                for mode in MODES:
+                    t0 = time.perf_counter()
+                    plan = plan_cp_shards(lens, world, sharding=mode, pad=pad)
+                    calls = [rank_calls(plan, ids, r, "cpu") for r in range(world)]
+                    plan_ms = (time.perf_counter() - t0) * 1e3 / world  # (the plan + every rank's passes) / W
+                    owned = [set(t.tolist()) for t in plan.token_index]
+                    recv = [len({int(p) for _, keys, _ in calls[r] for p in keys} - owned[r]) for r in range(world)]
+                    row = {
+                        "tokens": tokens,
+                        "docs": f"{name} ({len(lens)} docs)",
+                        "W": world,
+                        "sharding": mode,
+                        "work_max_over_mean": plan.imbalance,
+                        "head_tail_max_over_mean": _imbalance(head_tail_work(lens, world)),
+                        "passes_max": max(len(c) for c in calls),
+                        "kv_recv_allgather": plan.seq_len - plan.local_len,
+                        "kv_recv_a2a_max": max(recv),
+                        "plan_ms": plan_ms,
+                    }
+                    if cuda and tokens in time_tokens:
+                        times = time_ranks(plan, ids, backend)
+                        row.update(backend=backend, fwd_bwd_ms_max=max(times), time_max_over_mean=_imbalance(times),
+                                   fwd_bwd_ms_mean=statistics.mean(times))  # fmt: skip
+                    else:
+                        row.update(backend=NO_CUDA if not cuda else "not timed", time_max_over_mean="-")
+                    rows.append(row)
+                    print(row, flush=True)
     notes = (
-        "Mask area = attended (query, key) pairs of a rank's local queries (same document, key <= query), from "
-        "the per-rank varlen metadata (checked against a direct count). max/mean = the busiest rank's work over "
-        "the mean: the step time of a CP group follows the busiest rank. rr_area = the same under the round-robin "
-        "head+tail layout (not used by block-diagonal CP; shown to size the cost of contiguous sharding). "
-        "kv_recv = K/V tokens a rank receives per layer (all-gather: S - L on every rank; needed-only halo/a2a: "
-        "the left straddle of its first document, max over ranks). Timing (CUDA only): each rank's "
-        "`_cp_blockdiag_varlen` call run one after the other on one GPU with the auto backend, Hq=32, Hkv=8, "
-        "D=128, bf16, median of triton.testing.do_bench; it excludes communication."
+        "Causal work = same-document (query, key) pairs with key <= query of a rank's queries; max/mean = the "
+        "busiest rank over the mean (a CP group's step time follows its busiest rank). head-tail = every document "
+        "cut into 2W near-equal pieces, rank r taking pieces r and 2W-1-r (torch's per-document layout, no minimum "
+        "piece size). Balanced = plan_cp_shards(sharding='balanced', chunk=128). passes = varlen calls per rank and "
+        "attention layer. kv_recv = K/V tokens a rank receives per layer: all-gather S - L on every rank (both "
+        "modes); all-to-all-v the needed keys it does not own (max over ranks). plan_ms = host time of the plan "
+        "and every rank's passes divided by W (each rank builds the plan and its own passes once per step). Timing (CUDA only): each rank's varlen "
+        "calls (forward+backward, over K/V already gathered) one rank after the other on one GPU, median of "
+        "triton.testing.do_bench; communication excluded."
     )
     return rows, notes
 
@@ -167,30 +159,28 @@ def run(worlds: list[int], token_counts: list[int]) -> tuple[list[dict], str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[32768, 65536])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[32768, 131072])
+    parser.add_argument("--time-tokens", type=int, nargs="*", default=[32768], help="token counts to time on CUDA")
     parser.add_argument("--out-dir", default=None)
     parser.add_argument("--name", default="cp_imbalance")
     args = parser.parse_args(argv)
     header = machine_header()
-    rows, notes = run(args.worlds, args.tokens)
+    rows, notes = run(args.worlds, args.tokens, args.time_tokens)
     columns = [
-        "tokens",
-        "docs",
-        "W",
-        ("area_max_over_mean", "mask area max/mean"),
-        ("busiest_rank", "busiest rank"),
-        ("rr_area_max_over_mean", "round-robin area max/mean"),
+        "tokens", "docs", "W", "sharding",
+        ("work_max_over_mean", "causal work max/mean"),
+        ("head_tail_max_over_mean", "head-tail max/mean"),
+        ("passes_max", "passes/rank"),
         ("kv_recv_allgather", "K/V recv all-gather"),
-        ("kv_recv_needed_max", "K/V recv needed-only (max)"),
+        ("kv_recv_a2a_max", "K/V recv a2a (max)"),
+        ("plan_ms", "plan ms/step"),
         "backend",
-        ("fwd_ms_max", "fwd ms (busiest)"),
-        ("fwd_max_over_mean", "fwd time max/mean"),
         ("fwd_bwd_ms_max", "fwd+bwd ms (busiest)"),
-        ("fwd_bwd_max_over_mean", "fwd+bwd time max/mean"),
-    ]
-    md, js = write_report(
-        args.name, rows, columns, notes, header=header, out_dir=args.out_dir, title="Contiguous CP load imbalance"
-    )
+        ("fwd_bwd_ms_mean", "fwd+bwd ms (mean)"),
+        ("time_max_over_mean", "fwd+bwd time max/mean"),
+    ]  # fmt: skip
+    md, js = write_report(args.name, rows, columns, notes, header=header, out_dir=args.out_dir,
+                          title="CP load balance: contiguous and balanced sharding")  # fmt: skip
     print(f"wrote {md} and {js}")
     return 0
 
