@@ -149,7 +149,8 @@ def run(worlds: list[int], token_counts: list[int], time_tokens: list[int]) -> t
         "piece size). Balanced = plan_cp_shards(sharding='balanced', chunk=128). passes = varlen calls per rank and "
         "attention layer. kv_recv = K/V tokens a rank receives per layer: all-gather S - L on every rank (both "
         "modes); all-to-all-v the needed keys it does not own (max over ranks). plan_ms = host time of the plan "
-        "and every rank's passes divided by W (each rank builds the plan and its own passes once per step). Timing (CUDA only): each rank's varlen "
+        "and every rank's passes divided by W (each rank builds the plan and its own passes once per step). "
+        "Timing (CUDA only): each rank's varlen "
         "calls (forward+backward, over K/V already gathered) one rank after the other on one GPU, median of "
         "triton.testing.do_bench; communication excluded."
     )
