@@ -17,6 +17,18 @@ from longtrain import train
 LONGTRAIN = [sys.executable, "-m", "longtrain.cli"]
 
 
+def _cli(args: list[str]) -> int:
+    """The ``longtrain`` command in this process (argparse errors exit 2 like the command)."""
+    from longtrain import cli
+
+    try:
+        return cli.main(args)
+    except SystemExit as exc:
+        if exc.code not in (0, None) or "--version" not in args:
+            return int(exc.code or 0)
+        raise
+
+
 def _run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.run(LONGTRAIN + args, capture_output=True, text=True, timeout=timeout, env=env)
@@ -74,11 +86,10 @@ def test_demo_yaml_config_and_flags_override(tmp_path):
         "missing-config",
     ],
 )
-def test_demo_bad_options_fail_fast(args, message):
-    res = _run(["demo", *args], timeout=60)
-    assert res.returncode == 2, (res.stdout, res.stderr)
-    assert message in res.stderr
-    assert "parity:" not in res.stdout
+def test_demo_bad_options_fail_fast(args, message, capsys):
+    assert _cli(["demo", *args]) == 2
+    out = capsys.readouterr()
+    assert message in out.err and "parity:" not in out.out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error messages")
@@ -86,28 +97,70 @@ def test_demo_bad_options_fail_fast(args, message):
     "args, message",
     [
         (["--device", "cuda"], "no CUDA device"),
-        (["--attn-backend", "flash"], "not available here"),
+        (["--attn-backend", "flash"], "needs a CUDA device"),
         (["--dsa-backend", "cudnn"], "not available"),
         (["--dsa-backend", "triton"], "not available"),
     ],
     ids=["cuda", "flash", "cudnn", "triton"],
 )
-def test_demo_unavailable_backends_fail_fast_on_cpu(args, message, monkeypatch):
-    env_interp = os.environ.pop("TRITON_INTERPRET", None)
-    try:
-        res = _run(["demo", *args], timeout=60)
-    finally:
-        if env_interp is not None:
-            os.environ["TRITON_INTERPRET"] = env_interp
-    assert res.returncode == 2, (res.stdout, res.stderr)
-    assert message in res.stderr
+def test_demo_unavailable_backends_fail_fast_on_cpu(args, message, monkeypatch, capsys):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert _cli(["demo", *args]) == 2
+    assert message in capsys.readouterr().err
 
 
-def test_demo_config_unknown_key(tmp_path):
+def test_demo_config_unknown_key(tmp_path, capsys):
     cfg = tmp_path / "bad.yaml"
     cfg.write_text("steps: 2\nlearning_rate: 0.1\n")
-    res = _run(["demo", "--config", str(cfg)], timeout=60)
-    assert res.returncode == 2 and "unknown key(s) ['learning_rate']" in res.stderr
+    assert _cli(["demo", "--config", str(cfg)]) == 2
+    assert "unknown key(s) ['learning_rate']" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "yaml_text, message",
+    [
+        ("prewarm: true\n", "prewarm: true is ambiguous"),
+        ("prewarm: {cublas_backwards: true}\n", "prewarm:"),
+        ("prewarm: {cublas_backward: 3}\n", "prewarm:"),
+        ("model: {hiden_size: 64}\n", "valid keys: ["),
+    ],
+    ids=["prewarm-true", "prewarm-bad-key", "prewarm-bad-value", "model-bad-key"],
+)
+def test_demo_config_sections_checked_before_any_rank_starts(tmp_path, capsys, yaml_text, message, monkeypatch):
+    started = []
+    monkeypatch.setattr(train, "launch", lambda cfg: started.append(cfg))
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(yaml_text)
+    assert _cli(["demo", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and not started
+
+
+def test_demo_config_without_pyyaml_says_how_to_install(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "yaml", None)
+    cfg = tmp_path / "demo.yaml"
+    cfg.write_text("steps: 2\n")
+    assert _cli(["demo", "--config", str(cfg)]) == 2
+    assert "pip install pyyaml" in capsys.readouterr().err
+
+
+def test_version_and_python_m(capsys):
+    from longtrain import __version__
+
+    with pytest.raises(SystemExit) as exc:
+        _cli(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.strip() == f"longtrain {__version__}"
+    res = subprocess.run([sys.executable, "-m", "longtrain", "--version"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and res.stdout.strip() == f"longtrain {__version__}"
+
+
+def test_packaging_metadata():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "pyproject.toml").read_text()
+    assert 'license = "Apache-2.0"' in text and "Apache License" in (root / "LICENSE").read_text()
+    assert (root / "src" / "longtrain" / "py.typed").exists()
 
 
 def test_demo_help_explains_options():

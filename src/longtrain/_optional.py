@@ -103,7 +103,7 @@ def triton_interpret() -> bool:
 @functools.cache
 def flash_attn() -> Probe:
     """The flash-attn package with its varlen entry point."""
-    return _import("flash_attn", "flash_attn_varlen_func", "flash-attn")
+    return _import("flash_attn", "flash_attn_varlen_func", "flash-attn --no-build-isolation")
 
 
 flash_attn_varlen = flash_attn
@@ -190,7 +190,7 @@ def fla() -> Probe:
 @functools.cache
 def mamba_ssm() -> Probe:
     """mamba-ssm with the chunked SSD scan."""
-    return _import("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined", "mamba-ssm")
+    return _import("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined", "mamba-ssm --no-build-isolation")
 
 
 _ALL_PROBES = (

@@ -64,7 +64,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from longtrain import __version__
+
     parser = argparse.ArgumentParser(prog="longtrain", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"longtrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("doctor", help="show which backends of every module can run here, and why not")
     p.set_defaults(func=cmd_doctor)

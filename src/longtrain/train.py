@@ -79,8 +79,10 @@ class DemoConfig:
     """Output folder: metrics.jsonl, loss_curve.png, summary.json."""
     model: dict[str, Any] = field(default_factory=dict)
     """Overrides of :class:`longtrain.models.TinyLMConfig` (e.g. ``hidden_size``, ``layers``, ``dsa``)."""
-    prewarm: dict[str, Any] | bool | None = True
-    """The ``prewarm:`` section (see :meth:`longtrain.prewarm.PrewarmConfig.from_dict`); ``true`` warms everything."""
+    prewarm: dict[str, Any] | bool | None = None
+    """The ``prewarm:`` section, read by :meth:`longtrain.prewarm.PrewarmConfig.from_dict` (``true`` is refused
+    there and here); None: the demo's set (cuBLAS, fla GDN, DSA and block-diagonal autotune, comm groups);
+    ``false`` (``--no-prewarm``): none."""
     parity: bool = True
     """Run the step-1 parity check against a single-rank run of the same row."""
     progress: bool = True
@@ -112,8 +114,12 @@ class DemoConfig:
     @classmethod
     def from_yaml(cls, path: str | os.PathLike, **overrides: Any) -> DemoConfig:
         """Read the YAML file (top-level keys are the fields of this class), then apply ``overrides``."""
-        import yaml
-
+        try:
+            import yaml
+        except ImportError:
+            raise DemoConfigError(
+                f"--config {path}: reading YAML needs pyyaml: pip install pyyaml (or pip install 'longtrain[demo]')"
+            ) from None
         try:
             data = yaml.safe_load(Path(path).read_text()) or {}
         except FileNotFoundError:
@@ -128,6 +134,13 @@ class DemoConfig:
             raise DemoConfigError(f"--config {path}: unknown key(s) {unknown}; valid keys: {sorted(known)}")
         data.update(overrides)
         return cls(**data)
+
+
+#: The prewarms the demo runs when its config has no ``prewarm:`` section.
+DEMO_PREWARM = {
+    "cublas_backward": True, "fla_gdn_autotune": True, "dsa_autotune": True, "blockdiag_autotune": True,
+    "comm_groups": True,
+}  # fmt: skip
 
 
 def resolve_device(cfg: DemoConfig) -> torch.device:
@@ -165,6 +178,18 @@ def check_environment(cfg: DemoConfig) -> None:
         state.normalize_kv_exchange(cfg.kv_exchange)
     except ValueError as exc:
         raise DemoConfigError(str(exc)) from None
+    if device.type != "cuda" and attn not in ("auto", "dense", "reference", "flex"):
+        raise DemoConfigError(
+            f"--attn-backend {cfg.attn_backend}: needs a CUDA device, and this run is on {device} "
+            "(use --attn-backend auto, reference or dense on CPU)"
+        )
+    if cfg.prewarm is not None and cfg.prewarm is not False:
+        from longtrain.prewarm import PrewarmConfig, PrewarmConfigError
+
+        try:
+            PrewarmConfig.from_dict(cfg.prewarm)
+        except PrewarmConfigError as exc:
+            raise DemoConfigError(f"prewarm: {exc}") from None
     if attn not in ("auto", "dense"):
         reason = providers.unavailable_reason(attn, dtype, device)
         if reason is not None:
@@ -194,6 +219,10 @@ def build_model_config(cfg: DemoConfig, device: torch.device):
             f"model.layers={overrides['layers']!r} has a GDN layer 'N', which needs CUDA and fla "
             f"({_optional.fla()[1] or 'CPU device'})"
         )
+    valid = sorted(f.name for f in dataclasses.fields(TinyLMConfig))
+    unknown = sorted(set(overrides) - set(valid))
+    if unknown:
+        raise DemoConfigError(f"model: unknown key(s) {unknown}; valid keys: {valid}")
     try:
         model_cfg = TinyLMConfig(**overrides, dsa=dsa)
         model_cfg.dsa_config()
@@ -338,13 +367,8 @@ def run_rank(cfg: DemoConfig) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     model = TinyLM(build_model_config(cfg, device)).to(device=device, dtype=dtype)
     attach_cp1_packed_varlen_hooks(model)
-    if cfg.prewarm not in (None, False):
-        section = cfg.prewarm
-        if section is True:
-            section = {
-                "cublas_backward": True, "fla_gdn_autotune": True, "dsa_autotune": True, "blockdiag_autotune": True,
-                "comm_groups": True,
-            }  # fmt: skip
+    if cfg.prewarm is not False:
+        section = DEMO_PREWARM if cfg.prewarm is None else cfg.prewarm
         # run_prewarms is what PrewarmConfig.apply runs; the demo prints its report.
         report = run_prewarms(PrewarmConfig.from_dict(section), [model], device, batch_size=1)
         if rank == 0:

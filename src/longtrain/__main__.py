@@ -1,0 +1,7 @@
+"""``python -m longtrain``: the ``longtrain`` command."""
+
+import sys
+
+from longtrain.cli import main
+
+sys.exit(main())
