@@ -39,6 +39,7 @@ class CPStepError(RuntimeError):
 
 
 _SEQUENCE: dict[tuple, itertools.count] = {}
+_POLL_S = 1.0
 
 
 def _store(group: Any):
@@ -67,18 +68,25 @@ def exchange_fingerprints(group: Any, rank: int, world: int, payload: str, timeo
     prefix = f"longtrain/cp_step/{'-'.join(map(str, key))}/{seq}"
     keys = [f"{prefix}/{r}" for r in range(world)]
     store.set(keys[rank], payload)
-    wait = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else store.timeout
+    bound = timeout_s if timeout_s is not None else store.timeout.total_seconds()
     start = time.monotonic()
-    try:
-        store.wait(keys, wait)
-    except Exception as exc:  # the store's timeout error (its class differs between torch versions)
-        missing = [r for r in range(world) if not store.check([keys[r]])]
-        if not missing:
-            raise
-        raise CPTimeoutError(
-            f"CP ranks {missing} of {world} did not reach the step check within {time.monotonic() - start:.1f} s "
-            f"(step {seq}); they failed or are stuck before the step (this rank: {rank})"
-        ) from exc
+    while True:  # short waits, so that a signal (Ctrl-C) reaches Python within a second
+        left = bound - (time.monotonic() - start)
+        try:
+            store.wait(keys, datetime.timedelta(seconds=min(_POLL_S, max(left, 0.001))))
+            break
+        except Exception as exc:  # the store's timeout error (its class differs between torch versions)
+            if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
+                raise
+            if time.monotonic() - start < bound:
+                continue
+            missing = [r for r in range(world) if not store.check([keys[r]])]
+            if not missing:
+                continue
+            raise CPTimeoutError(
+                f"CP ranks {missing} of {world} did not reach the step check within {time.monotonic() - start:.1f} "
+                f"s (step {seq}); they failed or are stuck before the step (this rank: {rank})"
+            ) from exc
     values = [v.decode() if isinstance(v, bytes) else str(v) for v in store.multi_get(keys)]
     if seq:
         with contextlib.suppress(Exception):
