@@ -44,9 +44,9 @@ def apply_dsa(model: torch.nn.Module, *, backend: str = "auto") -> int:
     ``backend``: ``"auto" | "triton" | "cudnn" | "torch"`` for both ops. Training and evaluation forwards only: a
     forward that would read or fill a KV cache outside training (generation) raises a ``ValueError``.
     """
-    from . import hf
+    from .hf_blockdiag import ATTN_IMPLEMENTATION, register
 
-    hf.register()
+    register()
     ops._check_backend(backend)
     count = 0
     for module in model.modules():
@@ -60,7 +60,7 @@ def apply_dsa(model: torch.nn.Module, *, backend: str = "auto") -> int:
             f"apply_dsa found no DSA attention module ({', '.join(DSA_ATTENTION_CLASSES)}) in "
             f"{type(model).__name__}: it is for transformers' glm_moe_dsa and deepseek_v32 models"
         )
-    model.set_attn_implementation(hf.ATTN_IMPLEMENTATION)  # its mask function builds no dense mask
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)  # its mask function builds no dense mask
     return count
 
 
@@ -101,7 +101,7 @@ def _runs(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _metadata(batch_size: int, seq_len: int, device, position_ids, attention_mask):
-    from .hf import packed_doc_ids
+    from .hf_blockdiag import packed_doc_ids
 
     mask = attention_mask if isinstance(attention_mask, torch.Tensor) else None
     sources = [t for t in (position_ids, mask) if isinstance(t, torch.Tensor)]
