@@ -217,6 +217,9 @@ def test_ctrl_c_stops_all_ranks(tmp_path):
         text=True,
         env=env,
         start_new_session=True,
+        # as in a terminal: a job started in the background of a non-interactive shell (some CI runners) inherits
+        # SIGINT ignored, and Python then never raises KeyboardInterrupt
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         deadline = time.monotonic() + 120
