@@ -63,3 +63,24 @@ def test_combine_reports_writes_markdown_json_and_chart(tmp_path):
     assert "| flash | 311.0 | 286.0 |" in text and "| dense | - | - |" in text and "a note" in text
     assert json.loads(js.read_text())["reports"][0]["rows"][0]["backend"] == "flash"
     assert png is not None and png.stat().st_size > 1000
+
+
+def test_bench_report_on_a_committed_run(tmp_path):
+    """The combiner on a fixed JSON (the committed H200 run): one panel per layout with every backend named, forward
+    and backward side by side, the anchors as lines, and the headline ratio first in the markdown."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    report = json.loads((root / "benchmarks/results/blockdiag_attention_isolation_2026-12-01.json").read_text())
+    groups = bench.backend_groups(report)
+    assert len(groups) == 2 and all(len(rows) == len(report["rows"]) // 2 for rows in groups.values())
+    names = [name for name, _, _ in next(iter(groups.values()))]
+    assert "cp_varlen_attention (W=1 step, auto)" in names and "flex (compiled, block mask)" in names
+    anchors = bench.load_anchors(root / "benchmarks")
+    assert {"blockdiag_attention", "dsa"} <= set(anchors)
+    md, js, png = bench.combine_reports([report], tmp_path, anchors=anchors)
+    text = md.read_text()
+    first = text.split("\n## ")[0]
+    assert "Ours against the best other backend" in first and first.count("x**") == 4  # 2 layouts x fwd/bwd
+    assert "FA3 varlen causal-document" in text
+    assert png is not None and png.stat().st_size > 20000

@@ -19,7 +19,21 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SUITES", "add_bench_arguments", "combine_reports", "find_benchmarks_dir", "main"]
+__all__ = [
+    "OURS",
+    "SUITES",
+    "add_bench_arguments",
+    "backend_groups",
+    "combine_reports",
+    "find_benchmarks_dir",
+    "headline",
+    "load_anchors",
+    "main",
+]
+
+#: Substrings of the backend names of rows that run through longtrain's own entry points (the rest are the kernels
+#: called directly: the baselines).
+OURS = ("cp_varlen_attention", "varlen_attention(", "driver ", "longtrain", "ours")
 
 # suite -> (script, the flag that names its output folder, extra arguments)
 SUITES: dict[str, tuple[str, str, tuple[str, ...]]] = {
@@ -72,12 +86,109 @@ def _tflops_series(report: dict[str, Any]) -> list[tuple[str, float]]:
     return out
 
 
-def combine_reports(reports: list[dict[str, Any]], out_dir: Path) -> tuple[Path, Path, Path | None]:
-    """Write ``bench_<date>.md``, ``.json`` and ``.png`` (TFLOP/s bars) combining ``reports`` into ``out_dir``."""
+def load_anchors(bench_dir: Path | None = None) -> dict[str, list[dict[str, Any]]]:
+    """The reference figures of ``benchmarks/anchors.json`` per report name (empty when the file is absent)."""
+    path = (bench_dir or find_benchmarks_dir() or Path(".")) / "anchors.json"
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    return {k: v for k, v in data.items() if not k.startswith("_")}
+
+
+def backend_groups(report: dict[str, Any]) -> dict[str, list[tuple[str, float | None, float | None]]]:
+    """Rows of a report with ``backend`` and ``fwd_tflops``/``bwd_tflops`` grouped by layout: ``{"32768 tokens,
+    U[512,8192] seed 1": [(backend, fwd, bwd), ...]}`` in row order (None where a backend did not run)."""
+    groups: dict[str, list[tuple[str, float | None, float | None]]] = {}
+    for row in report.get("rows", []):
+        if "backend" not in row or not ({"fwd_tflops", "bwd_tflops"} & set(row) or row.get("status")):
+            continue
+        parts = [f"{row['tokens']} tokens" if "tokens" in row else None, row.get("layout") or row.get("docs")]
+        key = ", ".join(str(p) for p in parts if p is not None) or "all rows"
+        num = [row.get(k) if isinstance(row.get(k), (int, float)) else None for k in ("fwd_tflops", "bwd_tflops")]
+        groups.setdefault(key, []).append((str(row["backend"]), num[0], num[1]))
+    return groups
+
+
+def headline(report: dict[str, Any]) -> list[str]:
+    """Per layout: our best forward / backward against the best other backend of the same run, as ratios."""
+    lines = []
+    for key, rows in backend_groups(report).items():
+        ours = [r for r in rows if any(m in r[0] for m in OURS)]
+        others = [r for r in rows if r not in ours]
+        for i, what in ((1, "forward"), (2, "backward")):
+            mine = max((r for r in ours if r[i] is not None), key=lambda r: r[i], default=None)
+            best = max((r for r in others if r[i] is not None), key=lambda r: r[i], default=None)
+            if mine and best:
+                lines.append(f"- {key}, {what}: ours {mine[i]:.0f} TFLOP/s ({mine[0]}) vs the best other "
+                             f"{best[i]:.0f} ({best[0]}): **{mine[i] / best[i]:.2f}x**")  # fmt: skip
+    return lines
+
+
+def _chart(reports: list[dict[str, Any]], anchors: dict[str, list[dict[str, Any]]], png_path: Path) -> Path | None:
+    """One panel per layout: every backend named, forward and backward bars side by side, anchors as marked lines;
+    reports without backend rows get one panel of their TFLOP/s cells."""
+    panels = []
+    for rep in reports:
+        groups = backend_groups(rep)
+        for key, rows in groups.items():
+            panels.append((f"{rep.get('name')}: {key}", rows, anchors.get(str(rep.get("name")), [])))
+        if not groups:
+            series = _tflops_series(rep)
+            if series:
+                panels.append((str(rep.get("name")), [(label, value, None) for label, value in series], []))
+    if not panels:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    heights = [0.32 * len(rows) + 1.4 for _, rows, _ in panels]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, sum(heights)), dpi=110, squeeze=False,
+                             gridspec_kw={"height_ratios": heights}, layout="constrained")  # fmt: skip
+    for ax, (title, rows, marks) in zip(axes[:, 0], panels):
+        names = [r[0] for r in rows]
+        ypos = list(range(len(rows)))
+        fwd = [r[1] or 0.0 for r in rows]
+        bwd = [r[2] or 0.0 for r in rows]
+        ax.barh([y - 0.2 for y in ypos], fwd, height=0.4, color="#3a7bd5", label="forward")
+        ax.barh([y + 0.2 for y in ypos], bwd, height=0.4, color="#e8833a", label="backward")
+        for y, (_, f, b) in zip(ypos, rows):
+            if f is None and b is None:
+                ax.text(1, y, "did not run", va="center", fontsize=6, color="#777777")
+        styles = ("--", ":", "-.")
+        for i, mark in enumerate(marks):
+            for value, color, what in ((mark.get("fwd"), "#1f4e9c", "fwd"), (mark.get("bwd"), "#a84f12", "bwd")):
+                if value:
+                    ax.axvline(value, color=color, linestyle=styles[i % 3], linewidth=0.9,
+                               label=f"anchor {what}: {mark['label']} ({value})")  # fmt: skip
+        ax.set_yticks(ypos, names, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(title, fontsize=8, loc="left")
+        ax.set_xlabel("TFLOP/s", fontsize=7)
+        ax.grid(axis="x", alpha=0.3)
+        ax.legend(fontsize=6, loc="lower right")
+    fig.savefig(png_path)
+    plt.close(fig)
+    return png_path
+
+
+def combine_reports(
+    reports: list[dict[str, Any]], out_dir: Path, anchors: dict[str, list[dict[str, Any]]] | None = None
+) -> tuple[Path, Path, Path | None]:
+    """Write ``bench_<date>.md`` (the headline ratios first), ``.json`` and ``.png`` (one panel per layout, every
+    backend named, forward and backward side by side, the anchors of ``benchmarks/anchors.json`` as marked lines)
+    combining ``reports`` into ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    anchors = load_anchors() if anchors is None else anchors
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     md_path, json_path, png_path = (out_dir / f"bench_{stamp}.{ext}" for ext in ("md", "json", "png"))
     parts = [f"# longtrain bench ({stamp})", ""]
+    heads = [line for rep in reports for line in headline(rep)]
+    if heads:
+        parts += ["Ours against the best other backend in the same run:", "", *heads, ""]
     if reports:
         header = reports[0].get("header", {})
         parts += ["| machine | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in header.items()] + [""]
@@ -85,28 +196,15 @@ def combine_reports(reports: list[dict[str, Any]], out_dir: Path) -> tuple[Path,
         parts += [f"## {rep.get('name', '?')}", "", _markdown_table(rep.get("columns", []), rep.get("rows", [])), ""]
         if rep.get("notes"):
             parts += [str(rep["notes"]), ""]
+    for rep in reports:
+        marks = anchors.get(str(rep.get("name")), [])
+        if marks:
+            listed = "; ".join(f"{m['label']} {m.get('fwd', '-')} / {m.get('bwd', '-')} ({m.get('where', '')})"
+                               for m in marks)  # fmt: skip
+            parts += [f"Anchors for {rep.get('name')} (forward / backward TFLOP/s): {listed}", ""]
     md_path.write_text("\n".join(parts))
-    json_path.write_text(json.dumps({"reports": reports}, indent=1, default=str) + "\n")
-    series = [(f"{rep.get('name')}: {label}", v) for rep in reports for label, v in _tflops_series(rep)]
-    if not series:
-        return md_path, json_path, None
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return md_path, json_path, None
-    fig, ax = plt.subplots(figsize=(9, 0.28 * len(series) + 1.2), dpi=110)
-    ax.barh([s[0] for s in series], [s[1] for s in series], color="#3a7bd5")
-    ax.invert_yaxis()
-    ax.set_xlabel("TFLOP/s")
-    ax.tick_params(axis="y", labelsize=7)
-    ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(png_path)
-    plt.close(fig)
-    return md_path, json_path, png_path
+    json_path.write_text(json.dumps({"reports": reports, "anchors": anchors}, indent=1, default=str) + "\n")
+    return md_path, json_path, _chart(reports, anchors, png_path)
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
