@@ -149,3 +149,22 @@ f: {prewarm: {cublas_backward: "no"}}
     assert PrewarmConfig.from_dict(doc["e"]["prewarm"]) == PrewarmConfig()  # YAML 1.1 `no` is a boolean
     with pytest.raises(PrewarmConfigError, match="got str 'no'"):  # a quoted "no" is a string: refused
         PrewarmConfig.from_dict(doc["f"]["prewarm"])
+
+
+def test_one_step_table_drives_switches_order_messages_and_status():
+    """PrewarmConfig's switches, `enabled` order, the run order, the failure messages and `backend_status` all come
+    from longtrain.prewarm.steps (one table)."""
+    import dataclasses
+
+    from longtrain.prewarm import PrewarmConfig, backend_status
+    from longtrain.prewarm.report import _FAILURE_MESSAGES, _planned_steps
+    from longtrain.prewarm.steps import PREWARM_STEPS, SWITCHES
+
+    bool_fields = [f.name for f in dataclasses.fields(PrewarmConfig) if f.type in ("bool", bool)]
+    assert sorted(bool_fields) == sorted(SWITCHES)
+    everything = PrewarmConfig(**{name: True for name in SWITCHES}, fla_gdn_seq_len=4096)
+    assert everything.enabled == list(SWITCHES)
+    planned = [name for name, _ in _planned_steps(everything, [], "cpu", 1, None)]
+    assert planned == [s.name for s in PREWARM_STEPS] and planned[-1] == "comm_groups"
+    assert set(_FAILURE_MESSAGES) == set(planned)
+    assert [name for name, _ in backend_status()] == list(SWITCHES)

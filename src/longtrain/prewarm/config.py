@@ -15,13 +15,14 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
+from longtrain.prewarm.steps import SWITCHES
+
+
 class PrewarmConfigError(ValueError, TypeError):
     """An invalid ``prewarm:`` section (a ``ValueError`` and a ``TypeError``, so either ``except`` catches it)."""
 
 
-_SWITCHES = (
-    "cublas_backward", "fla_gdn_autotune", "mamba_ssd_autotune", "comm_groups", "dsa_autotune", "blockdiag_autotune",
-)  # fmt: skip
+_SWITCHES = SWITCHES  # the switches of the one step table (longtrain.prewarm.steps), in run order
 _IGNORED_KEYS = frozenset({"_target_"})
 
 
@@ -128,11 +129,7 @@ class PrewarmConfig:
     @property
     def enabled(self) -> list[str]:
         """Names of the enabled prewarms, in run order."""
-        order = (
-            "cublas_backward", "fla_gdn_autotune", "mamba_ssd_autotune", "dsa_autotune", "blockdiag_autotune",
-            "comm_groups",
-        )  # fmt: skip
-        return [name for name in order if getattr(self, name)]
+        return [name for name in SWITCHES if getattr(self, name)]
 
     def apply(
         self,

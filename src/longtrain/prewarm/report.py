@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from longtrain.prewarm._common import _collect_notes, _log, _normalize_device, _pkg, _rng_neutral
+from longtrain.prewarm.steps import PREWARM_STEPS, RunContext
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -159,15 +160,7 @@ def _report_device(device: torch.device | int | str | None) -> torch.device | No
         return None
 
 
-_FAILURE_MESSAGES = {
-    "cublas_backward": "cuBLAS backward prewarm failed; continuing without it.",
-    "fla_gdn_autotune": "fla GDN autotune prewarm failed; continuing without it.",
-    "fla_gdn_l2norm_bucket": "fla GDN l2norm bucket prewarm failed; continuing without it.",
-    "mamba_ssd_autotune": "Mamba SSD autotune prewarm failed; continuing without it.",
-    "dsa_autotune": "DSA autotune prewarm failed; continuing without it.",
-    "blockdiag_autotune": "Block-diagonal attention autotune prewarm failed; continuing without it.",
-    "comm_groups": "Communication-group prewarm failed; continuing without it.",
-}
+_FAILURE_MESSAGES = {step.name: step.failure for step in PREWARM_STEPS}
 
 
 def _planned_steps(
@@ -177,33 +170,15 @@ def _planned_steps(
     batch_size: int,
     pp_mesh: DeviceMesh | None,
 ) -> list[tuple[str, Callable[[], Any]]]:
-    """The enabled workers as closures, in the fixed run order; each looks its worker up on the package when run
-    (so a test's ``monkeypatch.setattr(longtrain.prewarm, "_prewarm_...", fake)`` is what runs)."""
+    """The enabled steps of the table (:mod:`longtrain.prewarm.steps`) as closures, in its run order; each looks
+    its worker up on the package when run."""
     pkg = _pkg()
-    steps: list[tuple[str, Callable[[], Any]]] = []
-    if config.cublas_backward:
-        steps.append(("cublas_backward", lambda: pkg._prewarm_cublas_backward(device)))
-    if config.fla_gdn_autotune:
-        steps.append(
-            ("fla_gdn_autotune", lambda: pkg._prewarm_fla_gdn_autotune(model_parts, device, batch_size=batch_size))
-        )
-        if config.fla_gdn_seq_len:
-            seq_len = config.fla_gdn_seq_len
-            steps.append(
-                (
-                    "fla_gdn_l2norm_bucket",
-                    lambda: pkg._prewarm_fla_gdn_l2norm_bucket(model_parts, device, batch_size, seq_len),
-                )
-            )
-    if config.mamba_ssd_autotune:
-        steps.append(("mamba_ssd_autotune", lambda: pkg._prewarm_mamba_ssd_autotune(model_parts, device)))
-    if config.dsa_autotune:
-        steps.append(("dsa_autotune", lambda: pkg._prewarm_dsa_autotune(model_parts, device)))
-    if config.blockdiag_autotune:
-        steps.append(("blockdiag_autotune", lambda: pkg._prewarm_blockdiag_autotune(model_parts, device)))
-    if config.comm_groups:  # last: the only collective, issued once every local warmup is done
-        steps.append(("comm_groups", lambda: pkg._prewarm_comm_groups(model_parts, device, pp_mesh=pp_mesh)))
-    return steps
+    ctx = RunContext(model_parts, device, batch_size, pp_mesh, config)
+    return [
+        (step.name, lambda step=step: step.call(pkg, ctx))
+        for step in PREWARM_STEPS
+        if getattr(config, step.switch) and (step.when is None or step.when(config))
+    ]
 
 
 def run_prewarms(
@@ -215,8 +190,9 @@ def run_prewarms(
 ) -> PrewarmReport:
     """Run the prewarms ``config`` enables and return (and log at INFO) a :class:`PrewarmReport`.
 
-    Order: ``cublas_backward``, ``fla_gdn_autotune`` (then its l2-norm bucket pass when ``fla_gdn_seq_len``
-    is set), ``mamba_ssd_autotune``, ``dsa_autotune``, ``comm_groups``. Each runs inside its own
+    Order: the table of :mod:`longtrain.prewarm.steps`: ``cublas_backward``, ``fla_gdn_autotune`` (then its
+    l2-norm bucket pass when ``fla_gdn_seq_len`` is set), ``mamba_ssd_autotune``, ``dsa_autotune``,
+    ``blockdiag_autotune``, ``comm_groups``. Each runs inside its own
     ``try/except Exception`` (a failure is logged at ERROR with a fixed message and the next one still runs)
     and inside a fork of the CPU and target-CUDA generators, so the RNG state is unchanged afterwards even
     when a warmup failed. ``KeyboardInterrupt``/``SystemExit`` are not caught. Never raises an ``Exception``.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 
 from longtrain import _optional
+from longtrain.prewarm.steps import PREWARM_STEPS
 
 
 def _needs(*probes: tuple[bool, str]) -> str | None:
@@ -39,14 +40,17 @@ def _comm_probe() -> tuple[bool, str]:
 
 
 def backend_status() -> list[tuple[str, str | None]]:
-    """``(prewarm, None if it can run here else the reason)`` for every prewarm, in run order."""
+    """``(prewarm, None if it can run here else the reason)`` for every switch of the step table, in run order."""
     cuda = _optional.torch_cuda()
     cuda_reason = (False, f"needs CUDA ({cuda[1]})") if not cuda[0] else cuda
-    return [
-        ("cublas_backward", _needs(cuda_reason)),
-        ("fla_gdn_autotune", _needs(_optional.fla(), cuda_reason)),
-        ("mamba_ssd_autotune", _needs(_optional.mamba_ssm(), cuda_reason)),
-        ("dsa_autotune", _needs(_optional.triton(), cuda_reason, _dsa_warmup_probe())),
-        ("blockdiag_autotune", _needs(cuda_reason)),
-        ("comm_groups", _needs(_comm_probe())),
-    ]
+    probes = {
+        "cuda": (cuda_reason,),
+        "fla": (_optional.fla(), cuda_reason),
+        "mamba": (_optional.mamba_ssm(), cuda_reason),
+        "dsa": (_optional.triton(), cuda_reason, _dsa_warmup_probe()),
+        "comm": (_comm_probe(),),
+    }
+    first = {}
+    for step in PREWARM_STEPS:
+        first.setdefault(step.switch, step.needs)
+    return [(switch, _needs(*probes[needs])) for switch, needs in first.items()]
