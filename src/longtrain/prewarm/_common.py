@@ -325,3 +325,21 @@ def _warm_each_shape(
                 _release(dev)
     _log().info("Finished %s prewarm.", what)
     return ran
+
+
+def _device_and_shapes(
+    device: Any, what: str, collect: str, model_parts: list, missing: str, warning: str
+) -> tuple[Any, Any]:
+    """The preamble of every shape-driven worker: the CUDA device (``_resolve_cuda_device``) and the shapes the
+    package's ``collect`` function finds in ``model_parts``. ``(None, None)`` when there is no CUDA device, or no
+    shape (then ``warning`` is logged and ``missing`` noted as the skip reason)."""
+    pkg = _pkg()
+    dev = pkg._resolve_cuda_device(device, what)
+    if dev is None:
+        return None, None
+    shapes = getattr(pkg, collect)(model_parts)
+    if not shapes:
+        _log().warning(warning)
+        _note_skip(missing)
+        return None, None
+    return dev, shapes

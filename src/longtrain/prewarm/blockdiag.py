@@ -9,8 +9,7 @@ import torch
 from longtrain.blockdiag_cp.warmup import BLOCKDIAG_SHAPE_KEYS
 from longtrain.prewarm._common import (
     _collect_shapes,
-    _log,
-    _note_skip,
+    _device_and_shapes,
     _pkg,
     _shape_key,
     _skip,
@@ -40,13 +39,15 @@ def _prewarm_blockdiag_autotune(model_parts: list[torch.nn.Module], device: torc
         True if the warmup ran for at least one shape.
     """
     pkg = _pkg()
-    dev = pkg._resolve_cuda_device(device, "block-diagonal attention autotune")
+    dev, shapes = _device_and_shapes(
+        device,
+        "block-diagonal attention autotune",
+        "_collect_blockdiag_attention_shapes",
+        model_parts,
+        "no module exposes blockdiag_attention_shape()",
+        "blockdiag autotune prewarm enabled but no module exposes blockdiag_attention_shape().",
+    )
     if dev is None:
-        return False
-    shapes = pkg._collect_blockdiag_attention_shapes(model_parts)
-    if not shapes:
-        _log().warning("blockdiag autotune prewarm enabled but no module exposes blockdiag_attention_shape().")
-        _note_skip("no module exposes blockdiag_attention_shape()")
         return False
     ok, warmup = pkg.safe_import_from("longtrain.blockdiag_cp.warmup", "warmup")
     if not ok or not callable(warmup):

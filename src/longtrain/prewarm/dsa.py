@@ -8,8 +8,7 @@ import torch
 
 from longtrain.prewarm._common import (
     _collect_shapes,
-    _log,
-    _note_skip,
+    _device_and_shapes,
     _pkg,
     _shape_key,
     _skip,
@@ -42,13 +41,15 @@ def _prewarm_dsa_autotune(model_parts: list[torch.nn.Module], device: torch.devi
         True if the warmup ran for at least one shape.
     """
     pkg = _pkg()
-    dev = pkg._resolve_cuda_device(device, "DSA autotune")
+    dev, shapes = _device_and_shapes(
+        device,
+        "DSA autotune",
+        "_collect_dsa_autotune_shapes",
+        model_parts,
+        "no module exposes dsa_autotune_shape()",
+        "DSA autotune prewarm enabled but no module exposes dsa_autotune_shape().",
+    )
     if dev is None:
-        return False
-    shapes = pkg._collect_dsa_autotune_shapes(model_parts)
-    if not shapes:
-        _log().warning("DSA autotune prewarm enabled but no module exposes dsa_autotune_shape().")
-        _note_skip("no module exposes dsa_autotune_shape()")
         return False
     ok_triton, _ = pkg.safe_import("triton")
     if not ok_triton:

@@ -9,6 +9,7 @@ import torch
 
 from longtrain.prewarm._common import (
     _cdiv,
+    _device_and_shapes,
     _log,
     _log_failure,
     _named_modules_with_dtype,
@@ -209,13 +210,15 @@ def _prewarm_fla_gdn_autotune(
     _check_positive_int(seq_len, "seq_len")
     _check_positive_int(batch_size, "batch_size")
     pkg = _pkg()
-    dev = pkg._resolve_cuda_device(device, "fla GDN autotune")
+    dev, shapes = _device_and_shapes(
+        device,
+        "fla GDN autotune",
+        "_collect_gdn_autotune_shapes",
+        model_parts,
+        "no gated-delta-net modules found",
+        "fla GDN autotune prewarm enabled but no gated-delta-net modules were found.",
+    )
     if dev is None:
-        return False
-    shapes = pkg._collect_gdn_autotune_shapes(model_parts)
-    if not shapes:
-        _log().warning("fla GDN autotune prewarm enabled but no gated-delta-net modules were found.")
-        _note_skip("no gated-delta-net modules found")
         return False
     listing = sorted((h, k, v, str(dtype), name) for (h, k, v, dtype), name in shapes.items())
     _log().info("Prewarming fla GDN autotune caches for %d unique shape(s): %s", len(shapes), listing)

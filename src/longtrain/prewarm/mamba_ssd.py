@@ -7,6 +7,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from longtrain.prewarm._common import (
+    _device_and_shapes,
     _log,
     _log_failure,
     _named_modules_with_dtype,
@@ -131,13 +132,15 @@ def _prewarm_mamba_ssd_autotune(model_parts: list[torch.nn.Module], device: torc
         The end-to-end result; False when there is no CUDA device, no mixer or no ``mamba_ssm``.
     """
     pkg = _pkg()
-    dev = pkg._resolve_cuda_device(device, "Mamba SSD autotune")
+    dev, shapes = _device_and_shapes(
+        device,
+        "Mamba SSD autotune",
+        "_collect_mamba_ssd_autotune_shapes",
+        model_parts,
+        "no Mamba SSD mixer modules found",
+        "Mamba SSD autotune prewarm enabled but no Mamba SSD mixer modules were found.",
+    )
     if dev is None:
-        return False
-    shapes = pkg._collect_mamba_ssd_autotune_shapes(model_parts)
-    if not shapes:
-        _log().warning("Mamba SSD autotune prewarm enabled but no Mamba SSD mixer modules were found.")
-        _note_skip("no Mamba SSD mixer modules found")
         return False
     listing = sorted((*key[:5], str(key[5]), name) for key, name in shapes.items())
     _log().info("Prewarming Mamba SSD autotune caches for %d unique shape(s): %s", len(shapes), listing)
