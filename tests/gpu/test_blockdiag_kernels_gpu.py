@@ -1,6 +1,6 @@
 """GPU parity of the block-diagonal varlen backends with the float64 reference (skipped without CUDA).
 
-Tolerance (flash-attention rule, CONVENTIONS.md): a bf16 kernel's max error against the float64 reference
+Tolerance (tests/gpu/_tolerance.py): a bf16 kernel's max error against the float64 reference
 may be at most 2x the error of the same-dtype torch reference (the ``reference`` backend run in bf16) plus
 one bf16 rounding step of the reference values.
 """
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from longtrain.blockdiag_cp import kernels
+from tests.gpu._tolerance import assert_flash_rule_all
 
 pytestmark = [
     pytest.mark.gpu,
@@ -77,13 +78,7 @@ def _run(backend, q, k, v, ids, offset, meta, dout):
 
 
 def _assert_flash_rule(kernel, same_dtype_ref, ref64, what):
-    for name, a, b, r in zip(("out", "dq", "dk", "dv"), kernel, same_dtype_ref, ref64):
-        a, b = a.double(), b.double()
-        assert torch.isfinite(a).all(), f"{what} {name}: non-finite values"
-        err = (a - r).abs().max().item()
-        base = (b - r).abs().max().item()
-        step = (r.to(torch.bfloat16).double() - r).abs().max().item()
-        assert err <= 2 * base + step, f"{what} {name}: err {err:.3e} > 2 * {base:.3e} + {step:.3e}"
+    assert_flash_rule_all(what, ("out", "dq", "dk", "dv"), kernel, same_dtype_ref, ref64)
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)

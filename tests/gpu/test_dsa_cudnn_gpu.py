@@ -27,6 +27,7 @@ from longtrain.dsa import cudnn_dsa as cd
 from longtrain.dsa import ops
 from longtrain.dsa import reference as ref
 from longtrain.dsa.metadata import prepare_dsa_metadata
+from tests.gpu._tolerance import assert_flash_rule
 
 _SM90 = _optional.cuda_sm(9, 0)
 _CUDNN = _optional.cudnn_dsa()
@@ -50,12 +51,7 @@ def cudnn_only(monkeypatch):
 
 
 def _assert_flash_rule(name, actual, same_dtype, exact):
-    exact = exact.double()
-    err = (actual.double() - exact).abs().max().item()
-    base = (same_dtype.double() - exact).abs().max().item()
-    step = exact.abs().max().item() * 2**-8
-    assert torch.isfinite(actual).all(), name
-    assert err <= 2 * base + step, f"{name}: kernel error {err:.3e} > 2 * {base:.3e} + {step:.3e}"
+    assert_flash_rule(name, actual, same_dtype, exact)
 
 
 def _canonical_and_overlap(out, want, meta, k):

@@ -1,7 +1,7 @@
 """GPU parity of the Triton varlen backward (``providers.triton_varlen_bwd``) with the float64 reference.
 
 The kernel gets ``out``/``lse`` from torch's bundled FA2 forward (or cuDNN's, where the frontend is installed).
-Tolerance (flash-attention rule, CONVENTIONS.md): the kernel's max error against the float64 reference may be at
+Tolerance (tests/gpu/_tolerance.py): the kernel's max error against the float64 reference may be at
 most 2x the error of the same-dtype torch reference (per-document math SDPA run in bf16, autograd) plus one
 bf16 rounding step of the reference values.
 """
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from longtrain.blockdiag_cp.providers.reference import reference_varlen_attention
+from tests.gpu._tolerance import assert_flash_rule_all
 
 pytestmark = [
     pytest.mark.gpu,
@@ -102,13 +103,7 @@ def _fa2_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale):
 
 
 def _assert_flash_rule(kernel, same_dtype_ref, ref64, what):
-    for name, a, b, r in zip(("dq", "dk", "dv"), kernel, same_dtype_ref, ref64):
-        a, b = a.double(), b.double()
-        assert torch.isfinite(a).all(), f"{what} {name}: non-finite values (unwritten or NaN)"
-        err = (a - r).abs().max().item()
-        base = (b - r).abs().max().item()
-        step = (r.to(torch.bfloat16).double() - r).abs().max().item()
-        assert err <= 2 * base + step, f"{what} {name}: err {err:.3e} > 2 * {base:.3e} + {step:.3e}"
+    assert_flash_rule_all(what, ("dq", "dk", "dv"), kernel, same_dtype_ref, ref64)
 
 
 @pytest.fixture
