@@ -37,19 +37,10 @@ from longtrain.blockdiag_cp import (  # noqa: E402
 )
 from longtrain.blockdiag_cp.meta import meta_from_dict, validate_meta_dict  # noqa: E402
 from longtrain.blockdiag_cp.providers import cudnn, cudnn_cute, cudnn_graph, flash  # noqa: E402
+from longtrain.packing import BENCH_LAYOUTS, doc_lengths, ids_from_lengths  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
-LAYOUTS = {"long": (512, 8192, 1), "short": (64, 2048, 2)}
-
-
-def doc_lengths(total: int, lo: int, hi: int, seed: int) -> list[int]:
-    """Document lengths from U[lo, hi] (torch generator ``seed``) filling exactly ``total`` tokens."""
-    gen = torch.Generator().manual_seed(seed)
-    lengths: list[int] = []
-    while sum(lengths) < total:
-        lengths.append(int(torch.randint(lo, hi + 1, (1,), generator=gen)))
-    lengths[-1] -= sum(lengths) - total
-    return [n for n in lengths if n > 0]
+LAYOUTS = BENCH_LAYOUTS
 
 
 def _bhsd(t: torch.Tensor) -> torch.Tensor:
@@ -236,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         for layout in args.layouts:
             lo, hi, seed = LAYOUTS[layout]
             lengths = doc_lengths(total, lo, hi, seed)
-            ids = torch.repeat_interleave(torch.arange(1, len(lengths) + 1), torch.tensor(lengths))
+            ids = ids_from_lengths(lengths)
             meta_dict = kernels.precompute_blockdiag_varlen_meta(ids, 0, total, dev)
             assert validate_meta_dict(meta_dict, total, total, dev) is None
             meta = meta_from_dict(meta_dict)

@@ -33,10 +33,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import machine_header, write_report  # noqa: E402
-from blockdiag_attention import HKV, HQ, LAYOUTS, D, doc_lengths  # noqa: E402
+from blockdiag_attention import HKV, HQ, LAYOUTS, D  # noqa: E402
 from longtrain.blockdiag_cp import plan_cp_shards, resolve_backend, runtime  # noqa: E402
 from longtrain.blockdiag_cp.meta import segment_rank  # noqa: E402
 from longtrain.blockdiag_cp.sharding import rank_pieces  # noqa: E402
+from longtrain.packing import doc_lengths, ids_from_lengths  # noqa: E402
 
 NO_CUDA = "n/a (no CUDA)"
 MODES = ("contiguous", "balanced")
@@ -113,8 +114,7 @@ def run(worlds: list[int], token_counts: list[int], time_tokens: list[int]) -> t
         for name, lens in layouts.items():
             for world in worlds:
                 pad = (-tokens) % (2 * world)
-                ids = torch.cat([torch.repeat_interleave(torch.arange(1, len(lens) + 1), torch.tensor(lens)),
-                                 torch.zeros(pad, dtype=torch.int64)])  # fmt: skip
+                ids = ids_from_lengths(lens, pad)
                 for mode in MODES:
                     t0 = time.perf_counter()
                     plan = plan_cp_shards(lens, world, sharding=mode, pad=pad)

@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from blockdiag_attention import doc_lengths, mask_area  # noqa: E402
+from blockdiag_attention import mask_area  # noqa: E402
 from longtrain.blockdiag_cp import (  # noqa: E402
     configure_cp_varlen,
     cp_blockdiag_sdpa,
@@ -48,25 +48,25 @@ from longtrain.blockdiag_cp import (  # noqa: E402
     make_cp_blockdiag_batch_and_ctx,
     resolve_backend,
 )
+from longtrain.packing import doc_lengths, ids_from_lengths  # noqa: E402
 from longtrain.train import _Mesh  # noqa: E402
 
 EXCHANGES = ("allgather", "halo", "a2a")
 
 
-def ids_from_lengths(lengths: list[int], total: int) -> torch.Tensor:
+def ids_from_total(lengths: list[int], total: int) -> torch.Tensor:
     """Document ids 1.. for ``lengths`` then padding (0) up to ``total``."""
-    ids = torch.cat([torch.full((n,), i + 1, dtype=torch.long) for i, n in enumerate(lengths)])
-    return torch.cat([ids, torch.zeros(total - ids.numel(), dtype=torch.long)])
+    return ids_from_lengths(lengths, total - sum(lengths))
 
 
 def parity_layouts(total: int, world: int) -> dict[str, torch.Tensor]:
     local = total // world
     short = doc_lengths(total - 5, 1, 9, seed=3)
     return {
-        "straddle+padding": ids_from_lengths(doc_lengths(total - local // 2, local // 3, local + local // 2, 1), total),
-        "all-padding rank": ids_from_lengths([local // 2, local // 3], total),
-        "one document": ids_from_lengths([total], total),
-        "many short docs": ids_from_lengths(short, total),
+        "straddle+padding": ids_from_total(doc_lengths(total - local // 2, local // 3, local + local // 2, 1), total),
+        "all-padding rank": ids_from_total([local // 2, local // 3], total),
+        "one document": ids_from_total([total], total),
+        "many short docs": ids_from_total(short, total),
     }
 
 

@@ -30,9 +30,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import machine_header, write_report  # noqa: E402
-from blockdiag_attention import HKV, HQ, LAYOUTS, D, doc_lengths  # noqa: E402
+from blockdiag_attention import HKV, HQ, LAYOUTS, D  # noqa: E402
 from longtrain.blockdiag_cp import build_cp_step, consensus, cp_varlen_attention, providers, runtime  # noqa: E402
 from longtrain.blockdiag_cp.providers import cudnn  # noqa: E402
+from longtrain.packing import doc_lengths, ids_from_lengths  # noqa: E402
 
 # "cudnn" runs its CuTe DSL route where it can; "cudnn:graph" forces the graph route (which isolates by itself)
 PROVIDERS = ["cudnn", "cudnn:graph", "cudnn_fa4", "fa4", "fa4_cudnn", "flash", "flex"]
@@ -54,7 +55,7 @@ def isolation_rows(tokens: int) -> list[dict]:
     rows = []
     for lo, hi, seed in LAYOUTS.values():
         lengths = doc_lengths(tokens, lo, hi, seed)
-        ids = torch.repeat_interleave(torch.arange(1, len(lengths) + 1), torch.tensor(lengths)).to(dev)
+        ids = ids_from_lengths(lengths).to(dev)
         step = build_cp_step(ids, None, device=dev)
         gen = torch.Generator(device=dev).manual_seed(0)
         q, k, v = (torch.randn(tokens, h, D, device=dev, dtype=torch.bfloat16, generator=gen).requires_grad_()

@@ -25,7 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import machine_header, write_report  # noqa: E402
-from blockdiag_attention import LAYOUTS, doc_lengths  # noqa: E402
+from longtrain.packing import BENCH_LAYOUTS as LAYOUTS  # noqa: E402
+from longtrain.packing import doc_lengths, positions_from_lengths  # noqa: E402
 
 IMPLEMENTATIONS = ["longtrain_blockdiag", "flex_attention", "sdpa", "eager"]
 
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         lengths = doc_lengths(tokens, lo, hi, seed)
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(1, 32000, (1, tokens), generator=gen)
-        pos = torch.cat([torch.arange(n) for n in lengths])[None]
+        pos = positions_from_lengths(lengths)[None]
         labels = ids.clone()
         for start in torch.tensor([0, *lengths]).cumsum(0)[:-1]:
             labels[0, start] = -100

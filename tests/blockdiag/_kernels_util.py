@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import torch
 
-
-def ids_from_lengths(lengths: list[int], pad: int = 0) -> torch.Tensor:
-    """Packed doc ids ``[S]``: document i+1 repeated ``lengths[i]`` times, then ``pad`` zeros."""
-    ids = torch.repeat_interleave(torch.arange(1, len(lengths) + 1), torch.tensor(lengths, dtype=torch.long))
-    return torch.cat([ids, torch.zeros(pad, dtype=torch.long)])
+from longtrain.packing import ids_from_lengths  # noqa: F401  (the helpers below and the tests use it)
 
 
 def brute_mask(ids: torch.Tensor, row_offset: int, local_len: int) -> torch.Tensor:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from longtrain.blockdiag_cp import kernels
+from longtrain.packing import ids_from_lengths
 from tests.gpu._tolerance import assert_flash_rule_all
 
 pytestmark = [
@@ -32,9 +33,7 @@ def _cudnn_route(request, monkeypatch):
         monkeypatch.setattr(cudnn, "ROUTE", backend.split(":")[1])
 
 
-def _ids_from_lengths(lengths: list[int], pad: int) -> torch.Tensor:
-    ids = torch.repeat_interleave(torch.arange(1, len(lengths) + 1), torch.tensor(lengths))
-    return torch.cat([ids, torch.zeros(pad, dtype=torch.long)])
+_ids_from_lengths = ids_from_lengths
 
 
 def _layouts():
