@@ -202,7 +202,7 @@ def run_scaling(args, group, device, dtype, backend) -> list[dict]:
             "one long document": [total],
         }
         for name, lengths in layouts.items():
-            ids = ids_from_lengths(lengths, total).to(device)
+            ids = ids_from_total(lengths, total).to(device)
             g = torch.Generator(device="cpu").manual_seed(0)
             q = torch.randn(1, hq, total, d, generator=g).to(device, dtype)
             k = torch.randn(1, hkv, total, d, generator=g).to(device, dtype)
@@ -214,7 +214,7 @@ def run_scaling(args, group, device, dtype, backend) -> list[dict]:
                 one_lengths = [per_rank]
             else:
                 one_lengths = doc_lengths(per_rank, min(512, per_rank), min(8192, per_rank), 1)
-            one_ids = ids_from_lengths(one_lengths, per_rank).to(device)
+            one_ids = ids_from_total(one_lengths, per_rank).to(device)
             one_flops = 4.0 * mask_area(one_lengths) * hq * d
             one_meta = kernels.precompute_blockdiag_varlen_meta(
                 one_ids, row_offset=0, local_len=per_rank, device=device
