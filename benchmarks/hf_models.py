@@ -74,6 +74,8 @@ def packed_batch(tokens, lengths, device, vocab=32000):
 def measure(row, model, impl, batch, steps):
     try:
         ms, peak, loss = run(model, impl, batch, steps)
+        if PROFILE["dir"] is not None:
+            profile_step(model, batch, f"{row['model'][:5]}_{row['tokens']}_{row['docs']}_{row['impl']}")
         row.update(ms=ms, tokens_per_s=row["tokens"] / ms * 1e3, peak_gib=peak, loss=loss, status="ok")
     except torch.OutOfMemoryError:
         row["status"] = "OOM"
@@ -125,6 +127,22 @@ def glm_rows(transformers, device, token_counts, dsa_backends, steps):
     return rows
 
 
+PROFILE: dict[str, Path | None] = {"dir": None}
+
+
+def profile_step(model, batch, label):
+    """One more step under torch.profiler: the top CUDA ops by total time, written to ``<--profile>/<label>.txt``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model.zero_grad(set_to_none=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        model(**batch).loss.backward()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in label)
+    (PROFILE["dir"] / f"{safe}.txt").write_text(table)
+
+
 def run(model, impl, batch, steps):
     if impl is not None:
         model.set_attn_implementation(impl)
@@ -154,7 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--impls", nargs="+", default=IMPLEMENTATIONS, help="the Llama's attn_implementations")
     parser.add_argument("--dsa-backends", nargs="+", default=["auto"], help="apply_dsa backends for glm-dsa")
     parser.add_argument("--out-dir", default=None)
+    parser.add_argument("--profile", default=None, help="folder for one profiled step per row (top CUDA ops)")
     args = parser.parse_args(argv)
+    if args.profile:
+        PROFILE["dir"] = Path(args.profile)
+        PROFILE["dir"].mkdir(parents=True, exist_ok=True)
     if not torch.cuda.is_available():
         print("needs CUDA")
         return 2
