@@ -4,6 +4,11 @@ PYTHON ?= python3
 # The CPU build of torch; on this project's machines it installs from the local disk in seconds.
 TORCH_CPU ?= torch==2.13.0
 TRITON ?= triton>=3.2
+# torchtitan for tests/integrations/test_torchtitan.py: the package and the few modules its model code imports, without
+# its training-job dependencies (datasets, wandb, tensorboard). It needs Python 3.11+; on 3.10 those tests skip.
+TORCHTITAN ?= "torchtitan==0.3.0; python_version>='3.11'" "spmd_types==0.2.3; python_version>='3.11'" \
+	"tyro; python_version>='3.11'" "einops; python_version>='3.11'" "torch_checkpointing; python_version>='3.11'" \
+	"docstring_parser; python_version>='3.11'" "typeguard; python_version>='3.11'"
 
 ifdef VIRTUAL_ENV
 BIN := $(VIRTUAL_ENV)/bin
@@ -22,6 +27,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_CPU)" "$(TRITON)"
 	$(BIN)/python -m pip install -q -e ".[test,demo]"
+	$(BIN)/python -m pip install -q --no-deps $(TORCHTITAN)
 	touch $(STAMP)
 
 install: $(STAMP)

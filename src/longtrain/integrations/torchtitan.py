@@ -1,0 +1,164 @@
+"""torchtitan models on the block-diagonal runtime, at every CP world size: :func:`apply_blockdiag`.
+
+torchtitan (0.3) builds a decoder's attention as ``GQAttention`` whose ``inner_attention`` is ``VarlenAttention``
+(``attn_backend="varlen"``, per-document from ``model.get_attention_masks(positions)``) or ``FlexAttention``; its
+varlen path has no context parallelism. :func:`apply_blockdiag` swaps every such ``inner_attention`` for
+:class:`BlockdiagAttention`, which keeps their call signature (``q/k/v [B, L, N, H]``, ``attention_masks``,
+``scale``, ``enable_gqa``) and:
+
+- inside a CP step (:func:`titan_cp_batch`'s context, or any
+  :func:`~longtrain.blockdiag_cp.make_cp_blockdiag_batch_and_ctx` one) runs
+  :func:`~longtrain.blockdiag_cp.cp_blockdiag_sdpa` on this rank's shard: documents come from the step, keys
+  are exchanged over the CP group, ``attention_masks`` is not read (pass ``None``);
+- outside one, runs :func:`~longtrain.blockdiag_cp.varlen_attention` on the offsets of torchtitan's own
+  ``VarlenMetadata`` (``cu_seq_q``/``cu_seq_k``/``max_q``/``max_k``; a mapping of them is searched for one), or
+  of :func:`varlen_masks` built from ``positions`` when the model was built with ``attn_backend="flex"``.
+
+GQA is native (heads are never repeated) and the dtype is the model's (torchtitan's varlen casts to bf16; this
+does not). The stack is imported lazily: this module imports without torchtitan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import torch
+
+from longtrain.blockdiag_cp import (
+    cp_blockdiag_sdpa,
+    current_cp_step,
+    make_cp_blockdiag_batch_and_ctx,
+    varlen_attention,
+)
+
+__all__ = ["REPLACED_CLASSES", "BlockdiagAttention", "VarlenOffsets", "apply_blockdiag", "titan_cp_batch",
+           "varlen_masks"]  # fmt: skip
+
+#: torchtitan inner-attention classes :func:`apply_blockdiag` replaces.
+REPLACED_CLASSES = ("VarlenAttention", "FlexAttention")
+
+
+class VarlenOffsets(NamedTuple):
+    """Document offsets over the flattened ``[B * L]`` tokens, the fields of torchtitan's ``VarlenMetadata``."""
+
+    cu_seq_q: torch.Tensor
+    cu_seq_k: torch.Tensor
+    max_q: int
+    max_k: int
+
+
+def varlen_masks(positions: torch.Tensor) -> VarlenOffsets:
+    """``positions [B, L]`` restarting at 0 per document (torchtitan's packed convention) -> the offsets
+    :class:`BlockdiagAttention` reads outside a CP step. Every row starts a document at its first token."""
+    if not isinstance(positions, torch.Tensor) or positions.dim() != 2:
+        raise ValueError(f"positions must be a [B, L] tensor, got {getattr(positions, 'shape', type(positions))}")
+    batch, length = positions.shape
+    starts = positions == 0
+    starts[:, 0] = True
+    flat = starts.flatten().nonzero().flatten()
+    cu = torch.cat([flat, flat.new_tensor([batch * length])]).to(torch.int32)
+    longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    return VarlenOffsets(cu, cu, longest, longest)
+
+
+def _offsets(attention_masks: Any) -> Any:
+    if isinstance(attention_masks, Mapping):
+        found = [m for m in attention_masks.values() if _offsets(m) is not None]
+        return found[0] if found else None
+    if all(hasattr(attention_masks, f) for f in VarlenOffsets._fields):
+        return attention_masks
+    return None
+
+
+class BlockdiagAttention(torch.nn.Module):
+    """Per-document causal attention with torchtitan's inner-attention signature (see the module docstring)."""
+
+    def forward(
+        self,
+        q_BLNH: torch.Tensor,
+        k_BLNH: torch.Tensor,
+        v_BLNH: torch.Tensor,
+        *,
+        attention_masks: Any = None,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+        out_transform: Callable | None = None,
+        is_causal: bool = True,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """``q_BLNH [B, L, Hq, D]``, ``k_BLNH/v_BLNH [B, L, Hkv, D]`` -> ``[B, L, Hq, D]`` in q's dtype."""
+        if out_transform is not None:
+            raise ValueError(
+                "BlockdiagAttention returns no log-sum-exp for an out_transform epilogue; keep torchtitan's "
+                "VarlenAttention on the layers that need one (apply_blockdiag(model, skip=...))"
+            )
+        if not is_causal:
+            raise ValueError("BlockdiagAttention is per-document causal attention; got is_causal=False")
+        step = current_cp_step()
+        if step is not None:
+            q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
+            return cp_blockdiag_sdpa(q, k, v, is_causal=True, scale=scale).transpose(1, 2)
+        offsets = _offsets(attention_masks)
+        if offsets is None:
+            raise ValueError(
+                "outside a CP step BlockdiagAttention needs the documents: pass attention_masks="
+                "model.get_attention_masks(positions) of a model built with attn_backend='varlen', or "
+                "longtrain.integrations.torchtitan.varlen_masks(positions); or run the model inside "
+                f"titan_cp_batch's context (got attention_masks of type {type(attention_masks).__name__})"
+            )
+        batch, length = q_BLNH.shape[:2]
+        total = batch * length
+        q, k, v = (t.reshape(total, t.shape[2], t.shape[3]) for t in (q_BLNH, k_BLNH, v_BLNH))
+        out = varlen_attention(q, k, v, offsets.cu_seq_q, offsets.cu_seq_k, int(offsets.max_q), int(offsets.max_k),
+                               causal=True, softmax_scale=scale)  # fmt: skip
+        return out.view(batch, length, out.shape[1], out.shape[2])
+
+
+def apply_blockdiag(model: torch.nn.Module, *, skip: Callable[[str], bool] | None = None) -> int:
+    """Replace every torchtitan ``VarlenAttention``/``FlexAttention`` inner attention of ``model`` (in place) by
+    :class:`BlockdiagAttention`; returns how many. ``skip(name)`` keeps the named modules as they are."""
+    targets = []
+    for name, module in model.named_modules():
+        if type(module).__name__ in REPLACED_CLASSES and not (skip and skip(name)):
+            targets.append(name)
+    if not targets:
+        raise ValueError(
+            f"apply_blockdiag found no torchtitan inner attention ({', '.join(REPLACED_CLASSES)}) in "
+            f"{type(model).__name__}: build the model with attn_backend='varlen' or 'flex'"
+        )
+    for name in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, BlockdiagAttention())
+    return len(targets)
+
+
+def titan_cp_batch(
+    tokens: torch.Tensor,
+    labels: torch.Tensor | None,
+    positions: torch.Tensor,
+    cp_mesh: Any,
+    *,
+    padding_token_id: int = 0,
+    sharding: str | None = None,
+) -> tuple[Callable[[], contextlib.AbstractContextManager], dict, torch.Tensor | None, Any]:
+    """One packed torchtitan row -> ``(ctx_factory, model_kwargs, local_labels, layout)``.
+
+    ``tokens [1, S]``, ``labels [1, S]`` already shifted (torchtitan's datasets yield ``input``/``label`` pairs),
+    ``positions [1, S]`` restarting at 0 per document (they set the documents). ``cp_mesh``: ``None``, a
+    ``ProcessGroup``, a 1-D ``DeviceMesh`` or a named dim of a larger one. The row is sharded by
+    :func:`~longtrain.blockdiag_cp.make_cp_blockdiag_batch_and_ctx` (``sharding``: ``"contiguous"`` or
+    ``"balanced"``); ``model_kwargs`` is ``{"tokens", "positions", "attention_masks": None}`` of this rank: run
+    ``model(**model_kwargs)``, the loss (a token sum over ``local_labels``) and ``backward()`` inside
+    ``with ctx_factory():``. The caller's tensors are not modified.
+    """
+    batch: dict[str, Any] = {"input_ids": tokens, "position_ids": positions}
+    if labels is not None:
+        batch["labels"] = labels
+    ctx, sharded, layout = make_cp_blockdiag_batch_and_ctx(
+        cp_mesh, None, batch, padding_token_id=padding_token_id, sharding=sharding
+    )
+    kwargs = {"tokens": sharded["input_ids"], "positions": sharded["position_ids"], "attention_masks": None}
+    return ctx, kwargs, sharded.get("labels"), layout

@@ -1,0 +1,158 @@
+"""``apply_blockdiag`` on a tiny torchtitan Llama 3 (float64, CPU): logits, loss and every parameter gradient equal
+the same model run on every document alone with torchtitan's own causal ``ScaledDotProductAttention``, at cp = 1
+(with torchtitan's ``get_attention_masks`` and with ``varlen_masks``) and on 2 and 3 gloo ranks (``titan_cp_batch``,
+contiguous and balanced); the clear errors. Tolerance: float64 throughout, 1e-9 relative (summation order only)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("torchtitan.models.llama3")
+from torchtitan.models.common.attention import ScaledDotProductAttention, VarlenAttention  # noqa: E402
+
+from longtrain.integrations import torchtitan as tt  # noqa: E402
+
+LENS = [9, 14, 1, 6]
+VOCAB = 128
+RTOL = 1e-9
+
+
+def _llama():
+    from torchtitan.models.llama3 import ComplexRoPE, Embedding, Linear, Llama3Model, RMSNorm, compute_ffn_hidden_dim
+    from torchtitan.models.llama3 import _build_llama3_layers as layers
+
+    dim, heads = 32, 4
+    cfg = Llama3Model.Config(
+        dim=dim, vocab_size=VOCAB, tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim),
+        norm=RMSNorm.Config(normalized_shape=dim), lm_head=Linear.Config(in_features=dim, out_features=VOCAB),
+        layers=layers(n_layers=2, dim=dim, n_heads=heads, n_kv_heads=2, hidden_dim=compute_ffn_hidden_dim(dim),
+                      rope=ComplexRoPE.Config(dim=dim // heads, max_seq_len=256, theta=10000.0),
+                      attn_backend="varlen"),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # built in float64: the RoPE table stays complex (complex128)
+    try:
+        model = cfg.build()
+        model.init_states()
+    finally:
+        torch.set_default_dtype(default)
+    assert all(p.dtype == torch.float64 for p in model.parameters())
+    return model
+
+
+def _models():
+    ours = _llama()
+    ref = copy.deepcopy(ours)
+    for name, module in list(ref.named_modules()):
+        if isinstance(module, VarlenAttention):
+            parent, _, child = name.rpartition(".")
+            setattr(ref.get_submodule(parent), child, ScaledDotProductAttention(ScaledDotProductAttention.Config()))
+    assert tt.apply_blockdiag(ours) == 2
+    return ours, ref
+
+
+def _row():
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (1, sum(LENS)), generator=gen)
+    labels = torch.randint(0, VOCAB, (1, sum(LENS)), generator=gen)
+    positions = torch.cat([torch.arange(n) for n in LENS])[None]
+    return tokens, labels, positions
+
+
+def _loss(logits, labels):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+
+
+def _per_document(ref, tokens, labels):
+    ref.zero_grad(set_to_none=True)
+    logits, start = [], 0
+    for n in LENS:
+        logits.append(ref(tokens[:, start : start + n], positions=torch.arange(n)[None]))
+        start += n
+    logits = torch.cat(logits, 1)
+    loss = _loss(logits, labels)
+    loss.backward()
+    return logits.detach(), loss.detach(), {n: p.grad.clone() for n, p in ref.named_parameters()}
+
+
+def _close(a, b, what):
+    err = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
+    assert err <= RTOL, f"{what}: relative error {err:.3e}"
+
+
+def _check_grads(model, ref_grads):
+    for name, p in model.named_parameters():
+        _close(p.grad, ref_grads[name], f"grad {name}")
+
+
+@pytest.mark.parametrize("masks", ["torchtitan", "varlen_masks"])
+def test_one_process_equals_per_document(masks):
+    ours, ref = _models()
+    tokens, labels, positions = _row()
+    ref_logits, ref_loss, ref_grads = _per_document(ref, tokens, labels)
+    attention_masks = ours.get_attention_masks(positions) if masks == "torchtitan" else tt.varlen_masks(positions)
+    logits = ours(tokens, positions=positions, attention_masks=attention_masks)
+    loss = _loss(logits, labels)
+    loss.backward()
+    _close(logits, ref_logits, "logits")
+    _close(loss, ref_loss, "loss")
+    _check_grads(ours, ref_grads)
+    crossed = ref(tokens, positions=positions)  # one causal row over all documents: really different
+    assert (crossed - ref_logits).abs().max() > 1e-3
+
+
+def _cp_worker(rank, world, sharding):
+    ours, ref = _models()
+    tokens, labels, positions = _row()
+    ref_logits, ref_loss, ref_grads = _per_document(ref, tokens, labels)
+    ctx, kwargs, local_labels, layout = tt.titan_cp_batch(tokens, labels, positions, dist.group.WORLD,
+                                                          sharding=sharding)  # fmt: skip
+    assert kwargs["tokens"].shape[1] == layout.padded_seq_len // world
+    with ctx():
+        logits = ours(**kwargs)
+        loss = _loss(logits, local_labels)  # the padding tail's labels are -100 (cross_entropy's ignore_index)
+        loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    for p in ours.parameters():
+        dist.all_reduce(p.grad)
+    _close(total, ref_loss, "loss")
+    _check_grads(ours, ref_grads)
+    full = layout.unshard(logits.detach())
+    _close(full[:, : sum(LENS)], ref_logits, "logits")
+    return True
+
+
+@pytest.mark.parametrize("world,sharding", [(2, "contiguous"), (3, "contiguous"), (2, "balanced"), (3, "balanced")])
+def test_cp_ranks_equal_per_document(gloo, world, sharding):
+    assert all(gloo(_cp_worker, world, sharding, timeout=180))
+
+
+def test_clear_errors():
+    ours, _ = _models()
+    tokens, _, positions = _row()
+    with pytest.raises(ValueError, match="needs the documents"):
+        ours(tokens, positions=positions, attention_masks=None)
+    attn = tt.BlockdiagAttention()
+    q = torch.randn(1, 4, 2, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="out_transform"):
+        attn(q, q, q, attention_masks=tt.varlen_masks(torch.arange(4)[None]), out_transform=lambda o, lse: o)
+    with pytest.raises(ValueError, match="is_causal=False"):
+        attn(q, q, q, attention_masks=tt.varlen_masks(torch.arange(4)[None]), is_causal=False)
+    with pytest.raises(ValueError, match="found no torchtitan inner attention"):
+        tt.apply_blockdiag(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"\[B, L\]"):
+        tt.varlen_masks(torch.arange(4))
+
+
+def test_varlen_masks_and_skip():
+    m = tt.varlen_masks(torch.tensor([[0, 1, 2, 0, 1], [3, 4, 0, 1, 2]]))
+    assert m.cu_seq_q.tolist() == [0, 3, 5, 7, 10] and m.max_q == 3
+    model = _llama()
+    assert tt.apply_blockdiag(model, skip=lambda name: name.startswith("layers.1.")) == 1
+    assert isinstance(model.get_submodule("layers.1.attention.inner_attention"), VarlenAttention)
