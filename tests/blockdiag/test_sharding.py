@@ -119,9 +119,10 @@ def test_unshard_round_trips():
         plan.unshard(parts[:3])
 
 
-def test_errors():
-    with pytest.raises(ValueError, match="pass pad=3 or more"):
-        plan_cp_shards([5, 4], 4)
+def test_errors_and_padding():
+    grown = plan_cp_shards([5, 4], 4)  # the row is padded to a multiple of W
+    assert (grown.pad, grown.seq_len, grown.local_len) == (3, 12, 3)
+    assert sorted(grown.permutation.tolist()) == list(range(12))
     with pytest.raises(ValueError, match="sharding must be one of"):
         plan_cp_shards([8], 2, sharding="zigzag")
     with pytest.raises(ValueError, match="chunk must be a positive int"):

@@ -142,12 +142,6 @@ def _check(doc_lens, world_size: int, sharding: str, chunk: int, pad: int) -> li
     lens = [int(n) for n in (doc_lens.tolist() if isinstance(doc_lens, torch.Tensor) else doc_lens)]
     if any(n < 0 for n in lens):
         raise ValueError(f"doc_lens must be non-negative, got {lens}")
-    total = sum(lens) + pad
-    if total % world_size:
-        raise ValueError(
-            f"the padded row has {total} positions (documents {sum(lens)} + pad {pad}), not a multiple of the world "
-            f"size {world_size}: pass pad={pad + (-total) % world_size} or more"
-        )
     return lens
 
 
@@ -164,19 +158,20 @@ def plan_cp_shards(
     Args:
         doc_lens: document lengths in row order (list or 1-D tensor of ints; empty documents allowed). A padding
             tail is given as ``pad`` (it is not a document).
-        world_size: ``W``; ``sum(doc_lens) + pad`` must be a multiple of it (every rank owns ``L = S / W``
-            positions).
+        world_size: ``W``. The row is padded to a multiple of it: ``S = sum(doc_lens) + pad`` rounded up to a
+            multiple of ``W`` (``plan.pad`` is the padding used), and every rank owns ``L = S / W`` positions.
         sharding: ``"contiguous"`` (rank ``r`` owns ``[r L, (r+1) L)``: the seed's split) or ``"balanced"`` (module
             docstring).
         chunk: the smallest piece, in tokens, a balanced plan cuts a document into (documents shorter than
             ``2 W chunk`` stay whole); kernels stay efficient on pieces of 128 tokens and more.
-        pad: padding positions after the last document.
+        pad: padding positions after the last document (at least; grown to make ``S`` a multiple of ``W``).
 
     Returns:
         :class:`CPShardPlan`. Raises ``ValueError`` for invalid arguments.
     """
     lens = _check(doc_lens, world_size, sharding, chunk, pad)
     w = world_size
+    pad += (-(sum(lens) + pad)) % w
     seq_len = sum(lens) + pad
     local = seq_len // w
     if sharding == SHARDING_CONTIGUOUS or w == 1:
