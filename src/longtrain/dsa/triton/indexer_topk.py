@@ -56,8 +56,8 @@ def indexer_topk_fwd_kernel_scores(
     kb = pid % n_kb
     rows = row_begin + qb * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < row_end
-    st = tl.load(starts_ptr + rows, mask=row_ok, other=0)
-    ln = tl.load(lens_ptr + rows, mask=row_ok, other=0)
+    st = tl.load(starts_ptr + rows, mask=row_ok, other=0)  # [BLOCK_M]
+    ln = tl.load(lens_ptr + rows, mask=row_ok, other=0)  # [BLOCK_M]
     # Only rows with more eligible keys than K need scores.
     need = row_ok & (ln > topk)
     k_lo = kb * BLOCK_N
@@ -71,15 +71,16 @@ def indexer_topk_fwd_kernel_scores(
         else:
             k_mask = (offs_n < T_k)[:, None] & (offs_d < D_I)[None, :]
             q_mask = row_ok[:, None] & (offs_d < D_I)[None, :]
-        keys = tl.load(k_ptr + offs_n.to(tl.int64)[:, None] * D_I + offs_d[None, :], mask=k_mask, other=0.0)
-        keys_t = tl.trans(keys)
+        k_tile = k_ptr + offs_n.to(tl.int64)[:, None] * D_I + offs_d[None, :]
+        keys = tl.load(k_tile, mask=k_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        keys_t = tl.trans(keys)  # [BLOCK_D, BLOCK_N]
         q_rows = q_ptr + rows.to(tl.int64)[:, None] * (H_I * D_I) + offs_d[None, :]
         w_rows = w_ptr + rows.to(tl.int64) * H_I
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for h in range(H_I):
-            q_h = tl.load(q_rows + h * D_I, mask=q_mask, other=0.0)
-            w_h = tl.load(w_rows + h, mask=row_ok, other=0.0)
-            logits = tl.dot(q_h, keys_t, input_precision=DOT_PREC)
+            q_h = tl.load(q_rows + h * D_I, mask=q_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
+            w_h = tl.load(w_rows + h, mask=row_ok, other=0.0)  # [BLOCK_M]
+            logits = tl.dot(q_h, keys_t, input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N]
             acc += tl.maximum(logits, 0.0) * w_h[:, None]
         # Order-preserving map float -> uint32 (stored as int32): flip the sign bit of non-negative values,
         # every bit of negative ones. -0.0 is folded into +0.0 first so equal scores get equal keys.
@@ -89,7 +90,7 @@ def indexer_topk_fwd_kernel_scores(
         cols = offs_n[None, :] - st[:, None]
         eligible = need[:, None] & (cols >= 0) & (cols < ln[:, None])
         out_rows = scratch_ptr + (rows - row_begin).to(tl.int64)[:, None] * scratch_stride
-        tl.store(out_rows + cols, key, mask=eligible)
+        tl.store(out_rows + cols, key, mask=eligible)  # [BLOCK_M, BLOCK_N]
 
 
 @triton.jit(do_not_specialize=["row_begin", "topk", "scratch_stride"])
@@ -97,8 +98,8 @@ def indexer_topk_fwd_kernel_select(
     scratch_ptr, starts_ptr, lens_ptr, out_ptr, row_begin, topk, scratch_stride, BLOCK: tl.constexpr,
 ):  # fmt: skip
     r = row_begin + tl.program_id(0)
-    st = tl.load(starts_ptr + r)
-    ln = tl.maximum(tl.load(lens_ptr + r), 0)
+    st = tl.load(starts_ptr + r)  # scalar
+    ln = tl.maximum(tl.load(lens_ptr + r), 0)  # scalar
     out_row = out_ptr + r.to(tl.int64) * topk
     offs = tl.arange(0, BLOCK)
     if ln <= topk:
@@ -119,7 +120,7 @@ def indexer_topk_fwd_kernel_select(
             n_seen = 0
             for j0 in range(0, ln, BLOCK):
                 j = j0 + offs
-                x = tl.load(row + j, mask=j < ln, other=0).to(tl.uint32, bitcast=True)
+                x = tl.load(row + j, mask=j < ln, other=0).to(tl.uint32, bitcast=True)  # [BLOCK]
                 match = (j < ln) & ((x & prefix_mask) == prefix)
                 digit = ((x >> shift) & 0xFF).to(tl.int32)
                 # Unmatched lanes are counted in bin 0 and taken out again below (no masked histogram needed).
@@ -138,7 +139,7 @@ def indexer_topk_fwd_kernel_select(
         for j0 in range(0, ln, BLOCK):
             j = j0 + offs
             in_row = j < ln
-            x = tl.load(row + j, mask=in_row, other=0).to(tl.uint32, bitcast=True)
+            x = tl.load(row + j, mask=in_row, other=0).to(tl.uint32, bitcast=True)  # [BLOCK]
             above = in_row & (x > prefix)
             tie = (in_row & (x == prefix)).to(tl.int32)
             tie_rank = n_tie + tl.cumsum(tie, 0) - tie

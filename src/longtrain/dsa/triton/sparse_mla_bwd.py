@@ -55,14 +55,14 @@ def sparse_mla_bwd_kernel_preprocess(
     mask_h = offs_h < H
     mask = mask_h[:, None] & (offs_v < D_V)[None, :]
     rows = t * (H * D_V) + offs_h[:, None] * D_V + offs_v[None, :]
-    o = tl.load(out_ptr + rows, mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(dout_ptr + rows, mask=mask, other=0.0).to(tl.float32)
-    delta = tl.sum(o * do, 1)
-    lse = tl.load(lse_ptr + t * H + offs_h, mask=mask_h, other=float("-inf"))
+    o = tl.load(out_ptr + rows, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_DV]
+    do = tl.load(dout_ptr + rows, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_DV]
+    delta = tl.sum(o * do, 1)  # [BLOCK_H]
+    lse = tl.load(lse_ptr + t * H + offs_h, mask=mask_h, other=float("-inf"))  # [BLOCK_H]
     # Rows without keys carry lse = -inf; +inf makes every later exp2(s - lse) exactly 0.
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     if HAS_SINK:
-        sink2 = tl.load(sink_ptr + offs_h, mask=mask_h, other=float("-inf")) * 1.4426950408889634
+        sink2 = tl.load(sink_ptr + offs_h, mask=mask_h, other=float("-inf")) * 1.4426950408889634  # [BLOCK_H]
         top = tl.maximum(lse2, sink2)
         top_safe = tl.where((top == float("inf")) | (top == float("-inf")), 0.0, top)
         total = top_safe + tl.math.log2(tl.math.exp2(lse2 - top_safe) + tl.math.exp2(sink2 - top_safe))
@@ -74,11 +74,12 @@ def sparse_mla_bwd_kernel_preprocess(
 
 @triton.jit
 def _load_chunk(base, row_mask, c: tl.constexpr, VC: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Columns ``[c * VC, (c + 1) * VC)`` of the rows at ``base`` (``row_mask``: ``[BLOCK_H]``)."""
     offs = c * VC + tl.arange(0, VC)
     if BLOCK_D == D:
-        return tl.load(base + offs[None, :], mask=row_mask[:, None], other=0.0)
+        return tl.load(base + offs[None, :], mask=row_mask[:, None], other=0.0)  # [BLOCK_H, VC]
     else:
-        return tl.load(base + offs[None, :], mask=row_mask[:, None] & (offs < D)[None, :], other=0.0)
+        return tl.load(base + offs[None, :], mask=row_mask[:, None] & (offs < D)[None, :], other=0.0)  # [BLOCK_H, VC]
 
 
 @triton.jit
@@ -101,16 +102,16 @@ def _dkv_out(dkv_ptr, rows, valid, value, col0: tl.constexpr, W: tl.constexpr, D
 def _slot_block(idx_row, k0, n_slots, T_k, D_QK: tl.constexpr, BLOCK_K: tl.constexpr):
     offs_k = k0 + tl.arange(0, BLOCK_K)
     in_len = offs_k < n_slots
-    idx = tl.load(idx_row + offs_k, mask=in_len, other=-1)
+    idx = tl.load(idx_row + offs_k, mask=in_len, other=-1)  # [BLOCK_K]
     valid = in_len & (idx >= 0) & (idx < T_k)
-    keys = tl.where(valid, idx, 0).to(tl.int64)
+    keys = tl.where(valid, idx, 0).to(tl.int64)  # [BLOCK_K]
     return offs_k, in_len, valid, keys
 
 
 @triton.jit
 def _row_slots(len_ptr, t, K_slots, HAS_LEN: tl.constexpr):
     if HAS_LEN:
-        return tl.minimum(tl.maximum(tl.load(len_ptr + t).to(tl.int32), 0), K_slots)
+        return tl.minimum(tl.maximum(tl.load(len_ptr + t).to(tl.int32), 0), K_slots)  # scalar
     else:
         return K_slots
 
@@ -134,30 +135,32 @@ def sparse_mla_bwd_kernel_ds(
     offs_v = tl.arange(0, BLOCK_DV)
     offs_r = tl.arange(0, BLOCK_DR)
     q_rows = q_ptr + t * (H * D_QK) + offs_h[:, None] * D_QK
-    q_v = tl.load(q_rows + offs_v[None, :], mask=_row_col_mask(mask_h, offs_v, D_V, BLOCK_DV), other=0.0)
+    hv_mask = _row_col_mask(mask_h, offs_v, D_V, BLOCK_DV)
+    q_v = tl.load(q_rows + offs_v[None, :], mask=hv_mask, other=0.0)  # [BLOCK_H, BLOCK_DV]
     if D_R > 0:
-        q_r = tl.load(q_rows + D_V + offs_r[None, :], mask=_row_col_mask(mask_h, offs_r, D_R, BLOCK_DR), other=0.0)
+        hr_mask = _row_col_mask(mask_h, offs_r, D_R, BLOCK_DR)
+        q_r = tl.load(q_rows + D_V + offs_r[None, :], mask=hr_mask, other=0.0)  # [BLOCK_H, BLOCK_DR]
     do_rows = dout_ptr + t * (H * D_V) + offs_h[:, None] * D_V
-    do_v = tl.load(do_rows + offs_v[None, :], mask=_row_col_mask(mask_h, offs_v, D_V, BLOCK_DV), other=0.0)
+    do_v = tl.load(do_rows + offs_v[None, :], mask=hv_mask, other=0.0)  # [BLOCK_H, BLOCK_DV]
     # Rows without keys have lse2 = +inf: every probability below is exactly 0.
-    lse2 = tl.load(lse2_ptr + t * H + offs_h, mask=mask_h, other=float("inf"))
-    delta = tl.load(delta_ptr + t * H + offs_h, mask=mask_h, other=0.0)
+    lse2 = tl.load(lse2_ptr + t * H + offs_h, mask=mask_h, other=float("inf"))  # [BLOCK_H]
+    delta = tl.load(delta_ptr + t * H + offs_h, mask=mask_h, other=0.0)  # [BLOCK_H]
     n_slots = _row_slots(len_ptr, t, K_slots, HAS_LEN)
     idx_row = idx_ptr + t * K_slots
     scratch_rows = (t_local * H + offs_h.to(tl.int64)) * K_slots
     for k0 in range(0, n_slots, BLOCK_K):
         offs_k, in_len, valid, keys = _slot_block(idx_row, k0, n_slots, T_k, D_QK, BLOCK_K)
         kv_rows = kv_ptr + keys * D_QK
-        kv_v = tl.load(kv_rows[:, None] + offs_v[None, :], mask=_row_col_mask(valid, offs_v, D_V, BLOCK_DV), other=0.0)
-        s = tl.dot(q_v, tl.trans(kv_v), input_precision=DOT_PREC)
+        kvv_mask = _row_col_mask(valid, offs_v, D_V, BLOCK_DV)
+        kv_v = tl.load(kv_rows[:, None] + offs_v[None, :], mask=kvv_mask, other=0.0)  # [BLOCK_K, BLOCK_DV]
+        s = tl.dot(q_v, tl.trans(kv_v), input_precision=DOT_PREC)  # [BLOCK_H, BLOCK_K]
         if D_R > 0:
-            kv_r = tl.load(
-                kv_rows[:, None] + D_V + offs_r[None, :], mask=_row_col_mask(valid, offs_r, D_R, BLOCK_DR), other=0.0
-            )
+            kvr_mask = _row_col_mask(valid, offs_r, D_R, BLOCK_DR)
+            kv_r = tl.load(kv_rows[:, None] + D_V + offs_r[None, :], mask=kvr_mask, other=0.0)  # [BLOCK_K, BLOCK_DR]
             s = tl.dot(q_r, tl.trans(kv_r), s, input_precision=DOT_PREC)
-        dp = tl.dot(do_v, tl.trans(kv_v), input_precision=DOT_PREC)
+        dp = tl.dot(do_v, tl.trans(kv_v), input_precision=DOT_PREC)  # [BLOCK_H, BLOCK_K]
         p = tl.where(valid[None, :], tl.math.exp2(s * qk_scale - lse2[:, None]), 0.0)
-        ds = p * (dp - delta[:, None]) * sm_scale
+        ds = p * (dp - delta[:, None]) * sm_scale  # [BLOCK_H, BLOCK_K]
         ptrs = scratch_rows[:, None] + offs_k[None, :]
         mask = mask_h[:, None] & in_len[None, :]
         tl.store(ds_ptr + ptrs, ds.to(ds_ptr.dtype.element_ty), mask=mask)
@@ -190,16 +193,15 @@ def sparse_mla_bwd_kernel_dq(
     dq_r = tl.zeros([BLOCK_H, BLOCK_DR], tl.float32)
     for k0 in range(0, n_slots, BLOCK_K):
         offs_k, in_len, valid, keys = _slot_block(idx_row, k0, n_slots, T_k, D_QK, BLOCK_K)
-        ds = tl.load(
-            ds_ptr + scratch_rows[:, None] + offs_k[None, :], mask=mask_h[:, None] & in_len[None, :], other=0.0
-        )
+        tile_mask = mask_h[:, None] & in_len[None, :]
+        ds = tl.load(ds_ptr + scratch_rows[:, None] + offs_k[None, :], mask=tile_mask, other=0.0)  # [BLOCK_H, BLOCK_K]
         kv_rows = kv_ptr + keys * D_QK
-        kv_v = tl.load(kv_rows[:, None] + offs_v[None, :], mask=_row_col_mask(valid, offs_v, D_V, BLOCK_DV), other=0.0)
+        kvv_mask = _row_col_mask(valid, offs_v, D_V, BLOCK_DV)
+        kv_v = tl.load(kv_rows[:, None] + offs_v[None, :], mask=kvv_mask, other=0.0)  # [BLOCK_K, BLOCK_DV]
         dq_v = tl.dot(ds, kv_v, dq_v, input_precision=DOT_PREC)
         if D_R > 0:
-            kv_r = tl.load(
-                kv_rows[:, None] + D_V + offs_r[None, :], mask=_row_col_mask(valid, offs_r, D_R, BLOCK_DR), other=0.0
-            )
+            kvr_mask = _row_col_mask(valid, offs_r, D_R, BLOCK_DR)
+            kv_r = tl.load(kv_rows[:, None] + D_V + offs_r[None, :], mask=kvr_mask, other=0.0)  # [BLOCK_K, BLOCK_DR]
             dq_r = tl.dot(ds, kv_r, dq_r, input_precision=DOT_PREC)
     dq_rows = dq_ptr + t * (H * D_QK) + offs_h[:, None] * D_QK
     tl.store(
@@ -234,18 +236,19 @@ def sparse_mla_bwd_kernel_dkv(
     q_rows = q_ptr + t * (H * D_QK) + offs_h[:, None] * D_QK
     do_rows = dout_ptr + t * (H * D_V) + offs_h[:, None] * D_V
     # Q and dO stay resident, in up to four column chunks of the value width plus the rope tail.
-    q0 = _load_chunk(q_rows, mask_h, 0, VC, D_V, BLOCK_DV)
-    do0 = _load_chunk(do_rows, mask_h, 0, VC, D_V, BLOCK_DV)
+    q0 = _load_chunk(q_rows, mask_h, 0, VC, D_V, BLOCK_DV)  # [BLOCK_H, VC]
+    do0 = _load_chunk(do_rows, mask_h, 0, VC, D_V, BLOCK_DV)  # [BLOCK_H, VC]
     if NUM_VC >= 2:
-        q1 = _load_chunk(q_rows, mask_h, 1, VC, D_V, BLOCK_DV)
-        do1 = _load_chunk(do_rows, mask_h, 1, VC, D_V, BLOCK_DV)
+        q1 = _load_chunk(q_rows, mask_h, 1, VC, D_V, BLOCK_DV)  # [BLOCK_H, VC]
+        do1 = _load_chunk(do_rows, mask_h, 1, VC, D_V, BLOCK_DV)  # [BLOCK_H, VC]
     if NUM_VC >= 4:
-        q2 = _load_chunk(q_rows, mask_h, 2, VC, D_V, BLOCK_DV)
-        do2 = _load_chunk(do_rows, mask_h, 2, VC, D_V, BLOCK_DV)
-        q3 = _load_chunk(q_rows, mask_h, 3, VC, D_V, BLOCK_DV)
-        do3 = _load_chunk(do_rows, mask_h, 3, VC, D_V, BLOCK_DV)
+        q2 = _load_chunk(q_rows, mask_h, 2, VC, D_V, BLOCK_DV)  # [BLOCK_H, VC]
+        do2 = _load_chunk(do_rows, mask_h, 2, VC, D_V, BLOCK_DV)  # [BLOCK_H, VC]
+        q3 = _load_chunk(q_rows, mask_h, 3, VC, D_V, BLOCK_DV)  # [BLOCK_H, VC]
+        do3 = _load_chunk(do_rows, mask_h, 3, VC, D_V, BLOCK_DV)  # [BLOCK_H, VC]
     if D_R > 0:
-        q_r = tl.load(q_rows + D_V + offs_r[None, :], mask=_row_col_mask(mask_h, offs_r, D_R, BLOCK_DR), other=0.0)
+        hr_mask = _row_col_mask(mask_h, offs_r, D_R, BLOCK_DR)
+        q_r = tl.load(q_rows + D_V + offs_r[None, :], mask=hr_mask, other=0.0)  # [BLOCK_H, BLOCK_DR]
     n_slots = _row_slots(len_ptr, t, K_slots, HAS_LEN)
     idx_row = idx_ptr + t * K_slots
     scratch_rows = (t_local * H + offs_h.to(tl.int64)) * K_slots
@@ -253,14 +256,14 @@ def sparse_mla_bwd_kernel_dkv(
         offs_k, in_len, valid, keys = _slot_block(idx_row, k0, n_slots, T_k, D_QK, BLOCK_K)
         tile = scratch_rows[:, None] + offs_k[None, :]
         tile_mask = mask_h[:, None] & in_len[None, :]
-        p_t = tl.trans(tl.load(p_ptr + tile, mask=tile_mask, other=0.0))
-        ds_t = tl.trans(tl.load(ds_ptr + tile, mask=tile_mask, other=0.0))
+        p_t = tl.trans(tl.load(p_ptr + tile, mask=tile_mask, other=0.0))  # [BLOCK_K, BLOCK_H]
+        ds_t = tl.trans(tl.load(ds_ptr + tile, mask=tile_mask, other=0.0))  # [BLOCK_K, BLOCK_H]
         # dkv rows: the shared atomic target, or this row's slots in the deterministic scratch.
         if DETERMINISTIC:
             out_rows = t_local * K_slots + offs_k.to(tl.int64)
         else:
             out_rows = keys
-        piece = tl.dot(p_t, do0, input_precision=DOT_PREC)
+        piece = tl.dot(p_t, do0, input_precision=DOT_PREC)  # [BLOCK_K, VC]
         piece = tl.dot(ds_t, q0, piece, input_precision=DOT_PREC)
         _dkv_out(dkv_ptr, out_rows, valid, piece, 0, VC, D_V, D_QK, DETERMINISTIC)
         if NUM_VC >= 2:
@@ -275,7 +278,7 @@ def sparse_mla_bwd_kernel_dkv(
             piece = tl.dot(ds_t, q3, piece, input_precision=DOT_PREC)
             _dkv_out(dkv_ptr, out_rows, valid, piece, 3 * VC, VC, D_V, D_QK, DETERMINISTIC)
         if D_R > 0:
-            piece = tl.dot(ds_t, q_r, input_precision=DOT_PREC)
+            piece = tl.dot(ds_t, q_r, input_precision=DOT_PREC)  # [BLOCK_K, BLOCK_DR]
             _dkv_out(dkv_ptr + D_V, out_rows, valid, piece, 0, BLOCK_DR, D_R, D_QK, DETERMINISTIC)
 
 
@@ -286,17 +289,17 @@ def sparse_mla_bwd_kernel_dkv_reduce(
 ):  # fmt: skip
     """One program per sorted slot; the first slot of each key's run sums the run in order into ``dkv``."""
     i = tl.program_id(0)
-    key = tl.load(sorted_keys_ptr + i)
-    prev = tl.load(sorted_keys_ptr + tl.maximum(i - 1, 0))
+    key = tl.load(sorted_keys_ptr + i)  # scalar
+    prev = tl.load(sorted_keys_ptr + tl.maximum(i - 1, 0))  # scalar
     if (key >= 0) & ((i == 0) | (prev != key)):
-        end = tl.load(seg_end_ptr + i)
+        end = tl.load(seg_end_ptr + i)  # scalar
         for c0 in tl.static_range(0, D_QK, BLOCK_D):
             offs = c0 + tl.arange(0, BLOCK_D)
             cmask = offs < D_QK
-            acc = tl.load(dkv_ptr + key.to(tl.int64) * D_QK + offs, mask=cmask, other=0.0)
+            acc = tl.load(dkv_ptr + key.to(tl.int64) * D_QK + offs, mask=cmask, other=0.0)  # [BLOCK_D]
             for j in range(i, end):
-                src = tl.load(order_ptr + j)
-                acc += tl.load(contrib_ptr + src * D_QK + offs, mask=cmask, other=0.0)
+                src = tl.load(order_ptr + j)  # scalar
+                acc += tl.load(contrib_ptr + src * D_QK + offs, mask=cmask, other=0.0)  # [BLOCK_D]
             tl.store(dkv_ptr + key.to(tl.int64) * D_QK + offs, acc, mask=cmask)
 
 

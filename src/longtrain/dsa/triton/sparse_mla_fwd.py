@@ -20,12 +20,12 @@ __all__ = ["fwd_block_h", "sparse_mla_fwd", "sparse_mla_fwd_kernel"]
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
-# (block_k, num_warps, num_stages, layout): candidates the autotuner tries for the (H, D) of a model, once.
-# H200, GLM-5.2 shape (benchmarks/results/dsa_fwd_sweep_2026-11-29.md): (64, 8, 2, 0) 276 TFLOP/s, (128, 8, 1, 2)
-# 250; the one-stage configs stay for GPUs whose shared memory cannot hold two 64-row tiles (SM80: 164 KiB).
+# (block_k, num_warps, num_stages, layout): candidates the autotuner tries for the (H, D) of a model, once: the
+# fastest of the sweep at the GLM-5.2 shape (benchmarks/results/dsa_fwd_sweep_2026-11-29.md has the timings); the
+# one-stage configs stay for GPUs whose shared memory cannot hold two 64-row tiles (SM80: 164 KiB).
 _FWD_CANDIDATES = ((128, 8, 1, 1), (128, 8, 1, 2), (64, 8, 1, 0), (64, 8, 2, 0))
-# (block_k, tiles in flight): candidates of the SM90 kernel (sparse_mla_fwd_sm90.py), tried where it applies.
-# H200, same shape: (64, 2) 337 TFLOP/s, (32, 4) 255, (32, 3) 255; 32-row tiles cover rope tails up to 128.
+# (block_k, tiles in flight): candidates of the SM90 kernel (sparse_mla_fwd_sm90.py), tried where it applies, the
+# fastest of the same sweep first; 32-row tiles cover rope tails up to 128.
 _SM90_CANDIDATES = ((64, 2), (32, 4), (32, 3))
 _LAYOUTS = {"heads": 0, "keys": 1, "keys_logits": 2}
 # Shared memory an SM90 block may use (227 KiB) minus what the kernel needs beside its tiles.
@@ -65,12 +65,14 @@ def sparse_mla_fwd_kernel(
     mask_h = offs_h < H
 
     q_rows = q_ptr + t * (H * D_QK) + offs_h[:, None] * D_QK
-    q_v = tl.load(q_rows + offs_v[None, :], mask=_row_col_mask(mask_h, offs_v, D_V, BLOCK_DV), other=0.0)
+    qv_mask = _row_col_mask(mask_h, offs_v, D_V, BLOCK_DV)
+    q_v = tl.load(q_rows + offs_v[None, :], mask=qv_mask, other=0.0)  # [BLOCK_H, BLOCK_DV]
     if D_R > 0:
-        q_r = tl.load(q_rows + D_V + offs_r[None, :], mask=_row_col_mask(mask_h, offs_r, D_R, BLOCK_DR), other=0.0)
+        qr_mask = _row_col_mask(mask_h, offs_r, D_R, BLOCK_DR)
+        q_r = tl.load(q_rows + D_V + offs_r[None, :], mask=qr_mask, other=0.0)  # [BLOCK_H, BLOCK_DR]
 
     if HAS_LEN:
-        n_slots = tl.minimum(tl.maximum(tl.load(len_ptr + t).to(tl.int32), 0), K_slots)
+        n_slots = tl.minimum(tl.maximum(tl.load(len_ptr + t).to(tl.int32), 0), K_slots)  # scalar
     else:
         n_slots = K_slots
 
@@ -89,25 +91,26 @@ def sparse_mla_fwd_kernel(
         # The slot indices of step i+1 are loaded during step i: the gathered KV loads then depend on a
         # loop-carried value, not on a load of the same step, so with num_stages >= 2 the software pipeliner
         # turns them into cp.async copies one more buffer deep (the index load needs no stage of its own).
-        idx_next = tl.load(idx_row + offs_k, mask=offs_k < n_slots, other=-1)
+        idx_next = tl.load(idx_row + offs_k, mask=offs_k < n_slots, other=-1)  # [BLOCK_K]
     for k0 in range(0, n_slots, BLOCK_K):
         if IDX_AHEAD:
             in_len = offs_k < n_slots - k0
             idx = idx_next
-            idx_next = tl.load(idx_row + BLOCK_K + k0 + offs_k, mask=offs_k < n_slots - k0 - BLOCK_K, other=-1)
+            next_ok = offs_k < n_slots - k0 - BLOCK_K
+            idx_next = tl.load(idx_row + BLOCK_K + k0 + offs_k, mask=next_ok, other=-1)  # [BLOCK_K]
         else:
             offs = k0 + offs_k
             in_len = offs < n_slots
-            idx = tl.load(idx_row + offs, mask=in_len, other=-1)
+            idx = tl.load(idx_row + offs, mask=in_len, other=-1)  # [BLOCK_K]
         valid = in_len & (idx >= 0) & (idx < T_k)
         kv_rows = kv_ptr + tl.where(valid, idx, 0).to(tl.int64) * D_QK
-        kv_v = tl.load(kv_rows[:, None] + offs_v[None, :], mask=_row_col_mask(valid, offs_v, D_V, BLOCK_DV), other=0.0)
+        kvv_mask = _row_col_mask(valid, offs_v, D_V, BLOCK_DV)
+        kv_v = tl.load(kv_rows[:, None] + offs_v[None, :], mask=kvv_mask, other=0.0)  # [BLOCK_K, BLOCK_DV]
         if D_R > 0:
-            kv_r = tl.load(
-                kv_rows[:, None] + D_V + offs_r[None, :], mask=_row_col_mask(valid, offs_r, D_R, BLOCK_DR), other=0.0
-            )
+            kvr_mask = _row_col_mask(valid, offs_r, D_R, BLOCK_DR)
+            kv_r = tl.load(kv_rows[:, None] + D_V + offs_r[None, :], mask=kvr_mask, other=0.0)  # [BLOCK_K, BLOCK_DR]
         if LAYOUT != 0:
-            s = tl.dot(kv_v, tl.trans(q_v), input_precision=DOT_PREC)
+            s = tl.dot(kv_v, tl.trans(q_v), input_precision=DOT_PREC)  # [BLOCK_K, BLOCK_H]
             if D_R > 0:
                 s = tl.dot(kv_r, tl.trans(q_r), s, input_precision=DOT_PREC)
             s = tl.where(valid[:, None], s * qk_scale, float("-inf"))
@@ -123,7 +126,7 @@ def sparse_mla_fwd_kernel(
                 acc = acc * alpha[:, None]
                 acc = tl.dot(tl.trans(p.to(kv_v.dtype)), kv_v, acc, input_precision=DOT_PREC)
         else:
-            s = tl.dot(q_v, tl.trans(kv_v), input_precision=DOT_PREC)
+            s = tl.dot(q_v, tl.trans(kv_v), input_precision=DOT_PREC)  # [BLOCK_H, BLOCK_K]
             if D_R > 0:
                 s = tl.dot(q_r, tl.trans(kv_r), s, input_precision=DOT_PREC)
             s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
@@ -141,7 +144,7 @@ def sparse_mla_fwd_kernel(
     denom = l_i
     if HAS_SINK:
         # The sink is one more logit with a zero value: it only enlarges the denominator.
-        sink = tl.load(sink_ptr + offs_h, mask=mask_h, other=float("-inf")) * 1.4426950408889634
+        sink = tl.load(sink_ptr + offs_h, mask=mask_h, other=float("-inf")) * 1.4426950408889634  # [BLOCK_H]
         denom = l_i + tl.math.exp2(sink - tl.where(m_i == float("-inf"), 0.0, m_i))
     inv = tl.where(has_keys, 1.0 / tl.where(has_keys, denom, 1.0), 0.0)
     if LAYOUT == 1:

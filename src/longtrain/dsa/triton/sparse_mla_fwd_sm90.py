@@ -55,7 +55,7 @@ def _load_idx(idx_row, k0, n_slots, T_k, BLOCK_K: gl.constexpr, layout: gl.const
     """Slot indices ``[k0, k0 + BLOCK_K)`` of a row (``-1`` past ``n_slots``) and their validity."""
     offs = k0 + gl.arange(0, BLOCK_K, layout=layout)
     in_len = offs < n_slots
-    idx = gl.load(idx_row + offs, mask=in_len, other=-1)
+    idx = gl.load(idx_row + offs, mask=in_len, other=-1)  # [BLOCK_K]
     return idx, in_len & (idx >= 0) & (idx < T_k)
 
 
@@ -66,11 +66,11 @@ def _issue_tile(kv_ptr, idx_v, valid_v, idx_r, valid_r, v_buf, r_buf,
     D_QK: gl.constexpr = D_V + D_R
     rows_v = gl.where(valid_v, idx_v, 0).to(gl.int64) * D_QK
     offs_v = gl.arange(0, D_V, layout=gl.SliceLayout(0, LV))
-    _async_load(v_buf, kv_ptr + rows_v[:, None] + offs_v[None, :], mask=valid_v[:, None])
+    _async_load(v_buf, kv_ptr + rows_v[:, None] + offs_v[None, :], mask=valid_v[:, None])  # [BLOCK_K, D_V]
     if D_R > 0:
         rows_r = gl.where(valid_r, idx_r, 0).to(gl.int64) * D_QK + D_V
         offs_r = gl.arange(0, D_R, layout=gl.SliceLayout(0, LR))
-        _async_load(r_buf, kv_ptr + rows_r[:, None] + offs_r[None, :], mask=valid_r[:, None])
+        _async_load(r_buf, kv_ptr + rows_r[:, None] + offs_r[None, :], mask=valid_r[:, None])  # [BLOCK_K, D_R]
     cp.commit_group()
 
 
@@ -127,14 +127,14 @@ def sparse_mla_fwd_sm90_kernel(
     q_row = q_ptr + t * (H * D_QK)
     hv = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LV))
     cv = gl.arange(0, D_V, layout=gl.SliceLayout(0, LV))
-    _async_load(q_v, q_row + hv[:, None] * D_QK + cv[None, :], mask=(hv < H)[:, None])
+    _async_load(q_v, q_row + hv[:, None] * D_QK + cv[None, :], mask=(hv < H)[:, None])  # [BLOCK_H, D_V]
     if D_R > 0:
         hr = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LR))
         cr = gl.arange(0, D_R, layout=gl.SliceLayout(0, LR))
-        _async_load(q_r, q_row + D_V + hr[:, None] * D_QK + cr[None, :], mask=(hr < H)[:, None])
+        _async_load(q_r, q_row + D_V + hr[:, None] * D_QK + cr[None, :], mask=(hr < H)[:, None])  # [BLOCK_H, D_R]
 
     if HAS_LEN:
-        n_slots = gl.minimum(gl.maximum(gl.load(len_ptr + t).to(gl.int32), 0), K_slots)
+        n_slots = gl.minimum(gl.maximum(gl.load(len_ptr + t).to(gl.int32), 0), K_slots)  # scalar
     else:
         n_slots = K_slots
     idx_row = idx_ptr + t * K_slots
@@ -143,11 +143,11 @@ def sparse_mla_fwd_sm90_kernel(
 
     # Prologue: tiles 0 .. NUM_BUF-2 in flight, indices of tile NUM_BUF-1 in registers.
     for j in gl.static_range(NUM_BUF - 1):
-        iv, mv = _load_idx(idx_row, j * BLOCK_K, n_slots, T_k, BLOCK_K, rl_v)
-        ir, mr = _load_idx(idx_row, j * BLOCK_K, n_slots, T_k, BLOCK_K, rl_r)
+        iv, mv = _load_idx(idx_row, j * BLOCK_K, n_slots, T_k, BLOCK_K, rl_v)  # [BLOCK_K] x 2
+        ir, mr = _load_idx(idx_row, j * BLOCK_K, n_slots, T_k, BLOCK_K, rl_r)  # [BLOCK_K] x 2
         _issue_tile(kv_ptr, iv, mv, ir, mr, v_bufs.index(j), r_bufs.index(j), D_V, D_R, LV, LR)
-    nxt_v, nxt_mv = _load_idx(idx_row, (NUM_BUF - 1) * BLOCK_K, n_slots, T_k, BLOCK_K, rl_v)
-    nxt_r, nxt_mr = _load_idx(idx_row, (NUM_BUF - 1) * BLOCK_K, n_slots, T_k, BLOCK_K, rl_r)
+    nxt_v, nxt_mv = _load_idx(idx_row, (NUM_BUF - 1) * BLOCK_K, n_slots, T_k, BLOCK_K, rl_v)  # [BLOCK_K] x 2
+    nxt_r, nxt_mr = _load_idx(idx_row, (NUM_BUF - 1) * BLOCK_K, n_slots, T_k, BLOCK_K, rl_r)  # [BLOCK_K] x 2
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([BLOCK_H], gl.float32, layout=row_s)
@@ -164,14 +164,14 @@ def sparse_mla_fwd_sm90_kernel(
         nb = (i + NUM_BUF - 1) % NUM_BUF
         _issue_tile(kv_ptr, nxt_v, nxt_mv, nxt_r, nxt_mr, v_bufs.index(nb), r_bufs.index(nb), D_V, D_R, LV, LR)
         k_next = (i + NUM_BUF) * BLOCK_K
-        nxt_v, nxt_mv = _load_idx(idx_row, k_next, n_slots, T_k, BLOCK_K, rl_v)
-        nxt_r, nxt_mr = _load_idx(idx_row, k_next, n_slots, T_k, BLOCK_K, rl_r)
+        nxt_v, nxt_mv = _load_idx(idx_row, k_next, n_slots, T_k, BLOCK_K, rl_v)  # [BLOCK_K] x 2
+        nxt_r, nxt_mr = _load_idx(idx_row, k_next, n_slots, T_k, BLOCK_K, rl_r)  # [BLOCK_K] x 2
 
         v_buf = v_bufs.index(buf)
-        s = warpgroup_mma(q_v, v_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_v, v_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # [BLOCK_H, BLOCK_K]
         if D_R > 0:
             s = warpgroup_mma(q_r, r_bufs.index(buf).permute((1, 0)), s, is_async=True)
-        _, valid = _load_idx(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, col_s)
+        _, valid = _load_idx(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, col_s)  # [BLOCK_K]
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
 
         s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
@@ -184,7 +184,7 @@ def sparse_mla_fwd_sm90_kernel(
         m_i = m_new
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         p_op = gl.convert_layout(p.to(dtype), p_layout)
-        acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
+        acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)  # [BLOCK_H, D_V]
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     cp.wait_group(0)
 
@@ -194,7 +194,7 @@ def sparse_mla_fwd_sm90_kernel(
     denom = l_i
     if HAS_SINK:
         # The sink is one more logit with a zero value: it only enlarges the denominator.
-        sink = gl.load(sink_ptr + offs_h, mask=mask_h, other=float("-inf")) * 1.4426950408889634
+        sink = gl.load(sink_ptr + offs_h, mask=mask_h, other=float("-inf")) * 1.4426950408889634  # [BLOCK_H]
         denom = l_i + gl.exp2(sink - gl.where(m_i == float("-inf"), 0.0, m_i))
     inv = gl.where(has_keys, 1.0 / gl.where(has_keys, denom, 1.0), 0.0)
     lse = gl.where(has_keys, (m_i + gl.log2(gl.where(has_keys, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
