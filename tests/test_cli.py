@@ -1,17 +1,21 @@
-"""The ``longtrain`` command: doctor lists every backend with a reason; bench degrades cleanly without CUDA."""
+"""The ``longtrain`` command: doctor lists every backend with a reason; bench degrades cleanly without CUDA and
+finds its suites in the package (the wheel's copy: ``tests/infra/test_package.py``)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+import longtrain
 from longtrain import bench, cli
 
 LONGTRAIN = [sys.executable, "-m", "longtrain.cli"]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_doctor_lists_every_module_backend_with_reasons():
@@ -29,22 +33,36 @@ def test_doctor_lists_every_module_backend_with_reasons():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
-def test_bench_without_cuda_says_what_it_needs():
-    res = subprocess.run(LONGTRAIN + ["bench"], capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0
-    assert "need a CUDA device" in res.stdout
+def test_bench_without_cuda_says_what_it_needs_and_lists_the_suites(capsys):
+    assert cli.main(["bench"]) == 0
+    out = capsys.readouterr().out
+    assert "need a CUDA device" in out
+    for suite in bench.SUITES:
+        assert f"  {suite}: {bench.suite_path(suite)}" in out
 
 
-def test_bench_unknown_suite_is_an_error():
-    res = subprocess.run(LONGTRAIN + ["bench", "nope"], capture_output=True, text=True, timeout=120)
-    assert res.returncode == 2 and "unknown suite" in res.stderr
+def test_bench_unknown_suite_is_an_error(capsys):
+    assert cli.main(["bench", "blockdiag", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown suite(s) ['nope']" in err and "'blockdiag', 'dsa', 'prewarm'" in err
 
 
-def test_bench_finds_every_suite_script():
-    bench_dir = bench.find_benchmarks_dir()
-    assert bench_dir is not None
-    for script, _, _ in bench.SUITES.values():
-        assert (bench_dir / script).is_file(), script
+def test_bench_suites_resolve_to_the_package_not_the_checkout_folder():
+    package = Path(longtrain.__file__).resolve().parent / "bench_suites"
+    for suite, (module, _, _) in bench.SUITES.items():
+        assert bench.suite_path(suite) == package / f"{module}.py", suite
+    assert bench.anchors_path() == package / "anchors.json" and bench.anchors_path().is_file()
+    with pytest.raises(ValueError, match="unknown suite 'nope'; valid: \\['blockdiag'"):
+        bench.suite_path("nope")
+
+
+@pytest.mark.parametrize("script", ["blockdiag_attention", "dsa", "prewarm"])
+def test_checkout_benchmark_scripts_are_entry_points_to_the_suites(script):
+    """``python benchmarks/<suite>.py`` (README, benchmarks/README.md) runs the package's module; the other scripts
+    of that folder import the suite's names through it."""
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), "--help"],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert res.returncode == 0 and res.stdout.startswith("usage:"), res.stderr
 
 
 def test_combine_reports_writes_markdown_json_and_chart(tmp_path):
@@ -68,15 +86,12 @@ def test_combine_reports_writes_markdown_json_and_chart(tmp_path):
 def test_bench_report_on_a_committed_run(tmp_path):
     """The combiner on a fixed JSON (the committed H200 run): one panel per layout with every backend named, forward
     and backward side by side, the anchors as lines, and the headline ratio first in the markdown."""
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    report = json.loads((root / "benchmarks/results/blockdiag_attention_isolation_2026-12-01.json").read_text())
+    report = json.loads((ROOT / "benchmarks/results/blockdiag_attention_isolation_2026-12-01.json").read_text())
     groups = bench.backend_groups(report)
     assert len(groups) == 2 and all(len(rows) == len(report["rows"]) // 2 for rows in groups.values())
     names = [name for name, _, _ in next(iter(groups.values()))]
     assert "cp_varlen_attention (W=1 step, auto)" in names and "flex (compiled, block mask)" in names
-    anchors = bench.load_anchors(root / "benchmarks")
+    anchors = bench.load_anchors()
     assert {"blockdiag_attention", "dsa"} <= set(anchors)
     md, js, png = bench.combine_reports([report], tmp_path, anchors=anchors)
     text = md.read_text()

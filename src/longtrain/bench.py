@@ -1,8 +1,10 @@
-"""``longtrain bench``: run the GPU benchmark suites of ``benchmarks/`` and combine their reports.
+"""``longtrain bench``: run the GPU benchmark suites and combine their reports.
 
-Each suite is a script of the source checkout's ``benchmarks/`` folder that writes a markdown report and a JSON
-report (``{"name", "header", "columns", "rows", "notes"}``, see ``benchmarks/_report.py``). This command runs the
-chosen suites one after the other (each in its own process, so one suite's autotune caches and memory never
+Each suite is a module of ``longtrain.bench_suites`` (shipped with the package, so an installed wheel runs them as
+well as a source checkout; a checkout's ``benchmarks/<module>.py`` are thin entry points to the same modules) that
+writes a markdown report and a JSON report (``{"name", "header", "columns", "rows", "notes"}``, see
+``longtrain.bench_suites.report``). This command runs the chosen suites one after the other (each as
+``python -m longtrain.bench_suites.<module>`` in its own process, so one suite's autotune caches and memory never
 leak into the next), prints every table, and writes a combined markdown + JSON + PNG chart of the TFLOP/s columns.
 Without CUDA it says what it needs and exits cleanly.
 """
@@ -16,40 +18,55 @@ import os
 import subprocess
 import sys
 import tempfile
+from importlib import resources
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
+
+from longtrain.bench_suites.report import RESULTS_DIR
 
 __all__ = [
     "OURS",
     "SUITES",
     "add_bench_arguments",
     "backend_groups",
+    "SUITES_PACKAGE",
+    "anchors_path",
     "combine_reports",
-    "find_benchmarks_dir",
     "headline",
     "load_anchors",
     "main",
+    "suite_path",
 ]
 
 #: Substrings of the backend names of rows that run through longtrain's own entry points (the rest are the kernels
 #: called directly: the baselines).
 OURS = ("cp_varlen_attention", "varlen_attention(", "driver ", "longtrain", "ours")
 
-# suite -> (script, the flag that names its output folder, extra arguments)
+#: The package that holds the suites and ``anchors.json``.
+SUITES_PACKAGE = "longtrain.bench_suites"
+
+#: suite -> (module of ``SUITES_PACKAGE``, the flag that names its output folder, extra arguments)
 SUITES: dict[str, tuple[str, str, tuple[str, ...]]] = {
-    "blockdiag": ("blockdiag_attention.py", "--out-dir", ()),
-    "dsa": ("dsa.py", "--out-dir", ()),
-    "prewarm": ("prewarm.py", "--out", ()),
+    "blockdiag": ("blockdiag_attention", "--out-dir", ()),
+    "dsa": ("dsa", "--out-dir", ()),
+    "prewarm": ("prewarm", "--out", ()),
 }
 
 
-def find_benchmarks_dir() -> Path | None:
-    """The ``benchmarks/`` folder of the source checkout this package runs from (or of the working directory)."""
-    for root in (Path(__file__).resolve().parents[2], Path.cwd()):
-        candidate = root / "benchmarks"
-        if (candidate / "_report.py").is_file():
-            return candidate
-    return None
+def suite_path(suite: str) -> Path:
+    """The file of ``suite``'s module in the installed (or checked-out) package, found without importing it."""
+    if suite not in SUITES:
+        raise ValueError(f"unknown suite {suite!r}; valid: {list(SUITES)}")
+    spec = find_spec(f"{SUITES_PACKAGE}.{SUITES[suite][0]}")
+    if spec is None or spec.origin is None:
+        raise RuntimeError(f"the module of suite {suite!r} is missing from {SUITES_PACKAGE}; reinstall longtrain")
+    return Path(spec.origin)
+
+
+def anchors_path() -> Path:
+    """``anchors.json`` of the package (the reference figures of the best public kernels)."""
+    return Path(str(resources.files(SUITES_PACKAGE) / "anchors.json"))
 
 
 def _cell(value: Any) -> str:
@@ -86,9 +103,10 @@ def _tflops_series(report: dict[str, Any]) -> list[tuple[str, float]]:
     return out
 
 
-def load_anchors(bench_dir: Path | None = None) -> dict[str, list[dict[str, Any]]]:
-    """The reference figures of ``benchmarks/anchors.json`` per report name (empty when the file is absent)."""
-    path = (bench_dir or find_benchmarks_dir() or Path(".")) / "anchors.json"
+def load_anchors(path: Path | None = None) -> dict[str, list[dict[str, Any]]]:
+    """The reference figures of ``anchors.json`` (default: the package's, ``anchors_path()``) per report name (empty
+    when the file is absent)."""
+    path = anchors_path() if path is None else path
     if not path.is_file():
         return {}
     data = json.loads(path.read_text())
@@ -179,7 +197,7 @@ def combine_reports(
     reports: list[dict[str, Any]], out_dir: Path, anchors: dict[str, list[dict[str, Any]]] | None = None
 ) -> tuple[Path, Path, Path | None]:
     """Write ``bench_<date>.md`` (the headline ratios first), ``.json`` and ``.png`` (one panel per layout, every
-    backend named, forward and backward side by side, the anchors of ``benchmarks/anchors.json`` as marked lines)
+    backend named, forward and backward side by side, the anchors of ``anchors.json`` as marked lines)
     combining ``reports`` into ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     anchors = load_anchors() if anchors is None else anchors
@@ -209,7 +227,12 @@ def combine_reports(
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("suites", nargs="*", help=f"suites to run (default: all of {', '.join(SUITES)})")
-    p.add_argument("--out", default=None, help="folder for the reports (default: benchmarks/results)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="folder for the reports (default: benchmarks/results of the source checkout longtrain runs from, "
+        "else benchmarks/results under the working directory)",
+    )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per suite")
 
 
@@ -221,29 +244,31 @@ def main(args: argparse.Namespace) -> int:
     if unknown:
         print(f"longtrain bench: error: unknown suite(s) {unknown}; valid: {list(SUITES)}", file=sys.stderr)
         return 2
+    try:
+        paths = {suite: suite_path(suite) for suite in suites}
+    except RuntimeError as exc:
+        print(f"longtrain bench: error: {exc}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print(
             "longtrain bench: the benchmark suites time GPU kernels and need a CUDA device (SM80+; SM90 for the "
             "cuDNN rows); none is visible here, so nothing was run. On this machine `longtrain doctor` lists what "
-            "can run and `make test` checks correctness on the CPU."
+            "can run (and a source checkout's `make test` checks correctness on the CPU). Suites:"
         )
+        for suite, path in paths.items():
+            print(f"  {suite}: {path}")
         return 0
-    bench_dir = find_benchmarks_dir()
-    if bench_dir is None:
-        print("longtrain bench: error: the benchmarks/ folder of a source checkout was not found", file=sys.stderr)
-        return 2
-    out_dir = Path(args.out) if args.out else bench_dir / "results"
+    out_dir = Path(args.out) if args.out else RESULTS_DIR
+    # The children import the same longtrain as this process, wherever it is installed.
+    package_parent = str(paths[suites[0]].parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_parent, os.environ.get("PYTHONPATH")])))
     reports: list[dict[str, Any]] = []
     failed: list[str] = []
     for suite in suites:
-        script, out_flag, extra = SUITES[suite]
+        module, out_flag, extra = SUITES[suite]
         with tempfile.TemporaryDirectory(prefix=f"longtrain-bench-{suite}-") as tmp:
-            cmd = [sys.executable, str(bench_dir / script), out_flag, tmp, *extra]
+            cmd = [sys.executable, "-m", f"{SUITES_PACKAGE}.{module}", out_flag, tmp, *extra]
             print(f"== {suite}: {' '.join(cmd)}", flush=True)
-            env = dict(
-                os.environ,
-                PYTHONPATH=os.pathsep.join(filter(None, [str(bench_dir.parent), os.environ.get("PYTHONPATH")])),
-            )
             try:
                 res = subprocess.run(cmd, env=env, timeout=args.timeout)
                 ok = res.returncode == 0

@@ -80,3 +80,63 @@ def test_cuda_probe_reason_on_cpu():
         pytest.skip("a CUDA device is visible")
     ok, reason = _optional.cuda_sm(9, 0)
     assert not ok and "SM90+" in reason
+
+
+def test_wheel_ships_the_bench_suites_and_bench_runs_them_from_the_install(tmp_path):
+    """``pip install .`` (not editable) carries what ``longtrain bench`` runs: the suites, their report writer and
+    ``anchors.json``; installed away from the checkout, bench resolves them from the install. Builds from a copy of
+    the tree (the checkout's own ``build/`` may hold stale files); about 3 s."""
+    import importlib.util
+    import os
+    import shutil
+    import zipfile
+    from pathlib import Path
+
+    import pytest
+
+    if importlib.util.find_spec("setuptools") is None:
+        pytest.skip("setuptools is not installed (the wheel is built with --no-build-isolation)")
+    root = Path(__file__).resolve().parents[2]
+    tree = tmp_path / "tree"
+    shutil.copytree(root / "src", tree / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(root / name, tree / name)
+
+    def pip(command: str, *args: str) -> None:
+        cmd = [sys.executable, "-m", "pip", command, "-q", "--disable-pip-version-check", "--no-deps", *args]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr
+
+    pip("wheel", "--no-build-isolation", "-w", str(tmp_path / "dist"), str(tree))
+    (wheel,) = (tmp_path / "dist").glob("longtrain-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    suites = [f"longtrain/bench_suites/{m}" for m in ("__init__.py", "report.py", "anchors.json")]
+    suites += [f"longtrain/bench_suites/{m}.py" for m in ("blockdiag_attention", "dsa", "prewarm")]
+    assert set(suites) <= names, sorted(set(suites) - names)
+
+    site = tmp_path / "site"
+    pip("install", "--no-index", "--no-compile", "--target", str(site), str(wheel))
+    env = dict(os.environ, PYTHONPATH=str(site))  # ahead of the checkout that an editable install puts on the path
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+
+    def longtrain(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "longtrain.cli", *args], capture_output=True, text=True,
+                              timeout=120, env=env, cwd=work)  # fmt: skip
+
+    where = subprocess.run([sys.executable, "-c", "import longtrain.bench as b; print(b.suite_path('dsa'), "
+                            "b.anchors_path(), len(b.load_anchors()))"], capture_output=True, text=True, timeout=120,
+                           env=env, cwd=work)  # fmt: skip
+    assert where.returncode == 0, where.stderr
+    installed = site / "longtrain" / "bench_suites"
+    assert where.stdout.split() == [str(installed / "dsa.py"), str(installed / "anchors.json"), "2"]
+    res = longtrain("bench", "--help")
+    assert res.returncode == 0 and "suites to run" in res.stdout, res.stderr
+    res = longtrain("bench", "nope")
+    assert res.returncode == 2 and "unknown suite" in res.stderr
+    import torch
+
+    if not torch.cuda.is_available():
+        res = longtrain("bench")
+        assert res.returncode == 0 and "need a CUDA device" in res.stdout, res.stderr
+        assert f"  prewarm: {installed / 'prewarm.py'}" in res.stdout
