@@ -30,11 +30,11 @@ def _kernel():
             row = tl.program_id(0).to(tl.int64)
             base = row * row_len
             any_bad = tl.zeros([BLOCK], dtype=tl.int32)
-            for start in range(0, row_len, BLOCK):
+            for start in range(0, row_len, BLOCK):  # one token's row_len elements, BLOCK at a time
                 offs = start + tl.arange(0, BLOCK)
                 inside = offs < row_len
-                x = tl.load(x_ptr + base + offs, mask=inside, other=0.0)
-                finite = (x == x) & (tl.abs(x) < float("inf"))  # false for NaN and +-inf
+                x = tl.load(x_ptr + base + offs, mask=inside, other=0.0)  # [BLOCK]
+                finite = (x == x) & (tl.abs(x) < float("inf"))  # [BLOCK]; false for NaN and +-inf
                 tl.store(out_ptr + base + offs, tl.where(finite, x, tl.zeros_like(x)), mask=inside)
                 any_bad = tl.maximum(any_bad, tl.where(finite | ~inside, 0, 1))
             tl.store(bad_ptr + row, tl.max(any_bad, axis=0).to(tl.int8))
@@ -53,11 +53,12 @@ def _fill_kernel():
         def fill_rows_kernel(x_ptr, out_ptr, flag_ptr, row_len, value, BLOCK: tl.constexpr):
             row = tl.program_id(0).to(tl.int64)
             base = row * row_len
+            # [BLOCK]: the row's flag (a scalar load) broadcast
             flagged = (tl.zeros([BLOCK], dtype=tl.int32) + tl.load(flag_ptr + row).to(tl.int32)) != 0
-            for start in range(0, row_len, BLOCK):
+            for start in range(0, row_len, BLOCK):  # one token's row_len elements, BLOCK at a time
                 offs = start + tl.arange(0, BLOCK)
                 inside = offs < row_len
-                x = tl.load(x_ptr + base + offs, mask=inside & ~flagged, other=0.0)
+                x = tl.load(x_ptr + base + offs, mask=inside & ~flagged, other=0.0)  # [BLOCK]
                 x = tl.where(flagged, x + value, x)  # a flagged row loads as 0: 0 + value
                 tl.store(out_ptr + base + offs, x, mask=inside)
 
