@@ -134,8 +134,9 @@ def _step_forward(layers, x, pos, step):
     return h + shared(x + h, pos, prev_topk=topk, cp_step=step), topk
 
 
-def _step_vs_single(rank: int, world: int) -> dict[str, float]:
-    """DSA layers driven by a block-diagonal CPStep (no cu_seqlens, no metadata) equal the one-rank step."""
+def _step_vs_single(rank: int, world: int, sharding: str = "contiguous") -> dict[str, float]:
+    """DSA layers driven by a block-diagonal CPStep (no cu_seqlens, no metadata) equal the one-rank step; a balanced
+    step owns several ranges of the row (pieces of 2 tokens and more)."""
     from longtrain.blockdiag_cp import build_cp_step
     from tests.blockdiag._cp_model import FakeMesh
 
@@ -156,10 +157,14 @@ def _step_vs_single(rank: int, world: int) -> dict[str, float]:
         for n, p in layer.named_parameters(prefix=str(layer.layer_idx))
     }
     layers = _stack(seed=5)
-    step = build_cp_step(ids, FakeMesh(world, rank, dist.group.WORLD) if world > 1 else None)
+    step = build_cp_step(ids, FakeMesh(world, rank, dist.group.WORLD) if world > 1 else None, sharding=sharding,
+                         shard_chunk=2)  # fmt: skip
+    if sharding == "balanced":
+        assert not step.contiguous
+        rows = step.token_index
     x_local = x[rows].clone().requires_grad_()
     out, topk = _step_forward(layers, x_local, pos[rows], step)
-    assert "dsa_metadata" in step.cache  # built once for the step, shared by both layers
+    assert "dsa_parts" in step.cache  # built once for the step, shared by both layers
     (out * weight[rows]).sum().backward()
     real = ids[rows] > 0
     diffs = {
@@ -195,17 +200,28 @@ def test_layers_with_a_cp_step_on_two_ranks(gloo):
         _check_step_diffs(diffs)
 
 
-def test_cp_step_arguments_are_checked():
-    from longtrain.blockdiag_cp import build_cp_step
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 4])
+def test_layers_with_a_balanced_cp_step(gloo, world):
+    for diffs in gloo(_step_vs_single, world, "balanced"):
+        _check_step_diffs(diffs)
 
+
+def _balanced_refusals(rank: int, world: int) -> bool:
+    from longtrain.blockdiag_cp import build_cp_step
+    from tests.blockdiag._cp_model import FakeMesh
+
+    ids = torch.tensor([1] * 5 + [2] * 7 + [3] * 1 + [0] * 3)
+    step = build_cp_step(ids, FakeMesh(world, rank, dist.group.WORLD), sharding="balanced", shard_chunk=2)
     full, _ = _stack(seed=1)
-    step = build_cp_step(torch.tensor([1] * 6 + [0] * 2))
     x, pos = torch.randn(8, 32, dtype=torch.float64), torch.arange(8)
-    with pytest.raises(TypeError, match="CPStep"):
-        full(x, pos, cp_step={"group": None})
-    with pytest.raises(ValueError, match="shard holds 8"):
-        full(x[:4], pos[:4], cp_step=step)
-    with pytest.raises(ValueError, match="different groups"):
-        full(x, pos, cp_step=step, cp_group=object())
-    with pytest.raises(ValueError, match="needs cu_seqlens"):
-        full(x, pos)
+    with pytest.raises(ValueError, match="pass neither metadata nor cu_seqlens"):
+        full(x, pos, torch.tensor([0, 16], dtype=torch.int32), cp_step=step)
+    with pytest.raises(ValueError, match="use parts_for_step"):
+        DSAAttention.metadata_for_step(step)
+    return True
+
+
+@pytest.mark.dist
+def test_balanced_step_refuses_external_metadata(gloo):
+    assert all(gloo(_balanced_refusals, 2))

@@ -111,7 +111,8 @@ def _cp_worker(rank, world, sharding):
     tokens, labels, positions = _row()
     ref_logits, ref_loss, ref_grads = _per_document(ref, tokens, labels)
     ctx, kwargs, local_labels, layout = tt.titan_cp_batch(tokens, labels, positions, dist.group.WORLD,
-                                                          sharding=sharding)  # fmt: skip
+                                                          sharding=sharding, shard_chunk=2)  # fmt: skip
+    assert layout.step.contiguous == (sharding == "contiguous")
     assert kwargs["tokens"].shape[1] == layout.padded_seq_len // world
     with ctx():
         logits = ours(**kwargs)

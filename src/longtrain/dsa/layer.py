@@ -15,9 +15,11 @@ Per token row ``t`` with hidden state ``x_t`` and per-document position ``p_t``:
 
 Shared ("IndexShare") layers have no indexer and reuse the previous full layer's top-k.
 
-Context parallelism: each rank holds a contiguous block of rows of the (padded-storage) packed sequence. The
+Context parallelism: each rank holds a contiguous block of rows of the (padded-storage) packed sequence, or,
+with a balanced :class:`~longtrain.blockdiag_cp.CPStep`, several ranges of it (:class:`DSAQueryParts`). The
 latent KV (``c``, ``k_pe``) and indexer keys are all-gathered along tokens differentiably (backward:
-reduce-scatter, or all-reduce + slice on gloo), queries stay local and address keys by global coordinate.
+reduce-scatter, or all-reduce + slice on gloo) and, for a balanced step, put back in row order; queries stay local
+and address keys by global coordinate, one kernel call per contiguous range of local rows.
 The indexer receives no gradient from the LM loss (top-k indices are integers).
 """
 
@@ -37,7 +39,9 @@ from longtrain.dsa.metadata import CudnnDsaPackedMetadata, check_dsa_metadata, p
 __all__ = [
     "DSAAttention",
     "DSAConfig",
+    "DSAQueryParts",
     "derive_indexer_types",
+    "gather_rows",
     "gather_tokens",
     "mla_softmax_scale",
     "rope_angles",
@@ -299,6 +303,25 @@ def gather_tokens(tensor: torch.Tensor, cp_group: Any) -> torch.Tensor:
     return _GatherTokens.apply(tensor, cp_group)
 
 
+@dataclass(frozen=True, eq=False)
+class DSAQueryParts:
+    """How one rank's local query rows meet the DSA kernels in a CP step: ``parts`` are ``(local rows, metadata)``
+    pairs, one per contiguous range of global positions this rank owns (one pair for a contiguous step), each with
+    its :class:`~longtrain.dsa.metadata.CudnnDsaPackedMetadata` over the whole row's keys; ``row_order`` ``[S]
+    int64`` maps global position ``g`` to its row in the all-gathered (rank-major) tensor, ``None`` when those
+    coincide (contiguous sharding)."""
+
+    parts: tuple[tuple[slice, CudnnDsaPackedMetadata], ...]
+    row_order: torch.Tensor | None = None
+
+
+def gather_rows(tensor: torch.Tensor, cp_group: Any, row_order: torch.Tensor | None) -> torch.Tensor:
+    """:func:`gather_tokens`, then the rows put in row order (``row_order`` of :class:`DSAQueryParts`); both
+    differentiable."""
+    full = gather_tokens(tensor, cp_group)
+    return full if row_order is None else full.index_select(0, row_order)
+
+
 class DSAAttention(nn.Module):
     """GLM-5.2-style DSA attention for packed THD input.
 
@@ -360,11 +383,40 @@ class DSAAttention(nn.Module):
         return DSAAttention._metadata(cu_seqlens, num_local_tokens, rank, world, cu_seqlens_padded, padding_mask)
 
     @staticmethod
-    def metadata_for_step(cp_step: Any) -> CudnnDsaPackedMetadata:
-        """The DSA metadata of a block-diagonal :class:`~longtrain.blockdiag_cp.CPStep` (its document runs, padding
-        tail and rank), built once per step (one synchronization) and cached on the step for every layer."""
+    def parts_for_step(cp_step: Any) -> DSAQueryParts:
+        """The :class:`DSAQueryParts` of a block-diagonal :class:`~longtrain.blockdiag_cp.CPStep`, contiguous or
+        balanced; built once per step (one synchronization per range) and cached on the step for every layer."""
         _cp_from_step(cp_step, None)
-        cp_step.require_contiguous("DSAAttention")
+        hit = cp_step.cache.get("dsa_parts")
+        if hit is not None:
+            return hit
+        if cp_step.contiguous:
+            hit = DSAQueryParts(((slice(0, cp_step.local_len), DSAAttention.metadata_for_step(cp_step)),))
+        else:
+            plan = cp_step.shard_plan
+            device = cp_step.packed_cu_seqlens.device
+            cu = cp_step.packed_cu_seqlens.to(torch.int32)
+            parts, start = [], 0
+            for a, b in plan.pieces[cp_step.rank]:
+                meta = prepare_dsa_metadata(
+                    cu, plan.seq_len, query_indices=torch.arange(a, b, device=device, dtype=torch.int64),
+                    padding_mask=cp_step.doc_ids[0, a:b] == 0,
+                )  # fmt: skip
+                parts.append((slice(start, start + b - a), meta))
+                start += b - a
+            order = torch.empty(plan.seq_len, dtype=torch.int64)
+            order[plan.permutation] = torch.arange(plan.seq_len)
+            hit = DSAQueryParts(tuple(parts), order.to(device))
+        cp_step.cache["dsa_parts"] = hit
+        return hit
+
+    @staticmethod
+    def metadata_for_step(cp_step: Any) -> CudnnDsaPackedMetadata:
+        """The DSA metadata of a contiguous block-diagonal :class:`~longtrain.blockdiag_cp.CPStep` (its document
+        runs, padding tail and rank), built once per step (one synchronization) and cached on the step for every
+        layer. A balanced step has one per range of rows: :meth:`parts_for_step`."""
+        _cp_from_step(cp_step, None)
+        cp_step.require_contiguous("DSAAttention.metadata_for_step (use parts_for_step)")
         hit = cp_step.cache.get("dsa_metadata")
         if hit is None:
             rows = slice(cp_step.row_offset, cp_step.row_offset + cp_step.local_len)
@@ -431,28 +483,36 @@ class DSAAttention(nn.Module):
         num_tokens = x.shape[0]
         if position_ids.shape != (num_tokens,):
             raise ValueError(f"position_ids must be [{num_tokens}], got {tuple(position_ids.shape)}.")
+        parts = None
         if cp_step is not None:
             cp_group = _cp_from_step(cp_step, cp_group)
             if num_tokens != cp_step.local_len:
                 raise ValueError(f"x has {num_tokens} rows but cp_step's shard holds {cp_step.local_len}.")
+            if not cp_step.contiguous and (metadata is not None or cu_seqlens is not None):
+                raise ValueError(
+                    "a balanced cp_step owns several ranges of the row: DSAAttention builds their metadata itself "
+                    "(DSAAttention.parts_for_step); pass neither metadata nor cu_seqlens with it"
+                )
             if metadata is None and cu_seqlens is None:
-                metadata = self.metadata_for_step(cp_step)
+                parts = self.parts_for_step(cp_step)
             if cu_seqlens is None:
                 cu_seqlens = cp_step.packed_cu_seqlens.to(torch.int32)
         if cu_seqlens is None:
             raise ValueError("DSAAttention.forward needs cu_seqlens (or a cp_step that carries the document runs).")
         rank, world = _cp_world(cp_group)
         total_keys = num_tokens * world
-        if metadata is None:
-            metadata = self.prepare_metadata(
-                cu_seqlens,
-                num_tokens,
-                cu_seqlens_padded=cu_seqlens_padded,
-                padding_mask=padding_mask,
-                cp_group=cp_group,
-            )
-        else:
-            check_dsa_metadata(metadata, num_tokens, total_keys, x.device)
+        if parts is None:
+            if metadata is None:
+                metadata = self.prepare_metadata(
+                    cu_seqlens,
+                    num_tokens,
+                    cu_seqlens_padded=cu_seqlens_padded,
+                    padding_mask=padding_mask,
+                    cp_group=cp_group,
+                )
+            else:
+                check_dsa_metadata(metadata, num_tokens, total_keys, x.device)
+            parts = DSAQueryParts(((slice(0, num_tokens), metadata),))
         if self.indexer_type == "shared":
             if prev_topk is None:
                 raise ValueError(
@@ -473,11 +533,11 @@ class DSAAttention(nn.Module):
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
         k_pe = rope_interleaved(k_pe, cos, sin)
-        latent = gather_tokens(latent, cp_group)
-        k_pe = gather_tokens(k_pe, cp_group)
+        latent = gather_rows(latent, cp_group, parts.row_order)
+        k_pe = gather_rows(k_pe, cp_group, parts.row_order)
 
         if self.indexer_type == "full":
-            topk = self._indexer_topk(x, q_resid, cos, sin, cu_seqlens, metadata, cp_group)
+            topk = self._indexer_topk(x, q_resid, cos, sin, cu_seqlens, parts, cp_group)
         else:
             topk = prev_topk
 
@@ -486,16 +546,19 @@ class DSAAttention(nn.Module):
         q_absorbed = torch.einsum("thd,hdc->thc", q_nope, w_kc.to(q_nope.dtype))
         query = torch.cat([q_absorbed, q_pe], dim=-1)
         key_value = torch.cat([latent, k_pe], dim=-1)[:, None, :]
-        topk_length = metadata.causal_lengths.clamp(max=c.index_topk)
-        attn_latent = ops.sparse_mla_attention(
-            query,
-            key_value,
-            topk,
-            self.softmax_scale,
-            d_v=c.kv_lora_rank,
-            topk_length=topk_length,
-            backend=c.backend,
-        )
+        pieces = [
+            ops.sparse_mla_attention(
+                query[rows],
+                key_value,
+                topk[rows],
+                self.softmax_scale,
+                d_v=c.kv_lora_rank,
+                topk_length=meta.causal_lengths.clamp(max=c.index_topk),
+                backend=c.backend,
+            )
+            for rows, meta in parts.parts
+        ]
+        attn_latent = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
         attn = torch.einsum("thc,hdc->thd", attn_latent, w_vc.to(attn_latent.dtype))
         out = self.o_proj(attn.reshape(num_tokens, c.num_heads * c.v_head_dim))
         return (out, topk) if return_topk else out
@@ -507,7 +570,7 @@ class DSAAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         cu_seqlens: torch.Tensor,
-        metadata: CudnnDsaPackedMetadata,
+        parts: DSAQueryParts,
         cp_group: Any,
     ) -> torch.Tensor:
         c = self.config
@@ -516,15 +579,19 @@ class DSAAttention(nn.Module):
         index_q = torch.cat([rope_half_split(index_q[..., :rope], cos, sin), index_q[..., rope:]], dim=-1)
         index_k = self.k_norm(self.wk(x))
         index_k = torch.cat([rope_half_split(index_k[..., :rope], cos, sin), index_k[..., rope:]], dim=-1)
-        index_k = gather_tokens(index_k, cp_group)
+        index_k = gather_rows(index_k, cp_group, parts.row_order)
         weight_dtype = torch.promote_types(x.dtype, torch.float32)
         head_weights = self.weights_proj(x).to(weight_dtype) * (c.index_n_heads**-0.5 * c.index_head_dim**-0.5)
-        return ops.indexer_topk(
-            index_q,
-            index_k,
-            head_weights,
-            cu_seqlens,
-            c.index_topk,
-            packed_metadata=metadata,
-            backend=c.backend,
-        )
+        topk = [
+            ops.indexer_topk(
+                index_q[rows],
+                index_k,
+                head_weights[rows],
+                cu_seqlens,
+                c.index_topk,
+                packed_metadata=meta,
+                backend=c.backend,
+            )
+            for rows, meta in parts.parts
+        ]
+        return topk[0] if len(topk) == 1 else torch.cat(topk, dim=0)

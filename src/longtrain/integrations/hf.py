@@ -66,6 +66,7 @@ def hf_cp_batch(
     padding_token_id: int = 0,
     ignore_index: int = _IGNORE_INDEX,
     sharding: str | None = None,
+    shard_chunk: int | None = None,
 ) -> tuple[Callable[[], contextlib.AbstractContextManager], dict, Any]:
     """One packed Hugging Face row (``input_ids`` or ``inputs_embeds`` ``[1, S]``, optional unshifted ``labels``,
     ``position_ids``, ``cu_seq_lens_q``/``cu_seq_lens_k`` and ``max_length_*`` from ``DataCollatorWithFlattening``,
@@ -79,8 +80,8 @@ def hf_cp_batch(
     and does not shift again) and ``num_items_in_batch`` (the row's label count), plus every other key of the
     batch; run ``model(**model_kwargs)`` and ``loss.backward()`` inside ``with ctx_factory():``. The per-rank
     losses sum (all-reduce) to the single-process loss; the caller's ``batch`` is not modified. ``sharding``:
-    ``"contiguous"`` or ``"balanced"`` (see the builder; default ``configure_cp_varlen(sharding=...)``); the DSA
-    models of :func:`apply_dsa` need ``"contiguous"``.
+    ``"contiguous"`` or ``"balanced"`` (see the builder; default ``configure_cp_varlen(sharding=...)``; the DSA
+    models of :func:`apply_dsa` take both), ``shard_chunk`` the balanced plan's smallest piece.
     """
     batch = dict(batch)
     primary = "input_ids" if batch.get("input_ids") is not None else "inputs_embeds"
@@ -103,7 +104,7 @@ def hf_cp_batch(
         if mask is None or bool(mask.all()):  # Hugging Face's packed rule: a jump in the positions starts a document
             batch["_packed_seq_ids"] = packed_doc_ids(1, seq_len, position_ids=pos, device=device)
     ctx, local, layout = make_cp_blockdiag_batch_and_ctx(
-        cp_mesh, None, batch, padding_token_id=padding_token_id, sharding=sharding
+        cp_mesh, None, batch, padding_token_id=padding_token_id, sharding=sharding, shard_chunk=shard_chunk
     )
     kwargs = {k: v for k, v in local.items() if k not in ("_packed_seq_ids", "padding_mask", "loss_mask")}
     for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"):

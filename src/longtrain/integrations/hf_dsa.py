@@ -27,7 +27,7 @@ import torch
 
 from longtrain.blockdiag_cp import current_cp_step
 from longtrain.dsa import ops
-from longtrain.dsa.layer import DSAAttention, gather_tokens
+from longtrain.dsa.layer import DSAAttention, DSAQueryParts, gather_rows
 from longtrain.dsa.metadata import prepare_dsa_metadata
 
 __all__ = ["DSA_ATTENTION_CLASSES", "apply_dsa"]
@@ -144,9 +144,10 @@ def _dsa_forward(self, family, backend, hidden_states, position_embeddings, atte
             raise ValueError(f"inside a CP step the model takes this rank's shard [1, {step.local_len}], got "
                              f"[{batch}, {seq}]")  # fmt: skip
         group = step.group if step.world_size > 1 else None
-        meta, cu = DSAAttention.metadata_for_step(step), step.packed_cu_seqlens.to(torch.int32)
+        parts, cu = DSAAttention.parts_for_step(step), step.packed_cu_seqlens.to(torch.int32)
     else:
         meta, cu = _metadata(batch, seq, hidden_states.device, position_ids, attention_mask)
+        parts = DSAQueryParts(((slice(0, tokens), meta),))
 
     q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
     q_states = self.q_b_proj(q_resid).view(batch, seq, -1, self.qk_head_dim).transpose(1, 2)
@@ -157,12 +158,12 @@ def _dsa_forward(self, family, backend, hidden_states, position_embeddings, atte
     q_rot, k_rot = mod.apply_rotary_pos_emb_interleave(q_rot, k_rot.view(batch, 1, seq, rope), cos, sin)
     q_nope = q_pass.transpose(1, 2).reshape(tokens, heads, nope)
     q_pe = q_rot.transpose(1, 2).reshape(tokens, heads, rope)
-    latent = gather_tokens(latent.reshape(tokens, lora), group)
-    k_pe = gather_tokens(k_rot.reshape(tokens, rope), group)
+    latent = gather_rows(latent.reshape(tokens, lora), group, parts.row_order)
+    k_pe = gather_rows(k_rot.reshape(tokens, rope), group, parts.row_order)
 
     topk_width = cfg.index_topk
     if self.indexer is not None:
-        topk = _indexer(self.indexer, family, mod, hidden_states, q_resid, cos, sin, meta, cu, group, backend)
+        topk = _indexer(self.indexer, family, mod, hidden_states, q_resid, cos, sin, parts, cu, group, backend)
     else:
         if prev_topk_indices is None or tuple(prev_topk_indices.shape) != (tokens, topk_width):
             raise ValueError(
@@ -175,17 +176,26 @@ def _dsa_forward(self, family, backend, hidden_states, position_embeddings, atte
     w_kc, w_vc = weight.split([nope, v_dim], dim=1)
     query = torch.cat([torch.einsum("thd,hdc->thc", q_nope, w_kc.to(q_nope.dtype)), q_pe], dim=-1)
     key_value = torch.cat([latent, k_pe], dim=-1)[:, None, :]
-    attn_latent = ops.sparse_mla_attention(
-        query, key_value, topk, self.scaling, d_v=lora, topk_length=meta.causal_lengths.clamp(max=topk_width),
-        backend=backend,
-    )  # fmt: skip
+    pieces = [
+        ops.sparse_mla_attention(
+            query[rows],
+            key_value,
+            topk[rows],
+            self.scaling,
+            d_v=lora,
+            topk_length=meta.causal_lengths.clamp(max=topk_width),
+            backend=backend,
+        )  # fmt: skip
+        for rows, meta in parts.parts
+    ]
+    attn_latent = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
     attn = torch.einsum("thc,hdc->thd", attn_latent, w_vc.to(attn_latent.dtype))
     out = self.o_proj(attn.reshape(batch, seq, heads * v_dim))
     return (out, None, topk) if family == "glm" else (out, None)
 
 
 @torch.no_grad()
-def _indexer(indexer, family, mod, hidden_states, q_resid, cos, sin, meta, cu, group, backend):
+def _indexer(indexer, family, mod, hidden_states, q_resid, cos, sin, parts, cu, group, backend):
     batch, seq, _ = hidden_states.shape
     tokens = batch * seq
     n_heads, dim, rope = indexer.n_heads, indexer.head_dim, indexer.qk_rope_head_dim
@@ -196,11 +206,15 @@ def _indexer(indexer, family, mod, hidden_states, q_resid, cos, sin, meta, cu, g
     rotate = mod.apply_rotary_pos_emb_interleave if family == "glm" else mod.apply_rotary_pos_emb
     q_rot, k_rot = rotate(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
     index_q = torch.cat([q_rot, q_pass], dim=-1).reshape(tokens, n_heads, dim)
-    index_k = gather_tokens(torch.cat([k_rot, k_pass], dim=-1).reshape(tokens, dim), group)
+    index_k = gather_rows(torch.cat([k_rot, k_pass], dim=-1).reshape(tokens, dim), group, parts.row_order)
     weights = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float()
     weights = (weights * (n_heads**-0.5 * indexer.softmax_scale)).reshape(tokens, n_heads)
     dtype = torch.promote_types(index_q.dtype, torch.float32)
-    return ops.indexer_topk(
-        index_q.to(dtype), index_k.to(dtype), weights.to(dtype), cu, indexer.index_topk, packed_metadata=meta,
-        backend=backend,
-    )  # fmt: skip
+    index_q, index_k, weights = index_q.to(dtype), index_k.to(dtype), weights.to(dtype)
+    topk = [
+        ops.indexer_topk(
+            index_q[rows], index_k, weights[rows], cu, indexer.index_topk, packed_metadata=meta, backend=backend
+        )  # fmt: skip
+        for rows, meta in parts.parts
+    ]
+    return topk[0] if len(topk) == 1 else torch.cat(topk, dim=0)

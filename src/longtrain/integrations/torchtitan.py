@@ -143,6 +143,7 @@ def titan_cp_batch(
     *,
     padding_token_id: int = 0,
     sharding: str | None = None,
+    shard_chunk: int | None = None,
 ) -> tuple[Callable[[], contextlib.AbstractContextManager], dict, torch.Tensor | None, Any]:
     """One packed torchtitan row -> ``(ctx_factory, model_kwargs, local_labels, layout)``.
 
@@ -150,15 +151,16 @@ def titan_cp_batch(
     ``positions [1, S]`` restarting at 0 per document (they set the documents). ``cp_mesh``: ``None``, a
     ``ProcessGroup``, a 1-D ``DeviceMesh`` or a named dim of a larger one. The row is sharded by
     :func:`~longtrain.blockdiag_cp.make_cp_blockdiag_batch_and_ctx` (``sharding``: ``"contiguous"`` or
-    ``"balanced"``); ``model_kwargs`` is ``{"tokens", "positions", "attention_masks": None}`` of this rank: run
-    ``model(**model_kwargs)``, the loss (a token sum over ``local_labels``) and ``backward()`` inside
-    ``with ctx_factory():``. The caller's tensors are not modified.
+    ``"balanced"``, ``shard_chunk``: the balanced plan's smallest piece); ``model_kwargs`` is ``{"tokens",
+    "positions", "attention_masks": None}`` of this rank: run ``model(**model_kwargs)``, the loss (a token sum
+    over ``local_labels``) and ``backward()`` inside ``with ctx_factory():``. The caller's tensors are not
+    modified.
     """
     batch: dict[str, Any] = {"input_ids": tokens, "position_ids": positions}
     if labels is not None:
         batch["labels"] = labels
     ctx, sharded, layout = make_cp_blockdiag_batch_and_ctx(
-        cp_mesh, None, batch, padding_token_id=padding_token_id, sharding=sharding
+        cp_mesh, None, batch, padding_token_id=padding_token_id, sharding=sharding, shard_chunk=shard_chunk
     )
     kwargs = {"tokens": sharded["input_ids"], "positions": sharded["position_ids"], "attention_masks": None}
     return ctx, kwargs, sharded.get("labels"), layout
