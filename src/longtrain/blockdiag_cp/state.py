@@ -229,11 +229,12 @@ def configure_cp_varlen(
     arrive; None: the process group store's timeout). ``nonfinite``: ``"isolate"`` (default) keeps a NaN or inf of
     one document out of every other document on every provider: a provider whose kernel lets a masked-out non-finite
     value through (cudnn's CuTe route, fa4, the split providers, flex) runs on inputs with those elements zeroed and
-    the rows that attended them come out NaN; ``"propagate"`` skips that pass (faster: the measured cost is in the
-    README) and lets such a value reach the neighbouring document on those providers. ``sharding``: which positions
-    of the row each rank owns, ``"contiguous"`` (default: ``[r L, (r+1) L)``) or ``"balanced"`` (equal causal work,
-    :func:`~longtrain.blockdiag_cp.plan_cp_shards`), with ``shard_chunk`` its smallest piece. Every value is validated
-    before anything changes, so an invalid value leaves the knobs untouched. Returns the previous settings:
+    the rows that attended them come out NaN; ``"propagate"`` skips that pass (faster: its cost per provider is in
+    ``benchmarks/results/guarantee_cost_2026-12-01.md``) and lets such a value reach the neighbouring document on
+    those providers. ``sharding``: which positions of the row each rank owns, ``"contiguous"`` (default:
+    ``[r L, (r+1) L)``) or ``"balanced"`` (equal causal work, :func:`~longtrain.blockdiag_cp.plan_cp_shards`), with
+    ``shard_chunk`` its smallest piece. Every value is validated before anything changes, so an invalid value leaves
+    the knobs untouched. Returns the previous settings:
     ``configure_cp_varlen(**previous)`` restores them exactly. A step already built keeps the snapshot taken when it
     was built.
     """

@@ -1,7 +1,8 @@
 """Compile and autotune the block-diagonal varlen attention backend for a model's static shape before step 1.
 
 The backends' one-time work is keyed on static dims only (heads, head dim, dtype): the cuDNN frontend's CuTe DSL
-kernels are JIT-compiled on first use (about 20 s on an H200), the graph route builds its cuDNN graphs, the
+kernels are JIT-compiled on first use (the compile time on an H200:
+``benchmarks/results/blockdiag_cudnn_bwd_probe_2026-11-29.md``), the graph route builds its cuDNN graphs, the
 Triton varlen backward times its candidate configurations on its first call (holding extra gradient-sized
 buffers while it does), FlexAttention compiles. :func:`warmup` does all of it on a small synthetic step, so a
 training run's step 1 finds every cache warm. ``longtrain.prewarm``'s ``blockdiag_autotune`` switch calls it for

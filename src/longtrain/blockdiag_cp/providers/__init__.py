@@ -114,11 +114,11 @@ PROVIDERS: dict[str, Provider] = {p.name: p for p in _ENTRIES}
 
 #: What ``"auto"`` tries on CUDA, first available wins, by ``(layout class, dropout)``. The layout class comes from
 #: the call's metadata (:func:`layout_class`): ``"short"`` when the mean document is under 2048 tokens, else
-#: ``"long"``. Measured on an H200 (``benchmarks/results/blockdiag_attention_2026-12-01.md``, 32K tokens, GQA 32:8,
-#: head dim 128, bf16, forward / backward TFLOP/s): documents U[512, 8192]: cudnn (CuTe DSL) 602 / 518, cudnn_fa4
-#: 602 / 521, fa4 591 / 517 -- equal within the run's spread, so the single-library route leads; U[64, 2048]:
-#: cudnn_fa4 440 / 311, cudnn 442 / 305, fa4 388 / 302 -- the CuTe forward with FlashAttention-4's backward is
-#: 1.6% faster per step. Without those libraries: flash (torch's FA2), flex, te.
+#: ``"long"``. The order follows the H200 run of ``benchmarks/results/blockdiag_attention_2026-12-01.md`` (32K
+#: tokens, GQA 32:8, head dim 128, bf16): on documents U[512, 8192] cudnn (CuTe DSL), cudnn_fa4 and fa4 are equal
+#: within the run's spread, so the single-library route leads; on U[64, 2048] the CuTe forward with
+#: FlashAttention-4's backward (cudnn_fa4) is the fastest per step. Without those libraries: flash (torch's FA2),
+#: flex, te.
 AUTO_TABLE: dict[tuple[str, bool], tuple[str, ...]] = {
     ("long", False): ("cudnn", "cudnn_fa4", "fa4", "flash", "flex", "te"),
     ("short", False): ("cudnn_fa4", "cudnn", "fa4", "flash", "flex", "te"),

@@ -3,7 +3,8 @@
 Two routes, chosen per call by ``ROUTE`` (``"auto"``: the first that can run):
 
 1. ``"cute"``: the frontend's CuTe DSL varlen attention (:mod:`.cudnn_cute`, needs
-   ``nvidia-cudnn-frontend[cutedsl]``, SM90/SM100): forward and backward fastest of everything measured.
+   ``nvidia-cudnn-frontend[cutedsl]``, SM90/SM100): among the fastest forward and backward in
+   ``benchmarks/results/blockdiag_attention_2026-12-01.md``.
 2. ``"graph"``: cuDNN SDPA through the frontend's graph API (:mod:`.cudnn_graph`), with the diagonal and the
    backward kernel chosen by the layout.
 

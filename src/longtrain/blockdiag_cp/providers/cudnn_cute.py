@@ -7,11 +7,10 @@ document's keys ``[0, i + 1 + Lk - Lq)``. :func:`visible_key_counts` builds that
 (no host sync), :func:`cute_attention` builds the frontend's mask plan from it once per step layout
 (cached in the metadata, so every layer of the step reuses it) and runs the attention with GQA native.
 
-Measured on an H200 (``benchmarks/results/blockdiag_cudnn_bwd_probe_2026-11-29.md``): on 32K tokens of documents
-U[512, 8192], GQA 32:8, head dim 128, bf16, this route runs the forward at ~680 TFLOP/s and the backward at ~490,
-against ~540 / ~245 for the graph API with a bottom-right diagonal. The kernels are JIT-compiled once per
-(head dims, head counts, dtype) by the frontend (about 20 s on first use); a new step layout only builds a new
-plan (1-3 ms).
+On an H200 this route is faster than the graph API with a bottom-right diagonal, forward and backward
+(``benchmarks/results/blockdiag_cudnn_bwd_probe_2026-11-29.md``: 32K tokens of documents U[512, 8192], GQA 32:8,
+head dim 128, bf16). The kernels are JIT-compiled once per (head dims, head counts, dtype) by the frontend on
+first use; a new step layout only builds a new plan (compile and plan-build times: the same report).
 """
 
 from __future__ import annotations

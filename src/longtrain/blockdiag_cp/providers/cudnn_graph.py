@@ -1,15 +1,18 @@
 """The graph route of the ``cudnn`` provider: cuDNN SDPA over ragged (THD) documents through the frontend's graph API.
 
-cuDNN's backward is fast with a top-left diagonal (~440 TFLOP/s on an H200) but slow with a bottom-right one
-(~245), so the diagonal follows the layout: when every segment has as many queries as keys (the metadata's host
-ints say so, no sync) the two alignments coincide and top-left runs with cuDNN's backward; otherwise
-bottom-right runs with our Triton varlen backward (:mod:`.triton_varlen_bwd`, ~340 TFLOP/s) or, without Triton,
-torch's bundled FA2 backward, both fed with cuDNN's output and log-sum-exp (``BACKWARD`` overrides the choice).
+cuDNN's backward is fast with a top-left diagonal but slow with a bottom-right one, so the diagonal follows the
+layout: when every segment has as many queries as keys (the metadata's host ints say so, no sync) the two
+alignments coincide and top-left runs with cuDNN's backward; otherwise bottom-right runs with our Triton varlen
+backward (:mod:`.triton_varlen_bwd`) or, without Triton, torch's bundled FA2 backward, both fed with cuDNN's output
+and log-sum-exp (``BACKWARD`` overrides the choice). The H200 numbers behind that order:
+``benchmarks/results/blockdiag_attention_graph_route_2026-11-29.md`` (every diagonal and backward) and
+``blockdiag_cudnn_bwd_probe_2026-11-29.md``.
 
-Why not ``aten._cudnn_attention_forward`` with cumulative offsets: measured on an H200 (torch 2.11, cuDNN 9.19),
-it rebuilds its cuDNN graph on every call (~48 ms per call at 32K tokens, identical calls included, against
-4.7 ms for FA2) and aligns its causal diagonal top-left, which is wrong for a document whose start lives on a
-lower CP rank. The frontend graph API takes a bottom-right diagonal and lets us cache graphs.
+Why not ``aten._cudnn_attention_forward`` with cumulative offsets: on an H200 (torch 2.11, cuDNN 9.19) it rebuilds
+its cuDNN graph on every call, identical calls included (its time per call against FA2's:
+``benchmarks/results/blockdiag_cudnn_probe_2026-11-29.md``), and aligns its causal diagonal top-left, which is
+wrong for a document whose start lives on a lower CP rank. The frontend graph API takes a bottom-right diagonal and
+lets us cache graphs.
 
 Graph caching: a cuDNN graph bakes in the batch (number of documents), the maximum segment lengths and, for the
 backward, the packed token totals; all vary per step. They are rounded up to buckets (``_bucket``: 4 steps per
