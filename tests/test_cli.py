@@ -65,6 +65,18 @@ def test_checkout_benchmark_scripts_are_entry_points_to_the_suites(script):
     assert res.returncode == 0 and res.stdout.startswith("usage:"), res.stderr
 
 
+def test_bench_runs_a_suite_as_a_module_and_combines_its_report(tmp_path, monkeypatch, capsys):
+    """The runner end to end on any machine: the prewarm suite with no time budget starts no child and still writes
+    its report, which bench copies to --out and combines (CUDA is claimed for this process only)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(bench.SUITES, "prewarm", ("prewarm", "--out", ("--budget-s", "0")))
+    assert cli.main(["bench", "prewarm", "--out", str(tmp_path)]) == 0
+    assert "-m longtrain.bench_suites.prewarm --out" in capsys.readouterr().out
+    assert len(list(tmp_path.glob("prewarm_*.json"))) == 1
+    (md,) = tmp_path.glob("bench_*.md")
+    assert "## prewarm" in md.read_text()
+
+
 def test_combine_reports_writes_markdown_json_and_chart(tmp_path):
     reports = [
         {
