@@ -22,12 +22,26 @@ VOCAB_SIZE = 257
 PAD_ID = 0
 IGNORE_INDEX = -100
 _CORPUS = "kjv_selection.txt"
+#: What one document of :func:`load_documents` is: a chapter (135 documents of 0.5K to 9.2K bytes, median 3K), or a
+#: book, its chapters joined in order (8 documents of 6.7K to 197K bytes).
+DOCUMENTS = ("chapters", "books")
 
 
-def load_documents() -> list[bytes]:
-    """The shipped corpus as a list of documents (UTF-8 bytes), one per chapter."""
+def load_documents(documents: str = "chapters") -> list[bytes]:
+    """The shipped corpus as a list of documents (UTF-8 bytes), one per chapter or one per book (see
+    :data:`DOCUMENTS`). Every chapter starts with its title line (``Genesis 1``); a book joins its chapters with a
+    blank line."""
+    if documents not in DOCUMENTS:
+        raise ValueError(f"documents must be one of {list(DOCUMENTS)}, got {documents!r}")
     text = resources.files("longtrain.data").joinpath(_CORPUS).read_bytes()
-    return [d.strip() for d in text.split(b"\n\f\n") if d.strip()]
+    chapters = [d.strip() for d in text.split(b"\n\f\n") if d.strip()]
+    if documents == "chapters":
+        return chapters
+    books: dict[bytes, list[bytes]] = {}
+    for chapter in chapters:
+        title = chapter.split(b"\n", 1)[0]
+        books.setdefault(title.rsplit(b" ", 1)[0], []).append(chapter)
+    return [b"\n\n".join(parts) for parts in books.values()]
 
 
 @dataclass(frozen=True)
@@ -79,11 +93,23 @@ class PackedStream:
     """An endless, seeded stream of packed rows cut from the corpus.
 
     Each row takes document spans of random length in ``[min_doc, max_doc]`` (a random window of a random
-    chapter) until the next span would not fit, then pads the tail, so every row has several documents of
-    varied length and (almost always) some padding.
+    document: a chapter, or a book with ``documents="books"``) until the next span would not fit, then pads the
+    tail, so every row has several documents of varied length and (almost always) some padding. A span never
+    exceeds its document, so chapters give spans of at most 9.2K tokens and books reach ``max_doc``. A gap longer
+    than ``max_pad`` tokens at the end of a row takes a truncated span (None: gaps of ``max(min_doc, seq_len // 4)``
+    or more do, so up to a quarter of a row may be padding).
     """
 
-    def __init__(self, seq_len: int, *, seed: int = 0, min_doc: int = 16, max_doc: int | None = None):
+    def __init__(
+        self,
+        seq_len: int,
+        *,
+        seed: int = 0,
+        min_doc: int = 16,
+        max_doc: int | None = None,
+        documents: str = "chapters",
+        max_pad: int | None = None,
+    ):
         if seq_len < 4:
             raise ValueError(f"seq_len must be at least 4, got {seq_len}")
         self.seq_len = seq_len
@@ -91,7 +117,10 @@ class PackedStream:
         self.max_doc = max_doc if max_doc is not None else max(self.min_doc, seq_len // 2)
         if self.max_doc < self.min_doc:
             raise ValueError(f"max_doc={self.max_doc} is smaller than min_doc={self.min_doc}")
-        self.docs = load_documents()
+        if max_pad is not None and (isinstance(max_pad, bool) or not isinstance(max_pad, int) or max_pad < 0):
+            raise ValueError(f"max_pad must be None or an int >= 0, got {max_pad!r}")
+        self.fill_from = max(self.min_doc, seq_len // 4) if max_pad is None else max(2, max_pad + 1)
+        self.docs = load_documents(documents)
         self.rng = random.Random(seed)
 
     def _span(self) -> bytes:
@@ -108,7 +137,7 @@ class PackedStream:
             if used + len(span) > self.seq_len:
                 room = self.seq_len - used
                 # A short gap stays as the padding tail; a large one takes a truncated span.
-                if room >= max(self.min_doc, self.seq_len // 4):
+                if room >= self.fill_from:
                     spans.append(span[:room])
                     used += room
                 break

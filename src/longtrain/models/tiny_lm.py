@@ -34,9 +34,17 @@ def default_layer_pattern(with_gdn: bool) -> str:
     return "GDSGN" if with_gdn else "GDSG"
 
 
+_POSITIVE_INTS = (
+    "vocab_size", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "dsa_heads",
+    "dsa_q_lora_rank", "dsa_kv_lora_rank", "dsa_rope_head_dim", "dsa_nope_head_dim", "dsa_v_head_dim", "index_heads",
+    "index_head_dim", "index_topk", "gdn_heads", "gdn_head_dim",
+)  # fmt: skip
+
+
 @dataclass(kw_only=True)
 class TinyLMConfig:
-    """Dimensions of the demo model (defaults: about 0.3M parameters, seconds per step on a CPU)."""
+    """Dimensions of the demo model (defaults: 0.2M parameters, a fraction of a second per step on a CPU; the demo's
+    ``h200-32k`` preset sets GLM-5.2's attention widths at about 0.7B parameters)."""
 
     vocab_size: int = 257
     """Byte-level vocabulary: 256 bytes shifted by one, id 0 is padding."""
@@ -56,8 +64,31 @@ class TinyLMConfig:
     """RoPE base of the GQA layers."""
     rms_norm_eps: float = 1e-5
     """RMSNorm epsilon."""
+    init_std: float = 0.05
+    """Standard deviation of the normal initialisation of every linear and embedding weight (0.02 for wide
+    models)."""
+    dsa_heads: int = 4
+    """Attention heads ``H`` of the DSA layers (GLM-5.2: 64)."""
+    dsa_q_lora_rank: int = 32
+    """Low-rank query bottleneck of the DSA layers (also the indexer's query input)."""
+    dsa_kv_lora_rank: int = 32
+    """Latent KV width of the DSA layers: the sparse kernels' value width ``D_v`` (GLM-5.2: 512)."""
+    dsa_rope_head_dim: int = 16
+    """Rotary part of the DSA query/key heads; ``D_qk = dsa_kv_lora_rank + dsa_rope_head_dim`` (GLM-5.2: 64, so
+    ``D_qk = 576``)."""
+    dsa_nope_head_dim: int = 16
+    """Non-rotary part of a DSA query head (absorbed into the latent query)."""
+    dsa_v_head_dim: int = 16
+    """Per-head value width of the DSA layers after the latent up-projection."""
+    index_heads: int = 2
+    """Lightning-indexer heads ``H_I`` (GLM-5.2: 32)."""
+    index_head_dim: int = 32
+    """Lightning-indexer head dim ``D_I`` (GLM-5.2: 128)."""
+    index_topk: int = 64
+    """Keys each query selects, ``K`` (GLM-5.2: 2048)."""
     dsa: dict[str, Any] = field(default_factory=dict)
-    """Overrides of the DSA layer dimensions (keys of :class:`longtrain.dsa.DSAConfig`)."""
+    """Overrides of the DSA layer config (keys of :class:`longtrain.dsa.DSAConfig`: ``backend``, ``rope_scaling``,
+    ...); a key here wins over the ``dsa_*`` / ``index_*`` fields above."""
     gdn_heads: int = 2
     """Heads of the GDN layers."""
     gdn_head_dim: int = 32
@@ -74,28 +105,31 @@ class TinyLMConfig:
             raise ValueError(
                 f"TinyLMConfig.layers={self.layers!r}: a shared DSA layer 'S' needs a full 'D' layer before it"
             )
-        for name in ("vocab_size", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
+        for name in _POSITIVE_INTS:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"TinyLMConfig.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.init_std, (int, float)) or isinstance(self.init_std, bool) or not self.init_std > 0:
+            raise ValueError(f"TinyLMConfig.init_std must be a positive number, got {self.init_std!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
 
     def dsa_config(self) -> DSAConfig:
-        """The DSA layer config: small dims that run on a CPU, overridable through ``dsa``."""
+        """The DSA layer config: the ``dsa_*`` / ``index_*`` fields (small dims that run on a CPU by default), then
+        the ``dsa`` overrides."""
         base = dict(
             hidden_size=self.hidden_size,
-            num_heads=4,
-            q_lora_rank=32,
-            kv_lora_rank=32,
-            qk_rope_head_dim=16,
-            qk_nope_head_dim=16,
-            v_head_dim=16,
-            index_n_heads=2,
-            index_head_dim=32,
-            index_topk=64,
+            num_heads=self.dsa_heads,
+            q_lora_rank=self.dsa_q_lora_rank,
+            kv_lora_rank=self.dsa_kv_lora_rank,
+            qk_rope_head_dim=self.dsa_rope_head_dim,
+            qk_nope_head_dim=self.dsa_nope_head_dim,
+            v_head_dim=self.dsa_v_head_dim,
+            index_n_heads=self.index_heads,
+            index_head_dim=self.index_head_dim,
+            index_topk=self.index_topk,
             rope_theta=self.rope_theta,
             max_position_embeddings=1 << 20,
         )
@@ -273,10 +307,9 @@ class TinyLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.apply(self._init)
 
-    @staticmethod
-    def _init(module: nn.Module) -> None:
+    def _init(self, module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=0.05)
+            nn.init.normal_(module.weight, std=self.config.init_std)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, step: StepInputs) -> torch.Tensor:
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
