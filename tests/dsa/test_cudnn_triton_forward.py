@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from longtrain.dsa import cudnn_dsa as cd
-from longtrain.dsa import ops
+from longtrain.dsa import ops, routes
 from longtrain.dsa import reference as ref
 from tests.dsa.test_cudnn_dsa import FakeFlashMLA, _assert_bf16_close, _reference_grads, _sparse_inputs, fakes  # noqa: F401
 
@@ -68,7 +68,7 @@ def test_ops_cudnn_backend_uses_the_triton_forward_without_flash_mla(fakes, monk
     monkeypatch.setattr(cd, "_HAS_FLASH_MLA", False)
     stand_in = FakeFlashMLA()
     monkeypatch.setattr(sparse_mla, "flash_mla_style_fwd", stand_in)
-    monkeypatch.setattr(ops, "_triton_reason", lambda device: None)
+    monkeypatch.setattr(routes, "triton_reason", lambda device: None)
     q, kv, idx = _sparse_inputs()
     out = ops.sparse_mla_attention(q, kv, idx, 0.05, backend="cudnn")
     out.sum().backward()
@@ -82,7 +82,7 @@ def test_ops_cudnn_backend_uses_the_triton_forward_without_flash_mla(fakes, monk
     assert len(stand_in.calls) == 1 and len(fakes.fwd.calls) == 1
     # neither FlashMLA nor a runnable Triton forward: the documented error
     monkeypatch.setattr(cd, "_HAS_FLASH_MLA", False)
-    monkeypatch.setattr(ops, "_triton_reason", lambda device: "triton not installed")
+    monkeypatch.setattr(routes, "triton_reason", lambda device: "triton not installed")
     with pytest.raises(RuntimeError, match="requires both nvidia-cudnn-frontend"):
         ops.sparse_mla_attention(q.detach(), kv.detach(), idx, 0.05, backend="cudnn")
 
@@ -93,13 +93,13 @@ def test_cudnn_reason_accepts_the_triton_forward_in_place_of_flash_mla(monkeypat
     from longtrain import _optional
 
     monkeypatch.setattr(_optional, "cuda_sm", lambda major, minor: (True, ""))
-    monkeypatch.setattr(ops, "_triton_reason", lambda device: None)
-    assert ops._cudnn_reason(torch.device("cuda")) is None
-    monkeypatch.setattr(ops, "_triton_reason", lambda device: "no triton")
-    assert "flash_mla" in ops._cudnn_reason(torch.device("cuda"))
+    monkeypatch.setattr(routes, "triton_reason", lambda device: None)
+    assert routes.cudnn_backend_reason(torch.device("cuda")) is None
+    monkeypatch.setattr(routes, "triton_reason", lambda device: "no triton")
+    assert "flash_mla" in routes.cudnn_backend_reason(torch.device("cuda"))
     monkeypatch.setattr(cd, "_HAS_CUDNN_DSA", False)
-    monkeypatch.setattr(ops, "_triton_reason", lambda device: None)
-    assert "cudnn" in ops._cudnn_reason(torch.device("cuda")).lower()
+    monkeypatch.setattr(routes, "triton_reason", lambda device: None)
+    assert "cudnn" in routes.cudnn_backend_reason(torch.device("cuda")).lower()
 
 
 def test_ops_cudnn_indexer_needs_no_flash_mla(fakes, monkeypatch):  # noqa: F811 (fixture)

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from longtrain.dsa import ops
+from longtrain.dsa import ops, routes
 from longtrain.dsa import reference as ref
 from longtrain.dsa.metadata import prepare_dsa_metadata
 
@@ -317,66 +317,72 @@ def _fake_triton(calls):
         calls.append(("availability", str(device)))
         return True, ""
 
-    def indexer_topk_triton(index_q, index_k, head_weights, starts, causal_lengths, index_topk, *, config=None):
+    def indexer_topk_triton_unchecked(index_q, index_k, head_weights, starts, causal_lengths, index_topk, config=None):
         calls.append(("indexer", starts.tolist(), causal_lengths.tolist(), index_topk))
         return ref.indexer_topk_reference(index_q, index_k, head_weights, starts, causal_lengths, index_topk)
 
-    def sparse_mla_triton(q, kv, topk_indices, softmax_scale, *, d_v=512, topk_length=None, attn_sink=None, **kw):
+    def sparse_mla_triton_unchecked(q, kv, topk_indices, softmax_scale, d_v, topk_length=None, attn_sink=None):
         calls.append(("sparse", topk_indices.dtype, tuple(topk_indices.shape), softmax_scale, d_v))
         return ref.sparse_mla_reference(
             q, kv, topk_indices, softmax_scale, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink
         )[0]
 
     module.availability = availability
-    module.indexer_topk_triton = indexer_topk_triton
-    module.sparse_mla_triton = sparse_mla_triton
+    module.indexer_topk_triton_unchecked = indexer_topk_triton_unchecked
+    module.sparse_mla_triton_unchecked = sparse_mla_triton_unchecked
     return module
 
 
 def test_triton_backend_dispatches_with_metadata_windows(monkeypatch):
     calls = []
     monkeypatch.setitem(sys.modules, "longtrain.dsa.triton", _fake_triton(calls))
-    monkeypatch.setattr(ops, "_TRITON_REASONS", {})
+    monkeypatch.setattr(routes, "_TRITON_REASONS", {})
     cu, padded = i32([0, 3, 7, 9]), i32([0, 4, 9, 12])
-    q, keys, w = torch.randn(8, 2, 4), torch.randn(12, 4), torch.rand(8, 2)
+    q, keys, w = torch.randn(8, 2, 16), torch.randn(12, 16), torch.rand(8, 2)
     out = ops.indexer_topk(
         q, keys, w, cu, 2, query_indices=torch.arange(2, 10), cu_seqlens_padded=padded, backend="triton"
     )
     assert calls[-1] == ("indexer", [0, 0, 4, 4, 4, 4, 4, 9], [3, 0, 1, 2, 3, 4, 0, 1], 2)
     assert out.shape == (8, 2)
-    sparse_q, kv = torch.randn(8, 2, 8, requires_grad=True), torch.randn(12, 1, 8)
-    ops.sparse_mla_attention(sparse_q, kv, out.long()[:, None, :], 0.125, d_v=6, backend="triton").sum().backward()
-    assert calls[-1] == ("sparse", torch.int32, (8, 2), 0.125, 6)
+    sparse_q, kv = torch.randn(8, 2, 32, requires_grad=True), torch.randn(12, 1, 32)
+    ops.sparse_mla_attention(sparse_q, kv, out.long()[:, None, :], 0.125, d_v=16, backend="triton").sum().backward()
+    # The op hands the validated [T, K] indices over as they came; the unchecked body narrows them.
+    assert calls[-1] == ("sparse", torch.int64, (8, 2), 0.125, 16)
     assert sparse_q.grad is not None
+
+
+def test_explicit_triton_refuses_what_its_kernels_do_not_take(monkeypatch):
+    monkeypatch.setitem(sys.modules, "longtrain.dsa.triton", _fake_triton([]))
+    monkeypatch.setattr(routes, "_TRITON_REASONS", {})
+    q64, kv64 = torch.randn(3, 2, 16, dtype=torch.float64), torch.randn(5, 1, 16, dtype=torch.float64)
+    idx = torch.zeros(3, 2, dtype=torch.int32)
+    with pytest.raises(TypeError, match="bf16, fp16 or fp32"):
+        ops.sparse_mla_attention(q64, kv64, idx, 0.5, d_v=16, backend="triton")
+    with pytest.raises(ValueError, match="d_v must be a multiple of 16"):
+        ops.sparse_mla_attention(q64.float(), kv64.float(), idx, 0.5, d_v=8, backend="triton")
+    with pytest.raises(TypeError, match="share a dtype"):
+        ops.indexer_topk(**_indexer_args(index_k=torch.randn(4, 8).double()), backend="triton")
+    # "auto" on the same calls is never refused: on CPU it is torch
+    ops.sparse_mla_attention(q64, kv64, idx, 0.5, d_v=8)
 
 
 def test_auto_on_cpu_is_torch_even_under_the_interpreter(monkeypatch):
     calls = []
     monkeypatch.setitem(sys.modules, "longtrain.dsa.triton", _fake_triton(calls))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert ops.resolve_backend("auto", torch.device("cpu"), cudnn_fits=True) == "torch"
+    call = routes.CallShape("sparse_mla", torch.device("cpu"), torch.float32, 2, 8, 2, 8)
+    assert routes.auto_plan(call)[:2] == ("torch", "torch")
     ops.indexer_topk(**_indexer_args())
     ops.sparse_mla_attention(**_sparse_args(), d_v=8)
     assert calls == []
 
 
-def test_auto_on_cuda_prefers_triton_then_cudnn_then_torch(monkeypatch):
-    cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(ops, "_triton_reason", lambda device: None)
-    assert ops.resolve_backend("auto", cuda, cudnn_fits=True) == "triton"
-    monkeypatch.setattr(ops, "_triton_reason", lambda device: "no triton")
-    monkeypatch.setattr(ops, "_cudnn_reason", lambda device=None: None)
-    assert ops.resolve_backend("auto", cuda, cudnn_fits=True) == "cudnn"
-    assert ops.resolve_backend("auto", cuda, cudnn_fits=False) == "torch"
-    monkeypatch.setattr(ops, "_cudnn_reason", lambda device=None: "no cudnn")
-    assert ops.resolve_backend("auto", cuda, cudnn_fits=True) == "torch"
-    assert ops.resolve_backend("cudnn", cuda, cudnn_fits=False) == "cudnn"  # explicit: its own errors decide
-
-
 def test_explicit_triton_without_kernels_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(ops, "_triton_reason", lambda device: "needs CUDA SM80+")
+    monkeypatch.setattr(routes, "triton_reason", lambda device: "needs CUDA SM80+")
     with pytest.raises(RuntimeError, match="backend='triton' cannot run on cpu: needs CUDA SM80"):
         ops.sparse_mla_attention(**_sparse_args(), d_v=8, backend="triton")
+    with pytest.raises(RuntimeError, match="backend='triton' cannot run on cpu: needs CUDA SM80"):
+        ops.indexer_topk(**_indexer_args(), backend="triton")
 
 
 def test_explicit_cudnn_on_cpu_raises_runtime_error():
@@ -391,39 +397,56 @@ def test_cudnn_backend_masks_slots_beyond_topk_length(monkeypatch):
 
     seen = {}
 
-    def fake(q, kv, indices, scale, topk_length=None, all_rows_nonempty=False, valid_row_indices=None):
-        seen.update(indices=indices, topk_length=topk_length)
+    def fake(q, kv, indices, scale, padded_heads, topk_length=None, all_rows_nonempty=False, valid_row_indices=None,
+             forward_fn=None):  # fmt: skip
+        seen.update(indices=indices, topk_length=topk_length, padded_heads=padded_heads)
         return q.new_zeros((q.shape[0], q.shape[1], 512))
 
-    monkeypatch.setattr(cudnn_dsa, "cudnn_sparse_attention", fake)
+    def checked_twice(*args, **kwargs):
+        raise AssertionError("the op validates once: cudnn_sparse_attention's own checks must not run")
+
+    monkeypatch.setattr(cudnn_dsa, "_cudnn_sparse_attention_unchecked", fake)
+    monkeypatch.setattr(cudnn_dsa, "_validate_sparse_attention", checked_twice)
+    monkeypatch.setattr(cudnn_dsa, "_require_cuda_tensors", lambda operation, *tensors: (9, 0))
     monkeypatch.setattr(cudnn_dsa, "_HAS_CUDNN_DSA", True)
     monkeypatch.setattr(cudnn_dsa, "_HAS_FLASH_MLA", True)
-    idx = torch.tensor([[3, 1, 2], [0, 4, 4]])
+    idx = torch.tensor([[3, 1, 2], [0, 4, 4 + 2**32]])  # int64: 2**32 + 4 must not wrap into row 4
     ops.sparse_mla_attention(
         torch.randn(2, 4, 576).bfloat16(),
         torch.randn(5, 1, 576).bfloat16(),
         idx,
         0.1,
-        topk_length=torch.tensor([1, 2], dtype=torch.int32),
+        topk_length=torch.tensor([1, 3], dtype=torch.int32),
         backend="cudnn",
     )
     assert seen["indices"].dtype == torch.int32 and seen["indices"].tolist() == [[[3, -1, -1]], [[0, 4, -1]]]
-    assert seen["topk_length"] is None
+    assert seen["topk_length"] is None and seen["padded_heads"] == 64
     with pytest.raises(ValueError, match="d_v=512 without attn_sink"):
         ops.sparse_mla_attention(
             torch.randn(2, 4, 576).bfloat16(), torch.randn(5, 1, 576).bfloat16(), idx, 0.1, d_v=256, backend="cudnn"
+        )
+    with pytest.raises(TypeError, match="needs bf16"):
+        ops.sparse_mla_attention(torch.randn(2, 4, 576), torch.randn(5, 1, 576), idx, 0.1, backend="cudnn")
+    with pytest.raises(ValueError, match="divide 64, got H=48"):
+        ops.sparse_mla_attention(
+            torch.randn(2, 48, 576).bfloat16(), torch.randn(5, 1, 576).bfloat16(), idx, 0.1, backend="cudnn"
         )
 
 
 def test_backend_status_rows():
     rows = ops.backend_status()
     names = [name for name, _ in rows]
-    assert names[:3] == ["triton", "cudnn", "torch"] and names[3].startswith("auto -> ")
+    assert names[:3] == ["triton", "cudnn", "torch"] and all(n.startswith("auto ") for n in names[3:])
     assert dict(rows)["torch"] is None
     for _, reason in rows:
         assert reason is None or (isinstance(reason, str) and reason)
     if not torch.cuda.is_available():
-        assert names[3] == "auto -> torch" and "CUDA" in dict(rows)["triton"]
+        assert [n.split(":")[0] for n in names[3:]] == [
+            "auto sparse_mla fwd -> torch",
+            "auto sparse_mla bwd -> torch",
+            "auto indexer_topk -> torch",
+        ]
+        assert "CUDA" in dict(rows)["triton"]
 
 
 @pytest.mark.interpret

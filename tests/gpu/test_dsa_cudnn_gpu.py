@@ -7,6 +7,7 @@ What runs depends on what is installed (each skip says why):
   autograd adapter's backward (head padding, row compaction, the dummy row) with a plain-torch stand-in for
   the FlashMLA forward.
 - plus FlashMLA (``flash_mla.flash_mla_sparse_fwd``, built from source): the whole split path.
+- ``backend="auto"``: the route table's choice (our Triton forward + cuDNN's backward) against float64.
 
 Accuracy: attention values and gradients follow the flash-attention rule (the kernel's max error against the
 float64 reference is at most twice that of a same-dtype bf16 torch implementation, plus one bf16 rounding step
@@ -24,7 +25,7 @@ import torch
 
 from longtrain import _optional
 from longtrain.dsa import cudnn_dsa as cd
-from longtrain.dsa import ops
+from longtrain.dsa import ops, routes
 from longtrain.dsa import reference as ref
 from longtrain.dsa.metadata import prepare_dsa_metadata
 from tests.gpu._tolerance import assert_flash_rule
@@ -261,3 +262,26 @@ def test_cudnn_backend_with_our_triton_forward_against_float64(heads, mode):
     _assert_flash_rule("dkv", dkv, dkv_bf, dkv64)
     empty = lengths == 0
     assert (out[empty] == 0).all() and (dq[empty] == 0).all()
+
+
+@pytest.mark.parametrize("heads,mode", [(64, "full"), (16, "with_empty"), (128, "ragged")], ids=lambda v: str(v))
+def test_auto_runs_the_route_table_choice_against_float64(heads, mode):
+    """``backend="auto"`` with the cuDNN frontend installed runs ROUTE_TABLE's fastest pair: our Triton forward and
+    cuDNN's backward (FlashMLA's forward only where Triton cannot run), exact by the flash-attention rule."""
+    rows, keys, k, scale = 256, 2048, 512, 0.0589
+    q, kv, idx, lengths = _inputs(rows, heads, keys, k, seed=heads + 11, lengths_mode=mode)
+    plan = routes.auto_plan(routes.CallShape("sparse_mla", q.device, q.dtype, heads, 576, k, 512))
+    forward = "triton" if routes.triton_reason(q.device) is None else "flash_mla"
+    assert (plan.fwd, plan.bwd) == (forward, "cudnn"), plan
+    grad = (torch.randn(rows, heads, 512, device=DEV) / 4).bfloat16()
+    out, dq, dkv = _grads(lambda a, b: ops.sparse_mla_attention(a, b, idx, scale, topk_length=lengths), q, kv, grad)
+    out64, dq64, dkv64 = _exact_grads(q, kv, idx, scale, lengths, grad)
+    out_bf, dq_bf, dkv_bf = _grads(lambda a, b: _bf16_torch(a, b, idx, scale, lengths), q, kv, grad)
+    _assert_flash_rule("out", out, out_bf, out64)
+    _assert_flash_rule("dq", dq, dq_bf, dq64)
+    _assert_flash_rule("dkv", dkv, dkv_bf, dkv64)
+    empty = lengths == 0
+    assert (out[empty] == 0).all() and (dq[empty] == 0).all()
+    if forward == "triton" and not _FLASH_MLA[0]:
+        # backend="cudnn" runs the same forward kernel here: the outputs are the same bits.
+        assert torch.equal(out, ops.sparse_mla_attention(q, kv, idx, scale, topk_length=lengths, backend="cudnn"))

@@ -448,23 +448,24 @@ def cudnn_indexer_topk(
         ValueError: if tensor shapes or compact packed metadata are invalid.
     """
     _require_available()
-    return _cudnn_indexer_topk_unchecked(
+    meta = _validate_indexer(
         index_q, index_k, head_weights, cu_seqlens, index_topk, query_indices, cu_seqlens_padded, packed_metadata
     )
+    return _cudnn_indexer_topk_unchecked(index_q, index_k, head_weights, meta, index_topk)
 
 
-def _cudnn_indexer_topk_unchecked(
+def _validate_indexer(
     index_q: torch.Tensor,
     index_k: torch.Tensor,
     head_weights: torch.Tensor,
     cu_seqlens: torch.Tensor,
     index_topk: int,
-    query_indices: torch.Tensor | None = None,
-    cu_seqlens_padded: torch.Tensor | None = None,
-    packed_metadata: CudnnDsaPackedMetadata | None = None,
-) -> torch.Tensor:
-    """:func:`cudnn_indexer_topk` after its package check: the indexer needs only the cuDNN frontend DSA (FlashMLA
-    is the attention forward's), so ``longtrain.dsa.ops`` calls this where FlashMLA is not installed."""
+    query_indices: torch.Tensor | None,
+    cu_seqlens_padded: torch.Tensor | None,
+    packed_metadata: CudnnDsaPackedMetadata | None,
+) -> CudnnDsaPackedMetadata:
+    """The documented checks of :func:`cudnn_indexer_topk` after its package check, in order; returns the metadata
+    (built, or the given object checked without a synchronization)."""
     _validate_topk(index_topk)
     major, _minor = _require_cuda_tensors("cuDNN DSA indexer", index_q, index_k, head_weights, cu_seqlens)
     if index_q.dtype != torch.bfloat16 or index_k.dtype != torch.bfloat16:
@@ -485,7 +486,6 @@ def _cudnn_indexer_topk_unchecked(
     if total_keys >= _INT32_LIMIT:
         raise ValueError(f"cuDNN DSA indexer needs T_k < 2**31 - 1 (int32 indices), got {total_keys}.")
     num_queries = index_q.shape[0]
-
     if packed_metadata is None:
         meta = prepare_dsa_metadata(
             cu_seqlens, total_keys, query_indices=query_indices, cu_seqlens_padded=cu_seqlens_padded
@@ -497,6 +497,41 @@ def _cudnn_indexer_topk_unchecked(
             f"index_q has {num_queries} rows but the packed layout has {meta.starts.shape[0]} local query rows; "
             "pass query_indices for rank-local queries."
         )
+    return meta
+
+
+def indexer_unfit(
+    dtype: torch.dtype, key_dtype: torch.dtype, weight_dtype: torch.dtype, num_heads: int, head_dim: int, major: int
+) -> tuple[type[Exception], str] | None:
+    """Why the cuDNN indexer cannot take a call of these static facts (exception type and message), else None.
+
+    The constraints of :func:`cudnn_indexer_topk` that ``longtrain.dsa.ops`` evaluates for ``backend="cudnn"``
+    (raised) and ``"auto"`` (the next route), on a call whose shapes it has checked already.
+    """
+    if dtype != torch.bfloat16 or key_dtype != torch.bfloat16:
+        return TypeError, f"cuDNN DSA indexer needs bf16 index_q/index_k, got {dtype}/{key_dtype}."
+    if weight_dtype not in (torch.float32, torch.bfloat16):
+        return TypeError, f"cuDNN DSA indexer needs fp32 or bf16 head_weights, got {weight_dtype}."
+    if head_dim != _INDEX_HEAD_DIM:
+        return ValueError, f"index_q must be [T_q, H_index, {_INDEX_HEAD_DIM}], got D_I={head_dim}."
+    if num_heads not in _INDEXER_HEADS:
+        return ValueError, f"cuDNN DSA indexer on SM{major} supports H_index in (32, 64), got {num_heads}."
+    return None
+
+
+def _cudnn_indexer_topk_unchecked(
+    index_q: torch.Tensor,
+    index_k: torch.Tensor,
+    head_weights: torch.Tensor,
+    meta: CudnnDsaPackedMetadata,
+    index_topk: int,
+) -> torch.Tensor:
+    """The body of :func:`cudnn_indexer_topk` on a validated call and its metadata: ``[T_q, 1, K]`` int32.
+
+    Needs only the cuDNN frontend DSA (FlashMLA is the attention forward's); ``longtrain.dsa.ops`` calls it after
+    validating the call once at its own boundary.
+    """
+    num_queries, total_keys = index_q.shape[0], index_k.shape[0]
     keys = index_k if meta.key_source_indices is None else index_k[meta.key_source_indices]
     scores = _cudnn_dsa().indexer_forward_wrapper(
         index_q.contiguous(),
@@ -624,16 +659,66 @@ def cudnn_sparse_attention(
     padded_heads = _validate_sparse_attention(
         q, kv_latent, topk_indices, softmax_scale, topk_length, all_rows_nonempty, valid_row_indices
     )
-    return _CudnnSparseAttention.apply(
-        q.contiguous(),
-        kv_latent.contiguous(),
-        topk_indices.contiguous(),
-        float(softmax_scale),
-        padded_heads,
-        topk_length,
-        all_rows_nonempty,
-        valid_row_indices,
+    return _cudnn_sparse_attention_unchecked(
+        q, kv_latent, topk_indices, softmax_scale, padded_heads, topk_length, all_rows_nonempty, valid_row_indices
     )
+
+
+def _cudnn_sparse_attention_unchecked(
+    q: torch.Tensor,
+    kv_latent: torch.Tensor,
+    topk_indices: torch.Tensor,
+    softmax_scale: float,
+    padded_heads: int,
+    topk_length: torch.Tensor | None = None,
+    all_rows_nonempty: bool = False,
+    valid_row_indices: torch.Tensor | None = None,
+    forward_fn: Any = None,
+) -> torch.Tensor:
+    """The body of :func:`cudnn_sparse_attention` on a validated call (``topk_indices: [T_q, 1, K]`` int32).
+
+    ``forward_fn``: a forward with ``flash_mla_sparse_fwd``'s call convention in FlashMLA's place (``None`` =
+    FlashMLA's, looked up at call time). ``longtrain.dsa.ops`` calls this after validating the call once.
+    """
+    args = (
+        q.contiguous(), kv_latent.contiguous(), topk_indices.contiguous(), float(softmax_scale), padded_heads,
+        topk_length, all_rows_nonempty, valid_row_indices,
+    )  # fmt: skip
+    if forward_fn is None:
+        return _CudnnSparseAttention.apply(*args)
+    return _CudnnSparseAttentionWithForward.apply(*args, forward_fn)
+
+
+def value_unfit(d_v: int, has_sink: bool) -> tuple[type[Exception], str] | None:
+    """Why the split path cannot produce this value width or sink (it is GLM-5.2's: ``d_v = 512``, no sink)."""
+    if d_v != _VALUE_HEAD_DIM or has_sink:
+        return ValueError, (
+            f"backend='cudnn' supports d_v={_VALUE_HEAD_DIM} without attn_sink (GLM-5.2), got d_v={d_v}, "
+            f"attn_sink={'given' if has_sink else None}; use backend='triton' or 'torch'."
+        )
+    return None
+
+
+def sparse_attention_unfit(
+    dtype: torch.dtype, d_qk: int, topk: int, num_heads: int, major: int
+) -> tuple[type[Exception], str] | None:
+    """Why the split path cannot take ``q: [T_q, num_heads, d_qk]`` of ``dtype`` with ``topk`` slots on SM ``major``.
+
+    The static constraints of :func:`cudnn_sparse_attention` (with :func:`value_unfit`), as ``(exception type,
+    message)``, that ``longtrain.dsa.ops`` evaluates for ``backend="cudnn"`` (raised) and ``"auto"`` (the next
+    route) on a call whose shapes it has checked already; ``None`` when the path can take it.
+    """
+    if dtype != torch.bfloat16:
+        return TypeError, f"cuDNN DSA sparse attention needs bf16 q/kv_latent, got {dtype}."
+    if d_qk != _ATTENTION_HEAD_DIM:
+        return ValueError, f"q must be [T_q, H, {_ATTENTION_HEAD_DIM}], got D_qk={d_qk}."
+    if not 1 <= topk <= _MAX_TOPK:
+        return ValueError, f"topk_indices width K must be in [1, {_MAX_TOPK}], got {topk}."
+    try:
+        _padded_head_count(num_heads, major)
+    except ValueError as exc:
+        return ValueError, str(exc)
+    return None
 
 
 def _cudnn_sparse_attention_with_forward(
@@ -646,15 +731,14 @@ def _cudnn_sparse_attention_with_forward(
     """:func:`cudnn_sparse_attention` with ``forward_fn`` (``flash_mla_sparse_fwd``'s convention) instead of FlashMLA.
 
     Same validation, head/width padding, row compaction and cuDNN backward; needs only the cuDNN frontend DSA.
-    ``longtrain.dsa.ops`` uses it with our Triton forward where FlashMLA is not installed.
+    (``longtrain.dsa.ops`` validates at its own boundary and calls :func:`_cudnn_sparse_attention_unchecked`.)
     """
     if not _has_cudnn_dsa():
         _require_available()
     padded_heads = _validate_sparse_attention(q, kv_latent, topk_indices, softmax_scale, None, False, None)
-    return _CudnnSparseAttentionWithForward.apply(
-        q.contiguous(), kv_latent.contiguous(), topk_indices.contiguous(), float(softmax_scale), padded_heads,
-        None, False, None, forward_fn,
-    )  # fmt: skip
+    return _cudnn_sparse_attention_unchecked(
+        q, kv_latent, topk_indices, softmax_scale, padded_heads, None, False, None, forward_fn
+    )
 
 
 class _CudnnSparseAttentionWithForward(_CudnnSparseAttention):

@@ -9,8 +9,16 @@
   installed, sparse MLA runs our Triton forward in its place (same call convention) with cuDNN's backward.
 - ``"torch"``: the plain-torch reference math applied to row chunks; any device, float32/float64 (and
   bf16/fp16, accumulated in float32). It is the oracle: exact, deterministic, and it synchronizes.
-- ``"auto"``: on CUDA, triton when available, else cudnn when it can run this call, else torch; on CPU,
-  torch (the interpreter is never picked automatically).
+- ``"auto"``: per op and per direction, the fastest route present here that fits the call, from the measured
+  table :data:`longtrain.dsa.routes.ROUTE_TABLE`. On an SM90 GPU with the cuDNN frontend installed, a GLM-5.2
+  sparse MLA call in bf16 runs our Triton forward and cuDNN's backward; without it (or for shapes cuDNN does not
+  take), Triton both ways; on CPU, torch (the interpreter is never picked automatically). ``longtrain doctor``
+  prints the choice and the row behind it.
+
+Each call is validated once, here, at the boundary; the backends run through their unchecked bodies
+(``sparse_mla_triton_unchecked``, ``_cudnn_sparse_attention_unchecked``, ...). A backend named explicitly that
+cannot take the call raises its own error (``RuntimeError`` when it cannot run here, ``TypeError`` /
+``ValueError`` for what it does not support).
 """
 
 from __future__ import annotations
@@ -21,70 +29,24 @@ from typing import Any
 
 import torch
 
-from longtrain.dsa import reference
+from longtrain.dsa import reference, routes
+from longtrain.dsa._checks import INT32_LIMIT, check_float, check_int, check_same_device
 from longtrain.dsa.cudnn_dsa import _MAX_TOPK as MAX_TOPK
 from longtrain.dsa.cudnn_dsa import _validate_topk
 from longtrain.dsa.metadata import CudnnDsaPackedMetadata, check_dsa_metadata, prepare_dsa_metadata
 
-__all__ = ["BACKENDS", "MAX_TOPK", "backend_status", "indexer_topk", "resolve_backend", "sparse_mla_attention"]
+__all__ = ["BACKENDS", "MAX_TOPK", "backend_status", "indexer_topk", "sparse_mla_attention"]
 
 BACKENDS = ("auto", "triton", "cudnn", "torch")
-_INT32_LIMIT = 2**31 - 1
 #: Elements of the largest intermediate one chunk of the torch backend may materialise.
 _TORCH_CHUNK_ELEMENTS = 1 << 25
-_FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+_TORCH_PLAN = routes.Plan("torch", "torch")
+_TRITON_PLAN = routes.Plan("triton", "triton")
 
 
 def _triton_module() -> Any:
     return importlib.import_module("longtrain.dsa.triton")
-
-
-_TRITON_REASONS: dict[tuple[int, str], str | None] = {}
-
-
-def _triton_reason(device: torch.device) -> str | None:
-    """Why our Triton kernels cannot run on ``device`` (``None`` when they can); cached per module and device."""
-    from longtrain import _optional
-
-    ok, why = _optional.triton()
-    if not ok:
-        return why
-    try:
-        module = _triton_module()
-    except Exception as exc:  # a missing or broken kernel module is a reason, not a crash
-        return f"longtrain.dsa.triton failed to import ({type(exc).__name__}: {str(exc)[:160]})"
-    key = (id(module), str(device))
-    if key not in _TRITON_REASONS:
-        try:
-            ok, why = module.availability(device)
-            _TRITON_REASONS[key] = None if ok else (why or "longtrain.dsa.triton reports it is unavailable")
-        except Exception as exc:
-            _TRITON_REASONS[key] = f"longtrain.dsa.triton.availability failed ({type(exc).__name__}: {str(exc)[:160]})"
-    return _TRITON_REASONS[key]
-
-
-def _triton_stands_in_for_flash_mla(device: torch.device) -> bool:
-    """Whether backend "cudnn" can run sparse MLA here without FlashMLA (cuDNN DSA + our Triton forward)."""
-    from longtrain.dsa import cudnn_dsa
-
-    return cudnn_dsa._has_cudnn_dsa() and _triton_reason(device) is None
-
-
-def _cudnn_reason(device: torch.device | None = None) -> str | None:
-    """Why the cuDNN split path cannot run (packages, CUDA, SM90+); ``None`` when it can.
-
-    FlashMLA is needed only where our Triton forward cannot stand in for it (no Triton, or not CUDA SM80+).
-    """
-    from longtrain import _optional
-    from longtrain.dsa import cudnn_dsa
-
-    missing = cudnn_dsa.unavailable_reason()
-    if missing and not _triton_stands_in_for_flash_mla(device or torch.device("cuda")):
-        return missing
-    if device is not None and device.type != "cuda":
-        return "needs CUDA tensors"
-    ok, why = _optional.cuda_sm(9, 0)
-    return None if ok else why
 
 
 def _check_backend(backend: str) -> None:
@@ -92,39 +54,22 @@ def _check_backend(backend: str) -> None:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
 
 
-def resolve_backend(backend: str, device: torch.device, cudnn_fits: bool) -> str:
-    """The concrete backend for a call on ``device`` (``cudnn_fits``: the call meets cuDNN's constraints)."""
-    _check_backend(backend)
-    if backend != "auto":
-        return backend
-    if device.type != "cuda":
-        return "torch"
-    if _triton_reason(device) is None:
-        return "triton"
-    if cudnn_fits and _cudnn_reason(device) is None:
-        return "cudnn"
-    return "torch"
-
-
-def _require_triton(device: torch.device) -> Any:
-    reason = _triton_reason(device)
+def _require_triton(call: routes.CallShape) -> None:
+    """``backend="triton"`` named: it must run here and take the call."""
+    reason = routes.triton_reason(call.device)
     if reason is not None:
-        raise RuntimeError(f"backend='triton' cannot run on {device}: {reason}. Use backend='torch' or 'auto'.")
-    return _triton_module()
+        raise RuntimeError(f"backend='triton' cannot run on {call.device}: {reason}. Use backend='torch' or 'auto'.")
+    unfit = routes.route_unfit("triton", call)
+    if unfit is not None:
+        raise unfit[0](unfit[1])
 
 
-def _check_float(name: str, tensor: object) -> torch.Tensor:
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}.")
-    if tensor.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{name} must be a float tensor (bf16, fp16, fp32 or fp64), got {tensor.dtype}.")
-    return tensor
+def _raise_unfit(unfit: tuple[type[Exception], str] | None) -> None:
+    if unfit is not None:
+        raise unfit[0](unfit[1])
 
 
-def _check_same_device(device: torch.device, **tensors: torch.Tensor | None) -> None:
-    for name, tensor in tensors.items():
-        if tensor is not None and tensor.device != device:
-            raise ValueError(f"{name} is on {tensor.device} but q is on {device}; move every input to one device.")
+# --------------------------------------------------------------------------------------------- indexer
 
 
 def indexer_topk(
@@ -163,9 +108,9 @@ def indexer_topk(
     """
     _check_backend(backend)
     _validate_topk(index_topk)
-    _check_float("index_q", index_q)
-    _check_float("index_k", index_k)
-    _check_float("head_weights", head_weights)
+    check_float("index_q", index_q, "[T_q, H_I, D_I]")
+    check_float("index_k", index_k, "[T_k, D_I]")
+    check_float("head_weights", head_weights, "[T_q, H_I]")
     if index_q.dim() != 3:
         raise ValueError(f"index_q must be [T_q, H_I, D_I], got shape {tuple(index_q.shape)}.")
     if index_k.dim() != 2 or index_k.shape[1] != index_q.shape[2]:
@@ -175,36 +120,29 @@ def indexer_topk(
             f"head_weights must be [T_q, H_I] = {tuple(index_q.shape[:2])}, got {tuple(head_weights.shape)}."
         )
     device = index_q.device
-    _check_same_device(device, index_k=index_k, head_weights=head_weights)
+    check_same_device(device, "index_q", index_k=index_k, head_weights=head_weights)
     num_queries, num_heads, head_dim = index_q.shape
     total_keys = index_k.shape[0]
-    if total_keys == 0 or total_keys >= _INT32_LIMIT:
+    if total_keys == 0 or total_keys >= INT32_LIMIT:
         raise ValueError(f"index_k must have between 1 and 2**31 - 2 rows, got {total_keys}.")
-
-    cudnn_fits = (
-        index_q.dtype == torch.bfloat16
-        and index_k.dtype == torch.bfloat16
-        and head_dim == 128
-        and num_heads in (32, 64)
-    )
-    chosen = resolve_backend(backend, device, cudnn_fits)
-    if chosen == "cudnn":
+    call = routes.CallShape(
+        "indexer_topk", device, index_q.dtype, num_heads, head_dim, index_topk,
+        key_dtype=index_k.dtype, weight_dtype=head_weights.dtype,
+    )  # fmt: skip
+    if backend == "auto":
+        plan = routes.auto_plan(call)
+        route, major = plan.fwd, plan.major
+    else:
+        route, major = backend, None
+    if backend == "cudnn":
         from longtrain.dsa import cudnn_dsa
 
-        # The indexer uses no FlashMLA kernel: with the cuDNN frontend DSA alone, skip the split path's check.
-        only_cudnn = cudnn_dsa._has_cudnn_dsa() and not cudnn_dsa._has_flash_mla()
-        indexer = cudnn_dsa._cudnn_indexer_topk_unchecked if only_cudnn else cudnn_dsa.cudnn_indexer_topk
-        out = indexer(
-            index_q,
-            index_k,
-            head_weights,
-            cu_seqlens,
-            index_topk,
-            query_indices=query_indices,
-            cu_seqlens_padded=cu_seqlens_padded,
-            packed_metadata=packed_metadata,
-        )
-        return out[:, 0, :]
+        # The indexer uses no FlashMLA kernel: the cuDNN frontend DSA alone is enough.
+        if not cudnn_dsa._has_cudnn_dsa():
+            cudnn_dsa._require_available()
+        layout = () if packed_metadata is not None else (cu_seqlens,)
+        major, _minor = cudnn_dsa._require_cuda_tensors("cuDNN DSA indexer", index_q, index_k, head_weights, *layout)
+        _raise_unfit(routes.route_unfit("cudnn", call, major))
 
     if packed_metadata is None:
         meta = prepare_dsa_metadata(
@@ -219,9 +157,16 @@ def indexer_topk(
         )
     if meta.starts.device != device:
         raise ValueError(f"cu_seqlens is on {meta.starts.device} but index_q is on {device}.")
-    if chosen == "triton":
-        module = _require_triton(device)
-        return module.indexer_topk_triton(index_q, index_k, head_weights, meta.starts, meta.causal_lengths, index_topk)
+    if route == "cudnn":
+        from longtrain.dsa import cudnn_dsa
+
+        return cudnn_dsa._cudnn_indexer_topk_unchecked(index_q, index_k, head_weights, meta, index_topk)[:, 0, :]
+    if route == "triton":
+        if backend == "triton":
+            _require_triton(call)
+        return _triton_module().indexer_topk_triton_unchecked(
+            index_q, index_k, head_weights, meta.starts, meta.causal_lengths, index_topk
+        )
     return _indexer_topk_torch(index_q, index_k, head_weights, meta.starts, meta.causal_lengths, index_topk)
 
 
@@ -264,6 +209,9 @@ def _indexer_topk_torch(
     return out
 
 
+# --------------------------------------------------------------------------------------------- sparse MLA
+
+
 def _validate_sparse_mla(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -273,9 +221,9 @@ def _validate_sparse_mla(
     topk_length: torch.Tensor | None,
     attn_sink: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Boundary checks of :func:`sparse_mla_attention`; returns the indices as ``[T_q, K]``."""
-    _check_float("q", q)
-    _check_float("kv", kv)
+    """Boundary checks of :func:`sparse_mla_attention` (the only ones a call runs); returns the indices ``[T_q, K]``."""
+    check_float("q", q, "[T_q, H, D_qk]")
+    check_float("kv", kv, "[T_k, 1, D_qk]")
     if q.dim() != 3:
         raise ValueError(f"q must be [T_q, H, D_qk], got shape {tuple(q.shape)}.")
     num_queries, num_heads, width = q.shape
@@ -283,11 +231,9 @@ def _validate_sparse_mla(
         raise ValueError(f"kv must be [T_k, 1, {width}] (one latent head, D_qk of q), got {tuple(kv.shape)}.")
     if kv.dtype != q.dtype:
         raise TypeError(f"q and kv must share a dtype, got {q.dtype} and {kv.dtype}.")
-    if kv.shape[0] == 0 or kv.shape[0] >= _INT32_LIMIT:
+    if kv.shape[0] == 0 or kv.shape[0] >= INT32_LIMIT:
         raise ValueError(f"kv must have between 1 and 2**31 - 2 rows, got {kv.shape[0]}.")
-    if not isinstance(topk_indices, torch.Tensor) or topk_indices.dtype not in (torch.int32, torch.int64):
-        got = topk_indices.dtype if isinstance(topk_indices, torch.Tensor) else type(topk_indices).__name__
-        raise TypeError(f"topk_indices must be an int32 or int64 tensor, got {got}.")
+    check_int("topk_indices", topk_indices, "[T_q, K]")
     if topk_indices.dim() == 3 and topk_indices.shape[1] == 1:
         topk_indices = topk_indices[:, 0, :]
     if topk_indices.dim() != 2 or topk_indices.shape[0] != num_queries or topk_indices.shape[1] < 1:
@@ -304,15 +250,14 @@ def _validate_sparse_mla(
     if not 1 <= d_v <= width:
         raise ValueError(f"d_v must be in [1, D_qk={width}] (the value is kv[..., :d_v]), got {d_v}.")
     if topk_length is not None:
-        if not isinstance(topk_length, torch.Tensor) or topk_length.dtype not in (torch.int32, torch.int64):
-            raise TypeError("topk_length must be an int32 or int64 tensor [T_q].")
+        check_int("topk_length", topk_length, "[T_q]")
         if tuple(topk_length.shape) != (num_queries,):
             raise ValueError(f"topk_length must be [{num_queries}], got {tuple(topk_length.shape)}.")
     if attn_sink is not None:
-        _check_float("attn_sink", attn_sink)
+        check_float("attn_sink", attn_sink, "[H]")
         if tuple(attn_sink.shape) != (num_heads,):
             raise ValueError(f"attn_sink must be [H] = [{num_heads}], got {tuple(attn_sink.shape)}.")
-    _check_same_device(q.device, kv=kv, topk_indices=topk_indices, topk_length=topk_length, attn_sink=attn_sink)
+    check_same_device(q.device, kv=kv, topk_indices=topk_indices, topk_length=topk_length, attn_sink=attn_sink)
     return topk_indices
 
 
@@ -352,62 +297,72 @@ def sparse_mla_attention(
     """
     _check_backend(backend)
     indices = _validate_sparse_mla(q, kv, topk_indices, softmax_scale, d_v, topk_length, attn_sink)
+    call = routes.CallShape(
+        "sparse_mla", q.device, q.dtype, q.shape[1], q.shape[2], indices.shape[1], d_v, attn_sink is not None
+    )
+    plan = _sparse_mla_plan(backend, call, q, kv, indices)
     if attn_sink is None:
-        return _sparse_mla_dispatch(q, kv, indices, softmax_scale, d_v, topk_length, None, backend)
+        return _sparse_mla_dispatch(plan, q, kv, indices, softmax_scale, d_v, topk_length, None)
     # Non-finite sinks, the same in every backend: +inf takes all the mass (the head's rows are 0, the sink's
     # gradient 0), NaN is visible (the head's rows are NaN), -inf is no sink. The kernels run on a finite sink.
     posinf, nan = attn_sink == float("inf"), torch.isnan(attn_sink)
     finite_sink = torch.where(posinf | nan, torch.zeros_like(attn_sink), attn_sink)
-    out = _sparse_mla_dispatch(q, kv, indices, softmax_scale, d_v, topk_length, finite_sink, backend)
+    out = _sparse_mla_dispatch(plan, q, kv, indices, softmax_scale, d_v, topk_length, finite_sink)
     fill = torch.where(nan, float("nan"), 0.0).to(out.dtype)
     return torch.where((posinf | nan)[None, :, None], fill[None, :, None], out)
 
 
-def _sparse_mla_dispatch(q, kv, indices, softmax_scale, d_v, topk_length, attn_sink, backend):
-    """The backends of :func:`sparse_mla_attention` on validated inputs and a finite (or -inf / absent) sink."""
-    cudnn_fits = (
-        q.dtype == torch.bfloat16
-        and q.shape[2] == 576
-        and d_v == 512
-        and attn_sink is None
-        and indices.shape[1] <= MAX_TOPK
-        and (q.shape[1] % 64 == 0 or 64 % q.shape[1] == 0)
-    )
-    chosen = resolve_backend(backend, q.device, cudnn_fits)
-    if chosen == "cudnn":
+def _sparse_mla_plan(backend: str, call: routes.CallShape, q, kv, indices) -> routes.Plan:
+    """The routes of one validated call: ``"auto"``'s table choice, or the named backend's (its errors raised)."""
+    if backend == "auto":
+        return routes.auto_plan(call)
+    if backend == "torch":
+        return _TORCH_PLAN
+    if backend == "triton":
+        _require_triton(call)
+        return _TRITON_PLAN
+    from longtrain.dsa import cudnn_dsa
+
+    flash_mla = cudnn_dsa._has_flash_mla()
+    if not cudnn_dsa._has_cudnn_dsa() or (not flash_mla and routes.triton_reason(call.device) is not None):
+        cudnn_dsa._require_available()
+    _raise_unfit(cudnn_dsa.value_unfit(call.d_v, call.has_sink))
+    major, _minor = cudnn_dsa._require_cuda_tensors("cuDNN DSA sparse attention", q, kv, indices)
+    _raise_unfit(cudnn_dsa.sparse_attention_unfit(call.dtype, call.width, call.topk, call.heads, major))
+    return routes.Plan("flash_mla" if flash_mla else "triton", "cudnn", major=major)
+
+
+def _sparse_mla_dispatch(plan, q, kv, indices, softmax_scale, d_v, topk_length, attn_sink):
+    """Run ``plan`` on a validated call with a finite (or -inf / absent) sink."""
+    if plan.bwd == "cudnn":
         from longtrain.dsa import cudnn_dsa
 
-        flash_mla = cudnn_dsa._has_flash_mla()
-        if not flash_mla and not _triton_stands_in_for_flash_mla(q.device):
-            cudnn_dsa._require_available()
-        if attn_sink is not None or d_v != 512:
-            raise ValueError(
-                f"backend='cudnn' supports d_v=512 without attn_sink (GLM-5.2), got d_v={d_v}, "
-                f"attn_sink={'given' if attn_sink is not None else None}; use backend='triton' or 'torch'."
-            )
+        valid = (indices >= 0) & (indices < kv.shape[0]) if indices.dtype == torch.int64 else None
         if topk_length is not None:
             # The split path trusts a supplied length to describe a canonical prefix; masking the slots and
             # letting it canonicalize keeps this op's contract (any -1 positions) exact.
             slot = torch.arange(indices.shape[1], device=indices.device)
-            indices = torch.where(slot[None, :] < topk_length[:, None], indices, -1)
+            in_len = slot[None, :] < topk_length[:, None]
+            valid = in_len if valid is None else valid & in_len
+        if valid is not None:
+            # (int64 indices past int32 must stay invalid after narrowing, not wrap into a real row.)
+            indices = torch.where(valid, indices, -1)
         indices = indices.to(torch.int32)[:, None, :]
-        if flash_mla:
-            return cudnn_dsa.cudnn_sparse_attention(q, kv, indices, float(softmax_scale))
-        from longtrain.dsa.triton.sparse_mla import flash_mla_style_fwd
-
-        return cudnn_dsa._cudnn_sparse_attention_with_forward(q, kv, indices, float(softmax_scale), flash_mla_style_fwd)
-    if chosen == "triton":
-        module = _require_triton(q.device)
-        return module.sparse_mla_triton(
-            q,
-            kv,
-            indices.to(torch.int32).contiguous(),
-            float(softmax_scale),
-            d_v=d_v,
-            topk_length=topk_length,
-            attn_sink=attn_sink,
+        forward = None
+        if plan.fwd == "triton":
+            forward = importlib.import_module("longtrain.dsa.triton.sparse_mla").flash_mla_style_fwd
+        padded_heads = cudnn_dsa._padded_head_count(q.shape[1], plan.major)
+        return cudnn_dsa._cudnn_sparse_attention_unchecked(
+            q, kv, indices, float(softmax_scale), padded_heads, forward_fn=forward
+        )
+    if plan.bwd == "triton":
+        return _triton_module().sparse_mla_triton_unchecked(
+            q, kv, indices, float(softmax_scale), d_v, topk_length, attn_sink
         )
     return _SparseMLATorch.apply(q, kv, indices, float(softmax_scale), d_v, topk_length, attn_sink)
+
+
+# --------------------------------------------------------------------------------------------- torch backend
 
 
 def _row_chunks(q: torch.Tensor, indices: torch.Tensor) -> list[slice]:
@@ -505,20 +460,19 @@ class _SparseMLATorch(torch.autograd.Function):
 
 
 def backend_status() -> list[tuple[str, str | None]]:
-    """``(backend, None | reason)`` rows for ``longtrain doctor``, plus what ``"auto"`` resolves to here."""
+    """``(backend, None | reason)`` rows for ``longtrain doctor``, then what ``"auto"`` picks here per op and
+    direction and the :data:`~longtrain.dsa.routes.ROUTE_TABLE` row it picks by."""
     from longtrain import _optional
 
     cuda_ok, cuda_why = _optional.torch_cuda()
     device = torch.device("cuda") if cuda_ok else torch.device("cpu")
     if cuda_ok:
-        triton_why = _triton_reason(device)
+        triton_why = routes.triton_reason(device)
     else:
         triton_why = f"needs CUDA ({cuda_why}); on CPU it runs under TRITON_INTERPRET=1 with backend='triton'"
-    cudnn_why = _cudnn_reason()
-    if cuda_ok and triton_why is None:
-        auto = "triton"
-    elif cuda_ok and cudnn_why is None:
-        auto = "cudnn (bf16 GLM-5.2 shapes; torch otherwise)"
-    else:
-        auto = "torch"
-    return [("triton", triton_why), ("cudnn", cudnn_why), ("torch", None), (f"auto -> {auto}", None)]
+    rows: list[tuple[str, str | None]] = [
+        ("triton", triton_why),
+        ("cudnn", routes.cudnn_backend_reason()),
+        ("torch", None),
+    ]
+    return rows + routes.auto_status(device)

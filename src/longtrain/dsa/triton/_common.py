@@ -9,16 +9,24 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "TRITON_DTYPES",
     "IndexerConfig",
     "KernelConfig",
     "SparseMLAConfig",
+    "Unfit",
     "availability",
     "dot_precision",
+    "indexer_unfit",
     "interpreting",
     "next_pow2",
+    "require_available",
+    "sparse_mla_unfit",
 ]
 
-_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: The dtypes the kernels take (fp64 runs on the torch backend only).
+TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: Largest latent width D_qk of the sparse MLA kernels.
+_MAX_D = 1024
 
 
 def interpreting() -> bool:
@@ -174,21 +182,38 @@ def require_available(device: torch.device) -> None:
         raise RuntimeError(f"the Triton DSA kernels cannot run on {device}: {reason}")
 
 
-def check_float(name: str, tensor: torch.Tensor, shape_hint: str) -> None:
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor {shape_hint}, got {type(tensor).__name__}")
-    if tensor.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{name} must be bf16, fp16 or fp32 {shape_hint}, got {tensor.dtype}")
+#: ``(exception type, message)``: why a kernel cannot take a call, raised as is when the kernel was asked for.
+Unfit = tuple[type[Exception], str]
 
 
-def check_int(name: str, tensor: torch.Tensor, shape_hint: str) -> None:
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor {shape_hint}, got {type(tensor).__name__}")
-    if tensor.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{name} must be int32 or int64 {shape_hint}, got {tensor.dtype}")
+def sparse_mla_unfit(dtype: torch.dtype, num_heads: int, d_qk: int, d_v: int) -> Unfit | None:
+    """Why the sparse MLA kernels cannot take ``q: [T, num_heads, d_qk]`` of ``dtype`` with value width ``d_v``.
+
+    ``None`` when they can. The one statement of the kernels' static constraints: :func:`sparse_mla_triton`
+    raises it, ``backend="auto"`` of :mod:`longtrain.dsa.ops` moves to the next route.
+    """
+    if dtype not in TRITON_DTYPES:
+        return TypeError, f"the Triton DSA kernels take bf16, fp16 or fp32 tensors, got {dtype}"
+    if d_qk % 16 or d_qk > _MAX_D:
+        return ValueError, f"D_qk must be a multiple of 16 up to {_MAX_D} (576 or 512 for MLA), got {d_qk}"
+    if not isinstance(d_v, int) or isinstance(d_v, bool) or d_v < 16 or d_v > d_qk or d_v % 16:
+        return ValueError, f"d_v must be a multiple of 16 in [16, D_qk={d_qk}], got {d_v!r}"
+    if d_qk - d_v > 256:
+        return ValueError, f"the key-only tail D_qk - d_v must be <= 256 (64 for MLA rope), got {d_qk - d_v}"
+    if num_heads < 1:
+        return ValueError, "q needs at least one head"
+    return None
 
 
-def check_same_device(device: torch.device, **tensors: torch.Tensor | None) -> None:
-    for name, tensor in tensors.items():
-        if tensor is not None and tensor.device != device:
-            raise ValueError(f"{name} is on {tensor.device} but the inputs are on {device}; move it there")
+def indexer_unfit(dtype: torch.dtype, key_dtype: torch.dtype, num_heads: int, head_dim: int) -> Unfit | None:
+    """Why the fused indexer cannot take ``index_q: [T_q, num_heads, head_dim]`` of ``dtype`` with keys of
+    ``key_dtype`` (``None`` when it can); the kernels' static constraints, stated once (as :func:`sparse_mla_unfit`)."""
+    if dtype not in TRITON_DTYPES:
+        return TypeError, f"the Triton DSA kernels take bf16, fp16 or fp32 tensors, got {dtype}"
+    if key_dtype != dtype:
+        return TypeError, f"index_q and index_k must share a dtype, got {dtype} and {key_dtype}"
+    if head_dim < 16 or head_dim > 256:
+        return ValueError, f"D_I must be in [16, 256] (128 for GLM-5.2), got {head_dim}"
+    if num_heads < 1:
+        return ValueError, "index_q needs at least one indexer head"
+    return None

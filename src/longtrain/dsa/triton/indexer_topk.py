@@ -20,12 +20,12 @@ import torch
 import triton
 import triton.language as tl
 
+from longtrain.dsa._checks import check_float, check_int, check_same_device
 from longtrain.dsa.triton._common import (
+    TRITON_DTYPES,
     IndexerConfig,
-    check_float,
-    check_int,
-    check_same_device,
     dot_precision,
+    indexer_unfit,
     interpreting,
     next_pow2,
     require_available,
@@ -37,6 +37,7 @@ __all__ = [
     "indexer_topk_fwd_kernel_scores",
     "indexer_topk_fwd_kernel_select",
     "indexer_topk_triton",
+    "indexer_topk_triton_unchecked",
 ]
 
 MAX_TOPK = 2048
@@ -219,8 +220,8 @@ def indexer_topk_triton(
     Returns:
         ``[T_q, K] int32``: per row the selected global key rows in strictly ascending order, then ``-1``.
     """
-    check_float("index_q", index_q, "[T_q, H_I, D_I]")
-    check_float("index_k", index_k, "[T_k, D_I]")
+    check_float("index_q", index_q, "[T_q, H_I, D_I]", TRITON_DTYPES)
+    check_float("index_k", index_k, "[T_k, D_I]", TRITON_DTYPES)
     if index_q.dim() != 3:
         raise ValueError(f"index_q must be [T_q, H_I, D_I], got shape {tuple(index_q.shape)}")
     if index_k.dim() == 3 and index_k.shape[1] == 1:
@@ -229,13 +230,10 @@ def indexer_topk_triton(
         raise ValueError(
             f"index_k must be [T_k, D_I={index_q.shape[2]}] (or [T_k, 1, D_I]), got shape {tuple(index_k.shape)}"
         )
-    if index_k.dtype != index_q.dtype:
-        raise TypeError(f"index_q and index_k must share a dtype, got {index_q.dtype} and {index_k.dtype}")
     num_queries, num_heads, head_dim = index_q.shape
-    if head_dim < 16 or head_dim > 256:
-        raise ValueError(f"D_I must be in [16, 256] (128 for GLM-5.2), got {head_dim}")
-    if num_heads < 1:
-        raise ValueError("index_q needs at least one indexer head")
+    unfit = indexer_unfit(index_q.dtype, index_k.dtype, num_heads, head_dim)
+    if unfit is not None:
+        raise unfit[0](unfit[1])
     if not isinstance(head_weights, torch.Tensor) or not head_weights.dtype.is_floating_point:
         raise TypeError(f"head_weights must be a float tensor [T_q, H_I], got {getattr(head_weights, 'dtype', None)}")
     if head_weights.shape != (num_queries, num_heads):
@@ -246,15 +244,40 @@ def indexer_topk_triton(
             raise ValueError(f"{name} must be [T_q={num_queries}], got shape {tuple(tensor.shape)}")
     if isinstance(index_topk, bool) or not isinstance(index_topk, int) or not 1 <= index_topk <= MAX_TOPK:
         raise ValueError(f"index_topk must be an int in [1, {MAX_TOPK}], got {index_topk!r}")
-    if config is None:
-        config = IndexerConfig(block_m=16, block_n=16, num_warps=4, num_stages=1) if interpreting() else IndexerConfig()
-    elif not isinstance(config, IndexerConfig):
+    if config is not None and not isinstance(config, IndexerConfig):
         raise TypeError(f"config must be an IndexerConfig or None, got {type(config).__name__}")
     check_same_device(
-        index_q.device, index_k=index_k, head_weights=head_weights, starts=starts, causal_lengths=causal_lengths
+        index_q.device,
+        "index_q",
+        index_k=index_k,
+        head_weights=head_weights,
+        starts=starts,
+        causal_lengths=causal_lengths,
     )
     require_available(index_q.device)
-    # Windows are clipped to the key rows that exist, so a bad window can never read or emit past T_k.
+    return indexer_topk_triton_unchecked(index_q, index_k, head_weights, starts, causal_lengths, index_topk, config)
+
+
+_DEFAULT_CONFIG = IndexerConfig()
+_INTERPRETER_CONFIG = IndexerConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+
+
+def indexer_topk_triton_unchecked(
+    index_q: torch.Tensor,
+    index_k: torch.Tensor,
+    head_weights: torch.Tensor,
+    starts: torch.Tensor,
+    causal_lengths: torch.Tensor,
+    index_topk: int,
+    config: IndexerConfig | None = None,
+) -> torch.Tensor:
+    """:func:`indexer_topk_triton` without its checks, for callers that validated the call already (the public op).
+
+    Takes what :func:`indexer_topk_triton` documents, with ``index_k: [T_k, D_I]``. The windows are still clipped to
+    the key rows that exist: that is what keeps a forged window from reading or emitting past ``T_k``.
+    """
+    if config is None:
+        config = _INTERPRETER_CONFIG if interpreting() else _DEFAULT_CONFIG
     num_keys = index_k.shape[0]
     starts64 = starts.to(torch.int64)
     lengths = torch.minimum(causal_lengths.to(torch.int64), num_keys - starts64).clamp_min(0)

@@ -1,4 +1,4 @@
-"""Public sparse MLA attention on the Triton kernels: validation, autograd wiring."""
+"""Sparse MLA attention on the Triton kernels: the checked public function, its unchecked body, autograd wiring."""
 
 from __future__ import annotations
 
@@ -6,18 +6,16 @@ import math
 
 import torch
 
+from longtrain.dsa._checks import check_float, check_int, check_same_device
 from longtrain.dsa.triton._common import (
+    TRITON_DTYPES,
     KernelConfig,
     SparseMLAConfig,
-    check_float,
-    check_int,
-    check_same_device,
     require_available,
+    sparse_mla_unfit,
 )
 
-__all__ = ["SparseMLAFunction", "flash_mla_style_fwd", "sparse_mla_triton"]
-
-_MAX_D = 1024
+__all__ = ["SparseMLAFunction", "flash_mla_style_fwd", "sparse_mla_triton", "sparse_mla_triton_unchecked"]
 
 
 class SparseMLAFunction(torch.autograd.Function):
@@ -62,8 +60,10 @@ class SparseMLAFunction(torch.autograd.Function):
 
 
 def _validate(q, kv, topk_indices, softmax_scale, d_v, topk_length, attn_sink, config):
-    check_float("q", q, "[T, H, D_qk]")
-    check_float("kv", kv, "[T_k, 1, D_qk]")
+    """The checks of :func:`sparse_mla_triton` when it is called directly (``longtrain.dsa.ops`` runs its own, once,
+    and calls :func:`sparse_mla_triton_unchecked`); returns ``(indices [T, K], config)``."""
+    check_float("q", q, "[T, H, D_qk]", TRITON_DTYPES)
+    check_float("kv", kv, "[T_k, 1, D_qk]", TRITON_DTYPES)
     if q.dim() != 3:
         raise ValueError(f"q must be [T, H, D_qk], got shape {tuple(q.shape)}")
     if kv.dim() == 3:
@@ -76,14 +76,9 @@ def _validate(q, kv, topk_indices, softmax_scale, d_v, topk_length, attn_sink, c
     num_tokens, num_heads, d_qk = q.shape
     if kv.shape[-1] != d_qk:
         raise ValueError(f"kv's last dim must equal q's D_qk={d_qk}, got kv shape {tuple(kv.shape)}")
-    if d_qk % 16 or d_qk > _MAX_D:
-        raise ValueError(f"D_qk must be a multiple of 16 up to {_MAX_D} (576 or 512 for MLA), got {d_qk}")
-    if not isinstance(d_v, int) or isinstance(d_v, bool) or d_v < 16 or d_v > d_qk or d_v % 16:
-        raise ValueError(f"d_v must be a multiple of 16 in [16, D_qk={d_qk}], got {d_v!r}")
-    if d_qk - d_v > 256:
-        raise ValueError(f"the key-only tail D_qk - d_v must be <= 256 (64 for MLA rope), got {d_qk - d_v}")
-    if num_heads < 1:
-        raise ValueError(f"q needs at least one head, got shape {tuple(q.shape)}")
+    unfit = sparse_mla_unfit(q.dtype, num_heads, d_qk, d_v)
+    if unfit is not None:
+        raise unfit[0](unfit[1])
     check_int("topk_indices", topk_indices, "[T, K]")
     if topk_indices.dim() == 3 and topk_indices.shape[1] == 1:
         topk_indices = topk_indices[:, 0]
@@ -107,11 +102,7 @@ def _validate(q, kv, topk_indices, softmax_scale, d_v, topk_length, attn_sink, c
         if attn_sink.shape != (num_heads,):
             raise ValueError(f"attn_sink must be [H={num_heads}], got {tuple(attn_sink.shape)}")
     check_same_device(q.device, kv=kv, topk_indices=topk_indices, topk_length=topk_length, attn_sink=attn_sink)
-    if config is None:
-        config = SparseMLAConfig()
-    elif isinstance(config, KernelConfig):
-        config = SparseMLAConfig(fwd=config, bwd=config)
-    elif not isinstance(config, SparseMLAConfig):
+    if config is not None and not isinstance(config, (SparseMLAConfig, KernelConfig)):
         raise TypeError(f"config must be a SparseMLAConfig, a KernelConfig or None, got {type(config).__name__}")
     return topk_indices, config
 
@@ -151,6 +142,30 @@ def sparse_mla_triton(
     """
     topk_indices, config = _validate(q, kv, topk_indices, softmax_scale, d_v, topk_length, attn_sink, config)
     require_available(q.device)
+    return sparse_mla_triton_unchecked(
+        q, kv, topk_indices, softmax_scale, d_v, topk_length, attn_sink, bool(deterministic), config
+    )
+
+
+_DEFAULT_CONFIG = SparseMLAConfig()
+
+
+def sparse_mla_triton_unchecked(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    topk_indices: torch.Tensor,
+    softmax_scale: float,
+    d_v: int,
+    topk_length: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+    deterministic: bool = False,
+    config: SparseMLAConfig | KernelConfig | None = None,
+) -> torch.Tensor:
+    """:func:`sparse_mla_triton` without its checks, for callers that validated the call already (the public op).
+
+    Takes what :func:`sparse_mla_triton` documents, with ``topk_indices: [T, K]`` and every input on a device where
+    the kernels run; runs no check (a bad shape is an error from inside the kernel launch, or worse).
+    """
     kv2d = kv.reshape(kv.shape[0], kv.shape[-1]).contiguous()
     if topk_indices.dtype == torch.int64:
         # Out-of-range int64 values must stay invalid after narrowing, not wrap into a real row.
@@ -162,8 +177,12 @@ def sparse_mla_triton(
         length = topk_length.clamp(0, idx.shape[1]).to(torch.int32).contiguous()
     # The kernels read the sink in fp32; autograd casts its gradient back to the caller's dtype.
     sink = attn_sink.to(torch.float32).contiguous() if attn_sink is not None else None
+    if config is None:
+        config = _DEFAULT_CONFIG
+    elif isinstance(config, KernelConfig):
+        config = SparseMLAConfig(fwd=config, bwd=config)
     out, _ = SparseMLAFunction.apply(
-        q.contiguous(), kv2d, idx, float(softmax_scale), d_v, length, sink, bool(deterministic), config
+        q.contiguous(), kv2d, idx, float(softmax_scale), d_v, length, sink, deterministic, config
     )
     return out
 
