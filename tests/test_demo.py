@@ -49,6 +49,34 @@ def test_demo_cp2_runs_and_parity_passes(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["parity"]["ok"] and summary["cp"] == 2 and summary["steps"] == 4
     assert "summary:" in res.stdout
+    # the measurements: model FLOPs on every step and in the summary; MFU and memory are n/a on a CPU, never made up
+    assert summary["preset"] == "tiny" and summary["model_tflops_per_s"] > 0
+    assert summary["model_tflops_per_s_per_rank"] == pytest.approx(summary["model_tflops_per_s"] / 2)
+    assert summary["mfu"] is None and summary["peak_tflops"] is None
+    assert summary["step1_peak_memory_gib"] is None and summary["steady_peak_memory_gib"] is None
+    assert "CUDA-only" in summary["peak_memory_note"]
+    for r in records:
+        assert r["model_flops"] > 0 and r["mfu"] is None and r["peak_memory_gib"] is None
+        assert 0 < r["real_tokens"] <= 256
+    assert "model TFLOP/s" in res.stdout and "MFU n/a" in res.stdout and "peak memory: n/a" in res.stdout
+
+
+def test_demo_h200_32k_preset_at_shrunken_width_runs_on_cpu(tmp_path):
+    """The h200-32k path end to end (books, full rows, its 12-layer pattern, CP, parity) with CPU-sized widths."""
+    cfg = tmp_path / "demo.yaml"
+    widths = dict(hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1, head_dim=16, dsa_heads=2,
+                  dsa_q_lora_rank=16, dsa_kv_lora_rank=16, dsa_rope_head_dim=8, dsa_nope_head_dim=8, dsa_v_head_dim=8,
+                  index_heads=2, index_head_dim=16, index_topk=32)  # fmt: skip
+    model = "".join(f"  {k}: {v}\n" for k, v in widths.items())
+    cfg.write_text(f"preset: h200-32k\ndevice: cpu\ndtype: float32\nseq_len: 512\nmin_doc: 64\nmodel:\n{model}")
+    out = tmp_path / "o"
+    res = _run(["demo", "--config", str(cfg), "--steps", "2", "--cp", "2", "--no-prewarm", "--out", str(out)])
+    assert res.returncode == 0, res.stderr
+    assert "preset=h200-32k" in res.stdout and "documents=books" in res.stdout and "OK" in res.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["layers"] == "GDSGGDSGGDSG" and summary["documents"] == "books" and summary["parity"]["ok"]
+    assert summary["cp"] == 2 and summary["steps"] == 2
+    assert summary["real_token_fraction"] >= 1 - 256 / 512 and summary["model_flops_per_step"] > 0
 
 
 def test_demo_yaml_config_and_flags_override(tmp_path):
@@ -74,6 +102,9 @@ def test_demo_yaml_config_and_flags_override(tmp_path):
         (["--dtype", "float8"], "--dtype must be one of"),
         (["--device", "tpu"], "--device must be one of"),
         (["--config", "/nonexistent/demo.yaml"], "no such file"),
+        (["--preset", "h200-32k", "--seq-len", "512"], "min_doc=256 is longer than the longest document span"),
+        (["--documents", "verses"], "--documents must be one of chapters, books"),
+        (["--peak-tflops", "0"], "--peak-tflops must be a positive number"),
     ],
     ids=[
         "seq-not-divisible",
@@ -84,6 +115,9 @@ def test_demo_yaml_config_and_flags_override(tmp_path):
         "bad-dtype",
         "bad-device",
         "missing-config",
+        "h200-short-rows",
+        "bad-documents",
+        "bad-peak",
     ],
 )
 def test_demo_bad_options_fail_fast(args, message, capsys):
@@ -139,6 +173,81 @@ def test_demo_config_sections_checked_before_any_rank_starts(tmp_path, capsys, y
     assert message in err and "Traceback" not in err and not started
 
 
+@pytest.mark.parametrize(
+    "argv, yaml_text",
+    [(["--preset", "h200"], None), ([], "preset: large\n"), (["--preset", "h200"], "preset: tiny\n")],
+    ids=["flag", "config", "flag-over-config"],
+)
+def test_demo_unknown_preset_lists_the_valid_ones(tmp_path, capsys, monkeypatch, argv, yaml_text):
+    started = []
+    monkeypatch.setattr(train, "launch", lambda cfg: started.append(cfg))
+    if yaml_text is not None:
+        (tmp_path / "demo.yaml").write_text(yaml_text)
+        argv = [*argv, "--config", str(tmp_path / "demo.yaml")]
+    assert _cli(["demo", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "unknown preset; valid presets: tiny, h200-32k" in err and "Traceback" not in err and not started
+
+
+def test_demo_preset_values_are_overridden_by_config_then_flags(tmp_path):
+    cfg = tmp_path / "demo.yaml"
+    cfg.write_text(
+        "preset: h200-32k\nseq_len: 8192\nsteps: 7\nmodel:\n  layers: GDSG\n  dsa:\n    rope_scaling: null\n"
+    )
+    args = _parse(["demo", "--config", str(cfg), "--steps", "5", "--attn-backend", "dense", "--dsa-backend", "torch"])
+    got = train.config_from_args(args)
+    assert got.preset == "h200-32k" and got.seq_len == 8192 and got.steps == 5  # file over preset, flag over file
+    assert (got.attn_backend, got.dsa_backend, got.documents, got.dtype) == ("dense", "torch", "books", "bfloat16")
+    assert got.model["layers"] == "GDSG" and got.model["hidden_size"] == 2048  # model keys one by one
+    assert got.model["dsa"] == {"rope_scaling": None}
+
+
+def test_demo_default_preset_follows_the_device():
+    from longtrain.demo.config import make_config
+    from longtrain.demo.presets import default_preset
+
+    assert default_preset("cuda", cuda_available=False) == "h200-32k"
+    assert default_preset("auto", cuda_available=True) == "h200-32k"
+    assert default_preset("auto", cuda_available=False) == "tiny"
+    assert default_preset("cpu", cuda_available=True) == "tiny"
+    cuda = make_config({"device": "cuda"})
+    assert cuda.preset == "h200-32k" and cuda.seq_len == 32768 and cuda.cp == 1 and cuda.model["hidden_size"] == 2048
+    assert make_config({"device": "auto"}, cuda_available=True).preset == "h200-32k"
+    assert make_config({"device": "cuda", "preset": "tiny"}).model == {}  # a named preset wins over the device's
+    assert make_config({"preset": "h200-32k"}).device == "cuda"
+    assert make_config({}) == train.DemoConfig()  # no preset, no device: tiny, today's defaults
+
+
+def test_tiny_preset_is_the_dataclass_default():
+    from longtrain.demo.presets import PRESETS
+
+    d = train.DemoConfig()
+    assert d.preset == "tiny"
+    assert {k: getattr(d, k) for k in PRESETS["tiny"].defaults()} == PRESETS["tiny"].defaults()
+
+
+def test_dense_baseline_backends_are_accepted_with_h200_32k():
+    """What the GPU sweep runs: the h200-32k model with the plain-PyTorch attention paths at shorter rows (checked
+    here on the CPU, where every check but the device's runs)."""
+    from longtrain.demo.config import build_model_config, check_environment, make_config
+
+    for seq_len in (4096, 8192, 16384, 32768):
+        cfg = make_config({"preset": "h200-32k", "device": "cpu", "attn_backend": "dense", "dsa_backend": "torch",
+                           "seq_len": seq_len})  # fmt: skip
+        check_environment(cfg)
+        assert build_model_config(cfg, torch.device("cpu")).dsa_config().backend == "torch"
+        assert cfg.doc_span_max == seq_len // 3
+
+
+def test_readme_presets_table_is_the_registry():
+    from pathlib import Path
+
+    from longtrain.demo.presets import presets_markdown
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert presets_markdown() in readme
+
+
 def test_demo_config_without_pyyaml_says_how_to_install(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "yaml", None)
     cfg = tmp_path / "demo.yaml"
@@ -170,6 +279,10 @@ def test_demo_help_explains_options():
     res = _run(["demo", "--help"], timeout=60)
     assert res.returncode == 0
     for flag in (
+        "--preset",
+        "h200-32k",
+        "--documents",
+        "--peak-tflops",
         "--steps",
         "--seq-len",
         "--cp",

@@ -74,9 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "demo",
         help="train a small LM on packed documents with context parallelism (CPU is fine)",
-        description="Train a small decoder LM (GQA block-diagonal attention + DSA layers) on packed documents of a "
+        description="Train a decoder LM (GQA block-diagonal attention + DSA layers) on packed documents of a "
         "shipped public-domain corpus, with --cp ranks of context parallelism launched by the demo itself (or "
-        "torchrun), prewarm, a step-1 parity check against a single-rank run, metrics.jsonl and a loss curve.",
+        "torchrun), prewarm, a step-1 parity check against a single-rank run, metrics.jsonl, a loss curve and a "
+        "summary with tokens/s, model TFLOP/s, MFU and peak memory. --preset picks the defaults: tiny (the CPU demo) "
+        "or h200-32k (a 0.74B GLM-5.2-style model on 32K-token rows for one H200, the default with --device cuda).",
     )
     from longtrain.train import add_demo_arguments
 
