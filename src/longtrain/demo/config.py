@@ -280,15 +280,13 @@ def check_environment(cfg: DemoConfig) -> None:
 
 def _dsa_backend_reason(backend: str, device: torch.device) -> str | None:
     """Why the DSA backend named explicitly cannot run on ``device`` (None when it can, and for auto / torch)."""
-    if backend not in ("triton", "cudnn"):
-        return None
-    try:
-        from longtrain.dsa import routes
-    except ImportError:  # a tree from before longtrain.dsa.routes: the probes lived in ops
-        from longtrain.dsa import ops
+    from longtrain.dsa import routes
 
-        return ops._triton_reason(device) if backend == "triton" else ops._cudnn_reason(device)
-    return routes.triton_reason(device) if backend == "triton" else routes.cudnn_backend_reason(device)
+    if backend == "triton":
+        return routes.triton_reason(device)
+    if backend == "cudnn":
+        return routes.cudnn_backend_reason(device)
+    return None
 
 
 def build_model_config(cfg: DemoConfig, device: torch.device):
