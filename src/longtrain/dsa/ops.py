@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from longtrain.dsa import reference, routes
+from longtrain.dsa import cudnn_dsa, reference, routes
 from longtrain.dsa._checks import INT32_LIMIT, check_float, check_int, check_same_device
 from longtrain.dsa.cudnn_dsa import _MAX_TOPK as MAX_TOPK
 from longtrain.dsa.cudnn_dsa import _validate_topk
@@ -125,18 +125,15 @@ def indexer_topk(
     total_keys = index_k.shape[0]
     if total_keys == 0 or total_keys >= INT32_LIMIT:
         raise ValueError(f"index_k must have between 1 and 2**31 - 2 rows, got {total_keys}.")
-    call = routes.CallShape(
-        "indexer_topk", device, index_q.dtype, num_heads, head_dim, index_topk,
-        key_dtype=index_k.dtype, weight_dtype=head_weights.dtype,
-    )  # fmt: skip
+    route, call = backend, None
+    if backend != "torch":
+        call = routes.CallShape(
+            "indexer_topk", device, index_q.dtype, num_heads, head_dim, index_topk,
+            key_dtype=index_k.dtype, weight_dtype=head_weights.dtype,
+        )  # fmt: skip
     if backend == "auto":
-        plan = routes.auto_plan(call)
-        route, major = plan.fwd, plan.major
-    else:
-        route, major = backend, None
-    if backend == "cudnn":
-        from longtrain.dsa import cudnn_dsa
-
+        route = routes.auto_plan(call).fwd
+    elif backend == "cudnn":
         # The indexer uses no FlashMLA kernel: the cuDNN frontend DSA alone is enough.
         if not cudnn_dsa._has_cudnn_dsa():
             cudnn_dsa._require_available()
@@ -158,8 +155,6 @@ def indexer_topk(
     if meta.starts.device != device:
         raise ValueError(f"cu_seqlens is on {meta.starts.device} but index_q is on {device}.")
     if route == "cudnn":
-        from longtrain.dsa import cudnn_dsa
-
         return cudnn_dsa._cudnn_indexer_topk_unchecked(index_q, index_k, head_weights, meta, index_topk)[:, 0, :]
     if route == "triton":
         if backend == "triton":
@@ -297,10 +292,7 @@ def sparse_mla_attention(
     """
     _check_backend(backend)
     indices = _validate_sparse_mla(q, kv, topk_indices, softmax_scale, d_v, topk_length, attn_sink)
-    call = routes.CallShape(
-        "sparse_mla", q.device, q.dtype, q.shape[1], q.shape[2], indices.shape[1], d_v, attn_sink is not None
-    )
-    plan = _sparse_mla_plan(backend, call, q, kv, indices)
+    plan = _TORCH_PLAN if backend == "torch" else _sparse_mla_plan(backend, q, kv, indices, d_v, attn_sink)
     if attn_sink is None:
         return _sparse_mla_dispatch(plan, q, kv, indices, softmax_scale, d_v, topk_length, None)
     # Non-finite sinks, the same in every backend: +inf takes all the mass (the head's rows are 0, the sink's
@@ -312,17 +304,16 @@ def sparse_mla_attention(
     return torch.where((posinf | nan)[None, :, None], fill[None, :, None], out)
 
 
-def _sparse_mla_plan(backend: str, call: routes.CallShape, q, kv, indices) -> routes.Plan:
+def _sparse_mla_plan(backend: str, q, kv, indices, d_v: int, attn_sink) -> routes.Plan:
     """The routes of one validated call: ``"auto"``'s table choice, or the named backend's (its errors raised)."""
+    call = routes.CallShape(
+        "sparse_mla", q.device, q.dtype, q.shape[1], q.shape[2], indices.shape[1], d_v, attn_sink is not None
+    )
     if backend == "auto":
         return routes.auto_plan(call)
-    if backend == "torch":
-        return _TORCH_PLAN
     if backend == "triton":
         _require_triton(call)
         return _TRITON_PLAN
-    from longtrain.dsa import cudnn_dsa
-
     flash_mla = cudnn_dsa._has_flash_mla()
     if not cudnn_dsa._has_cudnn_dsa() or (not flash_mla and routes.triton_reason(call.device) is not None):
         cudnn_dsa._require_available()
@@ -335,8 +326,6 @@ def _sparse_mla_plan(backend: str, call: routes.CallShape, q, kv, indices) -> ro
 def _sparse_mla_dispatch(plan, q, kv, indices, softmax_scale, d_v, topk_length, attn_sink):
     """Run ``plan`` on a validated call with a finite (or -inf / absent) sink."""
     if plan.bwd == "cudnn":
-        from longtrain.dsa import cudnn_dsa
-
         valid = (indices >= 0) & (indices < kv.shape[0]) if indices.dtype == torch.int64 else None
         if topk_length is not None:
             # The split path trusts a supplied length to describe a canonical prefix; masking the slots and
