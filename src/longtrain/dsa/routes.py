@@ -35,6 +35,8 @@ from longtrain.dsa.triton import _common as _triton_common
 
 __all__ = [
     "FOLLOWS",
+    "GLM52_INDEXER",
+    "GLM52_SPARSE_MLA",
     "ROUTE_TABLE",
     "CallShape",
     "Plan",
