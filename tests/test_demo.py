@@ -383,7 +383,8 @@ def test_torchrun_launch(tmp_path):
 
 
 def test_demo_balanced_sharding_parity_passes(tmp_path):
-    """--sharding balanced: the GQA layers on the planned pieces, DSA/GDN on the whole row; step 1 equals one rank."""
+    """--sharding balanced: the GQA and DSA layers on the planned pieces, GDN on the whole row; step 1 equals one
+    rank."""
     out = tmp_path / "run"
     res = _run(["demo", "--cp", "2", "--steps", "2", "--seq-len", "512", "--sharding", "balanced", "--out", str(out),
                 "--no-prewarm"])  # fmt: skip

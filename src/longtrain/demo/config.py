@@ -72,8 +72,8 @@ class DemoConfig:
     kv_exchange: str = "allgather"
     """K/V exchange of the GQA layers: ``allgather``, ``halo`` or ``a2a``."""
     sharding: str = "contiguous"
-    """Which positions each CP rank owns: ``contiguous`` or ``balanced`` (equal causal work; the DSA and GDN layers
-    then run on the whole row and keep each rank's rows)."""
+    """Which positions each CP rank owns: ``contiguous`` or ``balanced`` (equal causal work; the GQA and DSA layers
+    attend from the rank's own rows, the GDN layers run on the whole row and keep each rank's rows)."""
     dsa_backend: str = "auto"
     """Backend of the DSA layers: ``auto``, ``triton``, ``cudnn`` or ``torch`` (the plain-PyTorch baseline)."""
     seed: int = 0

@@ -285,13 +285,13 @@ def run_rank(cfg: DemoConfig) -> dict[str, Any]:
             if cp_step.contiguous:
                 meta = DSAAttention.metadata_for_step(cp_step)
                 step_inputs = StepInputs(cu_seqlens=cu, padding_mask=padding, dsa_metadata=meta, cp_group=group)
-            else:  # balanced: the DSA / GDN layers run on the whole row (its metadata), each rank keeps its rows
-                meta = DSAAttention.prepare_metadata(cu, cp_step.full_len, padding_mask=cp_step.doc_ids[0] == 0)
+            else:  # balanced: the DSA layers take the step (their own rows), GDN runs on the whole row
                 perm = cp_step.shard_plan.permutation
                 order = torch.empty_like(perm)
                 order[perm] = torch.arange(perm.numel())
-                step_inputs = StepInputs(cu_seqlens=cu, padding_mask=padding, dsa_metadata=meta, cp_group=group,
-                                         token_index=cp_step.token_index, row_order=order.to(device))  # fmt: skip
+                step_inputs = StepInputs(cu_seqlens=cu, padding_mask=padding, dsa_metadata=None, cp_group=group,
+                                         token_index=cp_step.token_index, row_order=order.to(device),
+                                         cp_step=cp_step)  # fmt: skip
             loss = _step_loss(
                 model, local["input_ids"], local["position_ids"], local["labels"], step_inputs, num_labels
             )

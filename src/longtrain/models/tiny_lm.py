@@ -154,8 +154,11 @@ class StepInputs:
     """Under balanced sharding: ``[L] int64`` global positions of this rank's rows (None: contiguous rows)."""
     row_order: torch.Tensor | None = None
     """Under balanced sharding: ``[S] int64``, row ``p`` of the row is row ``row_order[p]`` of the ranks' rows
-    gathered in rank order. The DSA and GDN layers then run on the whole row (``dsa_metadata`` describes it) and
-    keep this rank's rows: exact, without their own CP split."""
+    gathered in rank order. The GDN layers then run on the whole row and keep this rank's rows: exact, without
+    their own CP split."""
+    cp_step: Any = None
+    """Under balanced sharding: the step's :class:`~longtrain.blockdiag_cp.CPStep`; the DSA layers take it (their
+    queries stay this rank's rows, the latent KV is gathered in row order)."""
 
     def whole_row(self, x: torch.Tensor) -> torch.Tensor:
         """``[L, ...]`` local rows -> ``[S, ...]`` the whole row in row order (differentiable all-gather)."""
@@ -270,16 +273,15 @@ class Block(nn.Module):
             h = self.self_attn(h, position_ids)
         elif self.kind == "N":
             h = self.gdn(h, step)
-        elif step.row_order is not None:  # balanced sharding: the whole row on every rank, this rank's rows kept
+        elif step.cp_step is not None:  # balanced sharding: this rank's rows, keys from the whole row
             h, topk = self.dsa(
-                step.whole_row(h[0]),
-                step.whole_row(position_ids[0]),
-                step.cu_seqlens,
-                metadata=step.dsa_metadata,
+                h[0],
+                position_ids[0],
                 prev_topk=topk if self.kind == "S" else None,
                 return_topk=True,
+                cp_step=step.cp_step,
             )
-            h = h[step.token_index][None]
+            h = h[None]
         else:
             h, topk = self.dsa(
                 h[0],
