@@ -29,7 +29,14 @@ import torch
 
 from longtrain.blockdiag_cp import make_cp_blockdiag_batch_and_ctx
 
-from .hf_blockdiag import ATTN_IMPLEMENTATION, MIN_TRANSFORMERS, blockdiag_attention_forward, packed_doc_ids, register
+from .hf_blockdiag import (
+    ATTN_IMPLEMENTATION,
+    MIN_TRANSFORMERS,
+    UNSUPPORTED_KWARGS,
+    blockdiag_attention_forward,
+    packed_doc_ids,
+    register,
+)
 from .hf_dsa import DSA_ATTENTION_CLASSES, apply_dsa
 
 __all__ = [
@@ -37,6 +44,7 @@ __all__ = [
     "DSA_ATTENTION_CLASSES",
     "apply_dsa",
     "MIN_TRANSFORMERS",
+    "UNSUPPORTED_KWARGS",
     "blockdiag_attention_forward",
     "hf_cp_batch",
     "packed_doc_ids",

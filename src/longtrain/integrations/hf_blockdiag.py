@@ -16,6 +16,7 @@ from longtrain.blockdiag_cp.runtime import cp_blockdiag_sdpa
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "MIN_TRANSFORMERS",
+    "UNSUPPORTED_KWARGS",
     "blockdiag_attention_forward",
     "packed_doc_ids",
     "register",
@@ -159,6 +160,52 @@ def _plan_for(batch_size: int, seq_len: int, device: torch.device, kwargs: dict,
 # the attention implementation
 # ----------------------------------------------------------------------------------------------------------
 
+#: Keyword arguments that some transformers models pass to their attention function and that change what it
+#: computes beyond per-document causal softmax attention; given (not None), they are refused, never dropped.
+UNSUPPORTED_KWARGS = {
+    "softcap": "attention-logit soft-capping",
+    "s_aux": "attention sinks",
+    "sinks": "attention sinks",
+    "position_bias": "an additive position bias",
+    "indices": "sparse (top-k) attention indices; for GLM-MoE-DSA / DeepSeek-V3.2 call longtrain.integrations.hf."
+    "apply_dsa(model)",
+    "block_indices": "block-sparse attention indices",
+}
+
+
+def _longest_document(step, plan) -> int:
+    """Tokens in the longest real document of the CP step (``step``) or of the batch's plan (cached per step)."""
+    if step is None:
+        return plan.max_len
+    hit = step.cache.get("hf_longest_document")
+    if hit is None:
+        runs = step.packed_cu_seqlens_cpu.tolist()
+        ids = step.doc_ids[0, torch.tensor(runs[:-1], device=step.doc_ids.device)].cpu().tolist() if runs[1:] else []
+        hit = max((b - a for a, b, d in zip(runs[:-1], runs[1:], ids) if d != 0), default=0)
+        step.cache["hf_longest_document"] = hit
+    return hit
+
+
+def _refuse_what_changes_the_math(module: torch.nn.Module, kwargs: dict, step, plan) -> None:
+    name = type(module).__name__
+    for key, what in UNSUPPORTED_KWARGS.items():
+        if kwargs.get(key) is not None:
+            raise ValueError(
+                f"attn_implementation={ATTN_IMPLEMENTATION!r} computes per-document causal softmax attention; {name} "
+                f"passes {key}= ({what}), which it cannot compute: give this model attn_implementation='sdpa' or "
+                "'eager'"
+            )
+    window = kwargs.get("sliding_window")
+    if window is not None:
+        longest = _longest_document(step, plan)
+        if longest > int(window):
+            raise ValueError(
+                f"{name} uses sliding-window attention (sliding_window={window}) and a document here has {longest} "
+                f"tokens: attn_implementation={ATTN_IMPLEMENTATION!r} attends to the whole document, which differs "
+                "for documents longer than the window. Pack documents of at most the window, set "
+                "config.sliding_window=None if the model should attend fully, or use attn_implementation='sdpa'"
+            )
+
 
 def blockdiag_attention_forward(
     module: torch.nn.Module,
@@ -185,6 +232,7 @@ def blockdiag_attention_forward(
         )
     step = current_cp_step()
     if step is not None:
+        _refuse_what_changes_the_math(module, kwargs, step, None)
         if isinstance(attention_mask, torch.Tensor) and not bool(attention_mask.all()):
             raise ValueError(
                 "inside a CP step the document ids decide padding; the model received an attention_mask with zeros "
@@ -194,6 +242,7 @@ def blockdiag_attention_forward(
         return out.transpose(1, 2), None
     b, hq, s, d = query.shape
     plan = _plan_for(b, s, query.device, kwargs, attention_mask)
+    _refuse_what_changes_the_math(module, kwargs, None, plan)
     q, k, v = (t.transpose(1, 2).reshape(b * s, t.shape[1], t.shape[3]) for t in (query, key, value))
     if plan.index is not None:
         q, k, v = (t.index_select(0, plan.index) for t in (q, k, v))
