@@ -118,15 +118,18 @@ class VarlenMeta:
         """Only the first segment may hold more keys than queries (the CP layout invariant)."""
         return self.seg_q[1:] == self.seg_k[1:]
 
-    def rebased(self, s_first: int, real_end: int) -> VarlenMeta:
+    def rebased(self, s_first: int, real_end: int, *, share_cache: bool = True) -> VarlenMeta:
         """The same segmentation over a K/V tensor whose index 0 is global position ``self.s_first - s_first``.
 
-        Used by the needed-only exchanges (the received block starts at the first needed key). The copy shares
-        ``cache`` and the offset tensors.
+        Used by the needed-only exchanges (the received block starts at the first needed key). The copy shares the
+        offset tensors and, unless ``share_cache=False``, ``cache`` (a copy that is itself stored in this cache
+        takes its own, so that no reference cycle outlives the step).
         """
         if real_end - s_first != self.kv_len:
             raise ValueError(f"rebased slice [{s_first}, {real_end}) must keep the key count {self.kv_len}")
-        return replace(self, s_first=int(s_first), real_end=int(real_end))
+        if share_cache:
+            return replace(self, s_first=int(s_first), real_end=int(real_end))
+        return replace(self, s_first=int(s_first), real_end=int(real_end), cache={})
 
     def as_dict(self) -> dict:
         """The documented metadata dict (``precompute_blockdiag_varlen_meta``'s return), ``{"n_real": 0}`` if empty."""

@@ -132,7 +132,9 @@ def attend(
     else:
         run_meta = meta.cache.get(("local", meta.s_first, meta.real_end))
         if run_meta is None:
-            run_meta = meta.cache[("local", meta.s_first, meta.real_end)] = meta.rebased(0, meta.kv_len)
+            run_meta = meta.cache[("local", meta.s_first, meta.real_end)] = meta.rebased(
+                0, meta.kv_len, share_cache=False
+            )
         qs = q if n_real == length else q[:n_real]
         ks = k if (meta.s_first, meta.real_end) == (0, k.shape[0]) else k[meta.s_first : meta.real_end]
         vs = v if (meta.s_first, meta.real_end) == (0, v.shape[0]) else v[meta.s_first : meta.real_end]
