@@ -109,3 +109,41 @@ def _loss_worker(rank, world):
 def test_token_sum_loss_unchanged(gloo, world):
     for loss, ref in gloo(_loss_worker, world, timeout=120):
         assert abs(loss - ref) <= 1e-9 * abs(ref)
+
+
+def _keys_worker(rank, world):
+    """Every sharded key of a balanced batch is this rank's planned positions of the (padded) full row."""
+    from longtrain.blockdiag_cp import make_cp_blockdiag_batch_and_ctx
+
+    lens, s = [5, 9, 3, 7], 24
+    ids = torch.repeat_interleave(torch.arange(1, 5), torch.tensor(lens))[None]
+    pos = torch.cat([torch.arange(n) for n in lens])[None]
+    batch = {
+        "input_ids": torch.arange(100, 100 + s)[None],
+        "labels": torch.arange(200, 200 + s)[None],
+        "position_ids": torch.stack([pos, pos + 1000, pos + 2000]),  # mRoPE planes [3, 1, S]
+        "_packed_seq_ids": ids,
+    }
+    full = {k: v.clone() for k, v in batch.items()}
+    loss_mask = (torch.arange(s) % 3 != 0)[None].float()
+    _, local, layout = make_cp_blockdiag_batch_and_ctx(
+        cm.FakeMesh(world, rank, dist.group.WORLD), None, batch, loss_mask=loss_mask, sharding="balanced",
+        shard_chunk=2,
+    )  # fmt: skip
+    index = layout.step.token_index
+    assert not layout.step.contiguous
+    grow = layout.padded_seq_len - s
+    fills = {"input_ids": 0, "labels": -100, "position_ids": 0, "_packed_seq_ids": 0}
+    for key, value in full.items():
+        padded = torch.nn.functional.pad(value, (0, grow), value=fills[key])
+        assert torch.equal(local[key], padded.index_select(-1, index)), key
+        assert torch.equal(layout.unshard(local[key], dim=value.dim() - 1), value), key
+    padded_mask = torch.nn.functional.pad(loss_mask, (0, grow), value=0.0)
+    assert torch.equal(local["loss_mask"], padded_mask.index_select(-1, index))
+    assert torch.equal(local["padding_mask"], torch.nn.functional.pad(ids == 0, (0, grow), value=True)[:, index])
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3], ids=lambda w: f"W{w}")
+def test_balanced_gathers_every_key_with_the_plan(gloo, world):
+    assert all(gloo(_keys_worker, world))
