@@ -73,7 +73,43 @@ _BARRIER = "dist.barrier()  # every rank is done with every group before any ran
 # leave without the interpreter's teardown (flush what you print first)
 _OS_EXIT = "import os, sys\nsys.stdout.flush()\nos._exit(0)\n"
 _DESTROY = "dist.destroy_process_group()  # the mesh and the DTensor parameter are still alive here\n"
+# The README's training loop (3 steps: shard, forward + backward in the step, all-reduce the gradients, AdamW),
+# with the library's attention or, as the control, every rank attending over the whole row with plain SDPA.
+_LOOP = """
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from longtrain.blockdiag_cp import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+
+USE_LIBRARY = {library}
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+qkv, o = torch.nn.Linear(64, 192), torch.nn.Linear(64, 64)
+params = list(qkv.parameters()) + list(o.parameters())
+opt = torch.optim.AdamW(params, lr=1e-3)
+for step in range(3):
+    ids = torch.tensor([1] * 300 + [2] * 500 + [3] * 150 + [0] * 74)[None]
+    x = torch.randn(1, ids.shape[1], 64)
+    if USE_LIBRARY:
+        ctx, local, layout = make_cp_blockdiag_batch_and_ctx(dist.group.WORLD, None,
+                                                             {{"inputs_embeds": x, "_packed_seq_ids": ids}})
+    with ctx() if USE_LIBRARY else torch.enable_grad():
+        h = local["inputs_embeds"] if USE_LIBRARY else x
+        q, k, v = qkv(h).unflatten(-1, (3, 4, -1)).permute(2, 0, 3, 1, 4)
+        attend = cp_blockdiag_sdpa if USE_LIBRARY else F.scaled_dot_product_attention
+        loss = o(attend(q, k, v, is_causal=True).transpose(1, 2).flatten(2)).square().mean()
+        loss.backward()
+    for p in params:
+        dist.all_reduce(p.grad)
+    opt.step(), opt.zero_grad()
+    dist.all_reduce(loss := loss.detach())
+"""
+_GC = "import gc\ngc.collect()  # cyclic garbage freed while the groups are still up\n"
 SCENARIOS.update({
+    "cp_training_loop": _LOOP.format(library=True) + "dist.destroy_process_group()\n",
+    "cp_training_loop_gc": _LOOP.format(library=True) + _GC + "dist.destroy_process_group()\n",
+    "control_training_loop": _LOOP.format(library=False) + "dist.destroy_process_group()\n",
     "comm_prewarm": _MESH + _PREWARM + _DESTROY,
     "control_allreduce": _MESH + _BY_HAND + _DESTROY,
     "control_mesh_only": _MESH + _DESTROY,

@@ -10,6 +10,8 @@ row first) and runs ``model(**kwargs)`` with ``attn_implementation="longtrain_bl
 against the same model run on every document alone in one process.
 """
 
+import gc
+
 import torch
 import torch.distributed as dist
 from transformers import DataCollatorWithFlattening, LlamaConfig, LlamaForCausalLM
@@ -51,4 +53,5 @@ for step in range(3):
     opt.zero_grad()
     if rank == 0:
         print(f"step {step} loss {total.item():.4f} ({layout.padded_seq_len} tokens over {world} ranks)")
+gc.collect()  # before destroying the group: torch 2.13's gloo can abort at exit otherwise (README)
 dist.destroy_process_group()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import gc
 import multiprocessing as mp
 import os
 import signal
@@ -48,6 +49,7 @@ def _worker(rank: int, world: int, store_dir: str, cfg: DemoConfig, results: Any
 
         results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
+        gc.collect()  # before destroying the group: torch 2.13's gloo can abort at exit otherwise (README)
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
 
@@ -117,4 +119,5 @@ def _launch_torchrun(cfg: DemoConfig) -> dict[str, Any]:
     try:
         return run_rank(cfg)
     finally:
+        gc.collect()  # before destroying the group: torch 2.13's gloo can abort at exit otherwise (README)
         dist.destroy_process_group()
