@@ -157,3 +157,40 @@ def test_varlen_masks_and_skip():
     model = _llama()
     assert tt.apply_blockdiag(model, skip=lambda name: name.startswith("layers.1.")) == 1
     assert isinstance(model.get_submodule("layers.1.attention.inner_attention"), VarlenAttention)
+
+
+def _fsdp_worker(rank, world):
+    """FSDP2 over a dp_shard x cp mesh flattened (torchtitan's dp_shard_cp), CP through titan_cp_batch: with the
+    divide factor at 1.0 every gradient equals the single-process one; by default FSDP averages over the CP ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    ours, ref = _models()
+    tokens, labels, positions = _row()
+    _, _, ref_grads = _per_document(ref, tokens, labels)
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp_shard", "cp"))
+    flat = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    for layer in ours.layers.values():
+        fully_shard(layer, mesh=flat)
+    fully_shard(ours, mesh=flat)
+    ratios = {}
+    for factor in (None, 1.0):
+        if factor is not None:
+            assert tt.set_fsdp_gradient_divide_factor(ours, factor) == len(ours.layers) + 1
+        ours.zero_grad(set_to_none=True)
+        ctx, kwargs, local_labels, _ = tt.titan_cp_batch(tokens, labels, positions, mesh["cp"])
+        with ctx():
+            _loss(ours(**kwargs), local_labels).backward()
+        ratios[factor] = []
+        for name, p in ours.named_parameters():
+            full = p.grad.full_tensor()
+            ratios[factor].append(float((full * ref_grads[name]).sum() / (ref_grads[name] ** 2).sum()))
+            if factor is not None:
+                _close(full, ref_grads[name], f"grad {name}")
+    return ratios
+
+
+def test_fsdp2_with_cp(gloo):
+    for ratios in gloo(_fsdp_worker, 2, timeout=240):
+        assert all(abs(r - 0.5) < 1e-6 for r in ratios[None])  # FSDP's default: averaged over the 2 CP ranks
+        assert all(abs(r - 1.0) < 1e-6 for r in ratios[1.0])

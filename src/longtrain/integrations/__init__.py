@@ -1,2 +1,3 @@
-"""Integrations with the stacks users train with. ``longtrain.integrations.hf``: Hugging Face transformers (the
-``[hf]`` extra, imported lazily) and FSDP2 gradient scaling under context parallelism."""
+"""Integrations with the stacks users train with: ``longtrain.integrations.hf`` (Hugging Face transformers, the
+``[hf]`` extra), ``longtrain.integrations.torchtitan`` (torchtitan's decoders), both imported lazily, and
+``longtrain.integrations.fsdp`` (FSDP2 gradient scaling under context parallelism, re-exported by both)."""

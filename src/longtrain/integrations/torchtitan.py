@@ -33,8 +33,10 @@ from longtrain.blockdiag_cp import (
     varlen_attention,
 )
 
-__all__ = ["REPLACED_CLASSES", "BlockdiagAttention", "VarlenOffsets", "apply_blockdiag", "titan_cp_batch",
-           "varlen_masks"]  # fmt: skip
+from .fsdp import set_fsdp_gradient_divide_factor
+
+__all__ = ["REPLACED_CLASSES", "BlockdiagAttention", "VarlenOffsets", "apply_blockdiag",
+           "set_fsdp_gradient_divide_factor", "titan_cp_batch", "varlen_masks"]  # fmt: skip
 
 #: torchtitan inner-attention classes :func:`apply_blockdiag` replaces.
 REPLACED_CLASSES = ("VarlenAttention", "FlexAttention")
