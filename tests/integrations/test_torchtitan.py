@@ -194,3 +194,25 @@ def test_fsdp2_with_cp(gloo):
     for ratios in gloo(_fsdp_worker, 2, timeout=240):
         assert all(abs(r - 0.5) < 1e-6 for r in ratios[None])  # FSDP's default: averaged over the 2 CP ranks
         assert all(abs(r - 1.0) < 1e-6 for r in ratios[1.0])
+
+
+def test_what_would_compute_something_else_is_refused():
+    model = _llama()
+    model.get_submodule("layers.0.attention.inner_attention").window_size = (127, 0)  # gpt-oss's sliding layers
+    with pytest.raises(ValueError, match=r"sliding-window VarlenAttention \(window_size=\(127, 0\)\)"):
+        tt.apply_blockdiag(model)
+    assert isinstance(model.get_submodule("layers.1.attention.inner_attention"), VarlenAttention)  # nothing replaced
+    assert tt.apply_blockdiag(model, skip=lambda name: name.startswith("layers.0.")) == 1
+
+    from torchtitan.models.common.attention import FlexAttention
+
+    class OwnMasks(torch.nn.Module):  # a model with its own flex masks (gpt-oss builds sliding windows this way)
+        def __init__(self):
+            super().__init__()
+            self.inner_attention = FlexAttention(FlexAttention.Config())
+
+        def get_attention_masks(self, positions):
+            return None
+
+    with pytest.raises(ValueError, match="builds its own masks"):
+        tt.apply_blockdiag(OwnMasks())

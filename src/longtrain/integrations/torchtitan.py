@@ -118,13 +118,37 @@ class BlockdiagAttention(torch.nn.Module):
         return out.view(batch, length, out.shape[1], out.shape[2])
 
 
+#: The ``get_attention_masks`` whose flex masks are per-document causal and nothing else (torchtitan's decoder base).
+_DOCUMENT_CAUSAL_MASKS = "Decoder.get_attention_masks"
+
+
 def apply_blockdiag(model: torch.nn.Module, *, skip: Callable[[str], bool] | None = None) -> int:
     """Replace every torchtitan ``VarlenAttention``/``FlexAttention`` inner attention of ``model`` (in place) by
-    :class:`BlockdiagAttention`; returns how many. ``skip(name)`` keeps the named modules as they are."""
+    :class:`BlockdiagAttention`; returns how many. ``skip(name)`` keeps the named modules as they are.
+
+    Refused (``ValueError``, nothing replaced) where the replacement would compute something else: a
+    ``VarlenAttention`` with a sliding window (``window_size != (-1, 0)``, e.g. gpt-oss's sliding layers), and a
+    ``FlexAttention`` in a model whose ``get_attention_masks`` is not torchtitan's per-document causal one (its own
+    mask mods, e.g. sliding windows). Keep those layers with ``skip``."""
     targets = []
+    masks = getattr(type(model), "get_attention_masks", None)
     for name, module in model.named_modules():
-        if type(module).__name__ in REPLACED_CLASSES and not (skip and skip(name)):
-            targets.append(name)
+        kind = type(module).__name__
+        if kind not in REPLACED_CLASSES or (skip and skip(name)):
+            continue
+        window = tuple(getattr(module, "window_size", (-1, 0)) or (-1, 0))
+        if kind == "VarlenAttention" and window != (-1, 0):
+            raise ValueError(
+                f"{name} is a sliding-window VarlenAttention (window_size={window}); BlockdiagAttention attends to "
+                "whole documents: keep it with apply_blockdiag(model, skip=lambda name: ...)"
+            )
+        if kind == "FlexAttention" and getattr(masks, "__qualname__", None) != _DOCUMENT_CAUSAL_MASKS:
+            raise ValueError(
+                f"{name} is a FlexAttention of {type(model).__name__}, whose get_attention_masks builds its own masks "
+                "(BlockdiagAttention computes per-document causal attention only): build the model with "
+                "attn_backend='varlen', or keep these layers with apply_blockdiag(model, skip=...)"
+            )
+        targets.append(name)
     if not targets:
         raise ValueError(
             f"apply_blockdiag found no torchtitan inner attention ({', '.join(REPLACED_CLASSES)}) in "
