@@ -1,7 +1,8 @@
 """``attn_implementation="longtrain_blockdiag"`` beyond Llama: tiny Qwen2, Qwen3, Mistral and GLM-4 models (float64,
 CPU) equal Hugging Face's eager model run on every document alone (logits and every parameter gradient); what
 the implementation cannot compute is refused, never dropped: sliding windows shorter than a document (Mistral,
-Qwen2 with ``use_sliding_window``), Gemma 2's logit soft-capping, attention sinks (gpt-oss), DSA indices."""
+Qwen2 with ``use_sliding_window``), Llama 4's chunked attention, Gemma 2's logit soft-capping, attention sinks
+(gpt-oss), DSA indices."""
 
 from __future__ import annotations
 
@@ -121,3 +122,15 @@ def test_sliding_window_inside_a_cp_step():
             logits = ours(**kwargs).logits
         alone = torch.cat([ref(input_ids=ids[:, a : a + n]).logits for a, n in zip([0, 7, 19], LENS)], 1)
         _close(logits, alone, "logits")
+
+
+def test_llama4_chunked_attention_is_refused():
+    config = transformers.Llama4TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, intermediate_size_mlp=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2, attention_chunk_size=8,
+        use_cache=False, max_position_embeddings=128,
+    )  # fmt: skip
+    ours, _ = _pair(lambda: transformers.Llama4ForCausalLM(config))
+    ids, pos = _row()
+    with pytest.raises(ValueError, match=r"cannot compute chunked attention \(attention_chunk_size=8, 24 keys\)"):
+        ours(input_ids=ids, position_ids=pos)

@@ -18,6 +18,7 @@ __all__ = [
     "MIN_TRANSFORMERS",
     "UNSUPPORTED_KWARGS",
     "blockdiag_attention_forward",
+    "blockdiag_attention_mask",
     "packed_doc_ids",
     "register",
 ]
@@ -49,11 +50,28 @@ def register() -> str:
     returns the name. The mask function is transformers' own flash-attention one: no mask when there is no
     padding, else the 2-D padding mask (never a dense ``[B, 1, S, S]`` mask)."""
     transformers = _transformers()
-    from transformers.masking_utils import flash_attention_mask
-
     transformers.AttentionInterface.register(ATTN_IMPLEMENTATION, blockdiag_attention_forward)
-    transformers.AttentionMaskInterface.register(ATTN_IMPLEMENTATION, flash_attention_mask)
+    transformers.AttentionMaskInterface.register(ATTN_IMPLEMENTATION, blockdiag_attention_mask)
     return ATTN_IMPLEMENTATION
+
+
+def blockdiag_attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                             mask_function: Any = None, attention_mask: torch.Tensor | None = None,
+                             **kwargs: Any) -> torch.Tensor | None:  # fmt: skip
+    """transformers' mask-interface signature: its flash-attention mask (``None`` without padding, else the 2-D
+    padding mask). Chunked attention (Llama 4's ``attention_chunk_size`` layers) over more keys than one chunk is a
+    ``ValueError``, as transformers does for flash attention: its chunks are not the packed documents."""
+    from transformers.masking_utils import causal_mask_function, flash_attention_mask
+
+    config, local = kwargs.get("config"), kwargs.get("local_size")
+    chunk = getattr(config, "attention_chunk_size", None) if config is not None else None
+    if local is not None and chunk is not None and local == chunk and kv_length + kv_offset > chunk:
+        raise ValueError(
+            f"attn_implementation={ATTN_IMPLEMENTATION!r} cannot compute chunked attention (attention_chunk_size="
+            f"{chunk}, {kv_length + kv_offset} keys): give this model attn_implementation='sdpa' or 'eager'"
+        )
+    return flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset,
+                                mask_function or causal_mask_function, attention_mask, **kwargs)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------------
