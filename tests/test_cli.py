@@ -27,9 +27,12 @@ def test_doctor_lists_every_module_backend_with_reasons():
     for backend in ("flash", "te", "flex", "reference", "cudnn", "triton", "torch", "cublas_backward", "comm_groups"):
         assert backend in out
     rows = cli.doctor_rows()
-    assert rows and all(avail in ("yes", "no") for _, _, avail, _ in rows)
-    # Every unavailable backend says why.
-    assert all(reason for _, _, avail, reason in rows if avail == "no")
+    assert rows and all(avail in ("yes", "no", "auto") for _, _, avail, _ in rows)
+    # Every unavailable backend says why, and every auto choice which table row it follows.
+    assert all(reason for _, _, avail, reason in rows if avail in ("no", "auto"))
+    assert [b.split(" -> ")[0] for m, b, avail, _ in rows if avail == "auto"] == [
+        "auto sparse_mla fwd", "auto sparse_mla bwd", "auto indexer_topk"
+    ]  # fmt: skip
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")

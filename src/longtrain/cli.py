@@ -24,11 +24,16 @@ def _table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:
 
 
 def doctor_rows() -> list[tuple[str, str, str, str]]:
-    """``(module, backend, "yes"/"no", reason)`` for every backend of every module."""
+    """``(module, backend, "yes"/"no", reason)`` for every backend of every module; a module's ``auto`` choices
+    come as ``(module, "auto <op> -> <route>", "auto", why)``."""
     rows: list[tuple[str, str, str, str]] = []
     for label, module_name in BACKEND_MODULES:
         module = importlib.import_module(module_name)
         for backend, reason in module.backend_status():
+            if reason is None and backend.startswith("auto ") and ": " in backend:  # what auto picks, and why
+                choice, why = backend.split(": ", 1)
+                rows.append((label, choice, "auto", why))
+                continue
             rows.append((label, backend, "no" if reason else "yes", reason or ""))
     return rows
 
