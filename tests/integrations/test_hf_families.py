@@ -134,3 +134,35 @@ def test_llama4_chunked_attention_is_refused():
     ids, pos = _row()
     with pytest.raises(ValueError, match=r"cannot compute chunked attention \(attention_chunk_size=8, 24 keys\)"):
         ours(input_ids=ids, position_ids=pos)
+
+
+def _checkpointed_llama():
+    ours, ref = _pair(lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)))
+    getattr(ours, "activation_checkpointing_enable", ours.gradient_checkpointing_enable)()
+    ours.train()
+    return ours, ref
+
+
+def test_gradient_checkpointing_inside_a_cp_step_is_exact_and_outside_is_refused():
+    """HF's activation checkpointing recomputes the attention during backward: inside the step's context it is
+    exact; a backward after the context exited would recompute without the step (silently wrong at W > 1), so
+    it raises (also for apply_dsa and torchtitan's BlockdiagAttention, which share the check)."""
+    ours, ref = _checkpointed_llama()
+    ids, pos = _row()
+    labels = ids.clone()
+    ref_logits = torch.cat([ref(input_ids=ids[:, a : a + n]).logits for a, n in zip([0, 7, 19], LENS)], 1)
+    ref_loss = torch.nn.functional.cross_entropy(ref_logits[0], hf.shift_labels(labels)[0])
+    ref_loss.backward()
+    ctx, kwargs, _ = hf.hf_cp_batch({"input_ids": ids, "position_ids": pos, "labels": labels}, None)
+    with ctx():
+        out = ours(**kwargs)
+        out.loss.backward()
+    _close(out.loss.detach(), ref_loss.detach(), "loss")
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
+        _close(p.grad, q.grad, f"grad {name}")
+    with ctx():
+        out = ours(**kwargs)
+    with pytest.raises(RuntimeError, match="inside `with ctx_factory"):
+        out.loss.backward()
+    out = ours(input_ids=ids, position_ids=pos, labels=labels)  # used without CP again: the guard clears itself
+    out.loss.backward()

@@ -216,3 +216,16 @@ def test_what_would_compute_something_else_is_refused():
 
     with pytest.raises(ValueError, match="builds its own masks"):
         tt.apply_blockdiag(OwnMasks())
+
+
+def test_recompute_after_the_step_is_refused():
+    """Activation-checkpoint recompute after titan_cp_batch's context exited would run without the step: refused."""
+    from torch.utils.checkpoint import checkpoint
+
+    ours, _ = _models()
+    tokens, labels, positions = _row()
+    ctx, kwargs, local_labels, _ = tt.titan_cp_batch(tokens, labels, positions, None)
+    with ctx():
+        logits = checkpoint(lambda t: ours(t, positions=kwargs["positions"]), kwargs["tokens"], use_reentrant=False)
+    with pytest.raises(RuntimeError, match="BlockdiagAttention ran during backward"):
+        _loss(logits, local_labels).backward()

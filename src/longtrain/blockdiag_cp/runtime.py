@@ -37,6 +37,7 @@ __all__ = [
     "attend",
     "check_ranks_agree",
     "check_qkv",
+    "check_recompute_outside_context",
     "cp_blockdiag_sdpa",
     "cp_varlen_attention",
     "current_cp_step",
@@ -620,7 +621,7 @@ class _GroupMesh:
 def _cp_blockdiag_sdpa_impl(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     step = current_cp_step()
     if step is None:
-        _check_recompute_outside_context()
+        check_recompute_outside_context()
         return ORIGINAL_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                              scale=scale, enable_gqa=enable_gqa)  # fmt: skip
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
@@ -637,10 +638,10 @@ def _cp_blockdiag_sdpa_impl(query, key, value, attn_mask, dropout_p, is_causal, 
     return out.transpose(0, 1).unsqueeze(0)
 
 
-def _check_recompute_outside_context() -> None:
-    """Raise when activation-checkpoint recompute runs after the CP context exited.
+def check_recompute_outside_context(what: str = "cp_blockdiag_sdpa") -> None:
+    """Raise when activation-checkpoint recompute of CP attention (``what``) runs after the CP context exited.
 
-    The recompute would otherwise run stock, local-only SDPA: same shapes, silently wrong gradients. The
+    The recompute would otherwise run stock, local-only attention: same shapes, silently wrong gradients. The
     marker is set when a context exits after CP attention ran with grad, and cleared by the next context or by
     the next forward call outside any context (the model is then used without CP).
     """
@@ -652,7 +653,7 @@ def _check_recompute_outside_context() -> None:
         state.LAST_EXITED_SLOT.set(None)
         return
     raise RuntimeError(
-        "cp_blockdiag_sdpa ran during backward (activation-checkpoint recompute) after the block-diagonal CP "
+        f"{what} ran during backward (activation-checkpoint recompute) after the block-diagonal CP "
         "context had exited: run loss.backward() inside `with ctx_factory():` (the context returned by "
         "make_cp_blockdiag_batch_and_ctx) so the recompute sees the step's CP state"
     )

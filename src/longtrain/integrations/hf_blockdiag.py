@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from longtrain.blockdiag_cp import current_cp_step, varlen_attention
-from longtrain.blockdiag_cp.runtime import cp_blockdiag_sdpa
+from longtrain.blockdiag_cp.runtime import check_recompute_outside_context, cp_blockdiag_sdpa
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -258,6 +258,7 @@ def blockdiag_attention_forward(
             )
         out = cp_blockdiag_sdpa(query, key, value, is_causal=True, scale=scaling, dropout_p=dropout)
         return out.transpose(1, 2), None
+    check_recompute_outside_context(f"attn_implementation={ATTN_IMPLEMENTATION!r}")
     b, hq, s, d = query.shape
     plan = _plan_for(b, s, query.device, kwargs, attention_mask)
     _refuse_what_changes_the_math(module, kwargs, None, plan)

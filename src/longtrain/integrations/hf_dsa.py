@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from longtrain.blockdiag_cp import current_cp_step
+from longtrain.blockdiag_cp.runtime import check_recompute_outside_context
 from longtrain.dsa import ops
 from longtrain.dsa.layer import DSAAttention, DSAQueryParts, gather_rows
 from longtrain.dsa.metadata import prepare_dsa_metadata
@@ -144,8 +145,11 @@ def _dsa_forward(self, family, backend, hidden_states, position_embeddings, atte
             raise ValueError(f"inside a CP step the model takes this rank's shard [1, {step.local_len}], got "
                              f"[{batch}, {seq}]")  # fmt: skip
         group = step.group if step.world_size > 1 else None
+        if torch.is_grad_enabled() and hidden_states.requires_grad:
+            step.cache["grad_calls"] = True  # a recompute after the step's context exits is then an error
         parts, cu = DSAAttention.parts_for_step(step), step.packed_cu_seqlens.to(torch.int32)
     else:
+        check_recompute_outside_context("apply_dsa's attention")
         meta, cu = _metadata(batch, seq, hidden_states.device, position_ids, attention_mask)
         parts = DSAQueryParts(((slice(0, tokens), meta),))
 

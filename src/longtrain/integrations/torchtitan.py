@@ -32,6 +32,7 @@ from longtrain.blockdiag_cp import (
     make_cp_blockdiag_batch_and_ctx,
     varlen_attention,
 )
+from longtrain.blockdiag_cp.runtime import check_recompute_outside_context
 
 from .fsdp import set_fsdp_gradient_divide_factor
 
@@ -102,6 +103,7 @@ class BlockdiagAttention(torch.nn.Module):
         if step is not None:
             q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
             return cp_blockdiag_sdpa(q, k, v, is_causal=True, scale=scale).transpose(1, 2)
+        check_recompute_outside_context("BlockdiagAttention")
         offsets = _offsets(attention_masks)
         if offsets is None:
             raise ValueError(
