@@ -225,3 +225,30 @@ def _balanced_refusals(rank: int, world: int) -> bool:
 @pytest.mark.dist
 def test_balanced_step_refuses_external_metadata(gloo):
     assert all(gloo(_balanced_refusals, 2))
+
+
+def _disagreeing_step(rank: int, world: int, sharding: str):
+    """Rank 1 builds its step from other ids: every rank raises the same CPMismatchError before any collective."""
+    from longtrain.blockdiag_cp import CPMismatchError, build_cp_step
+    from tests.blockdiag._cp_model import FakeMesh, count_collectives
+
+    ids = torch.tensor([1] * 5 + [2] * 7 + [3] * 1 + [0] * 3)
+    if rank == 1:
+        ids[5] = 1  # document 1 one token longer on this rank only
+    step = build_cp_step(ids, FakeMesh(world, rank, dist.group.WORLD), sharding=sharding, shard_chunk=2)
+    full, _ = _stack(seed=1)
+    x = torch.randn(step.local_len, 32, dtype=torch.float64)
+    try:
+        with count_collectives() as counts:
+            full(x, torch.arange(step.local_len), cp_step=step)
+    except CPMismatchError as exc:
+        return str(exc), dict(counts)
+    return "no error", dict(counts)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("sharding", ["contiguous", "balanced"])
+def test_disagreeing_ranks_raise_before_the_gather(gloo, sharding):
+    results = gloo(_disagreeing_step, 2, sharding, timeout=60)
+    assert all("document layout" in msg for msg, _ in results), results
+    assert len({msg for msg, _ in results}) == 1 and all(counts == {} for _, counts in results)

@@ -181,3 +181,23 @@ def test_errors():
     ids, pos, _ = _row()
     with pytest.raises(ValueError, match="not KV-cache generation"):
         ours(input_ids=ids, position_ids=pos, use_cache=True)
+
+
+def _disagree_worker(rank, world):
+    ours, _ = _models("glm")
+    ids, pos, labels = _row()
+    if rank == 1:  # other document boundaries on this rank only
+        pos = torch.cat([torch.arange(n) for n in (8, 11, 5)])[None]
+    ctx, kwargs, _ = hf.hf_cp_batch({"input_ids": ids, "position_ids": pos, "labels": labels}, dist.group.WORLD)
+    try:
+        with ctx():
+            ours(**kwargs)
+    except Exception as exc:  # the same CPMismatchError on every rank, before the latent KV is gathered
+        return type(exc).__name__, str(exc)
+    return "no error", ""
+
+
+def test_disagreeing_ranks_raise_the_same_error(gloo):
+    results = gloo(_disagree_worker, 2, timeout=180)
+    assert all(kind == "CPMismatchError" for kind, _ in results), results
+    assert len({msg for _, msg in results}) == 1 and "document layout" in results[0][1]

@@ -375,7 +375,12 @@ def _attend_or_dense(q, k_full, v_full, step: CPStep, backend: str, scale, dropo
 
 def check_ranks_agree(step: CPStep, q: torch.Tensor, k: torch.Tensor) -> None:
     """Once per step, before its first size-dependent collective: every rank compares what decides the step's
-    collectives (:mod:`.consensus`); a difference is the same :class:`~.consensus.CPMismatchError` on every rank."""
+    collectives (:mod:`.consensus`); a difference is the same :class:`~.consensus.CPMismatchError` on every rank.
+
+    ``q: [L, Hq, D]`` / ``k: [L, Hkv, D]`` of the first attention that runs on the step (block-diagonal or DSA);
+    later calls on the same step, and one-rank steps, return at once."""
+    if step.world_size == 1 or "ranks_agree" in step.cache:
+        return
     payload = ";".join(
         f"{name}={value}"
         for name, value in (
@@ -415,8 +420,7 @@ def _cp_varlen_attention_impl(q, k, v, step, softmax_scale, dropout_p):
     dropout_p = float(dropout_p)
     backend = step.backend_for(q.dtype, dropout_p)
     deterministic = torch.are_deterministic_algorithms_enabled()
-    if step.world_size > 1 and "ranks_agree" not in step.cache:
-        check_ranks_agree(step, q, k)
+    check_ranks_agree(step, q, k)
     if step.world_size == 1:
         return _attend_or_dense(q, k, v, step, backend, softmax_scale, dropout_p, deterministic)
     path, _ = select_kv_exchange_path(step, backend, q.dtype, dropout_p)

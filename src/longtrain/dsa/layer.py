@@ -533,6 +533,10 @@ class DSAAttention(nn.Module):
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
         k_pe = rope_interleaved(k_pe, cos, sin)
+        if cp_step is not None:  # the ranks agree on the step before its first collective (once per step)
+            from longtrain.blockdiag_cp.runtime import check_ranks_agree
+
+            check_ranks_agree(cp_step, q, latent[:, None, :])
         latent = gather_rows(latent, cp_group, parts.row_order)
         k_pe = gather_rows(k_pe, cp_group, parts.row_order)
 

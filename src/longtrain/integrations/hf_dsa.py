@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from longtrain.blockdiag_cp import current_cp_step
-from longtrain.blockdiag_cp.runtime import check_recompute_outside_context
+from longtrain.blockdiag_cp.runtime import check_ranks_agree, check_recompute_outside_context
 from longtrain.dsa import ops
 from longtrain.dsa.layer import DSAAttention, DSAQueryParts, gather_rows
 from longtrain.dsa.metadata import prepare_dsa_metadata
@@ -162,6 +162,8 @@ def _dsa_forward(self, family, backend, hidden_states, position_embeddings, atte
     q_rot, k_rot = mod.apply_rotary_pos_emb_interleave(q_rot, k_rot.view(batch, 1, seq, rope), cos, sin)
     q_nope = q_pass.transpose(1, 2).reshape(tokens, heads, nope)
     q_pe = q_rot.transpose(1, 2).reshape(tokens, heads, rope)
+    if step is not None:  # the ranks agree on the step before its first collective (once per step)
+        check_ranks_agree(step, q_nope, latent.reshape(tokens, 1, lora))
     latent = gather_rows(latent.reshape(tokens, lora), group, parts.row_order)
     k_pe = gather_rows(k_rot.reshape(tokens, rope), group, parts.row_order)
 
