@@ -47,8 +47,8 @@ def _transformers():
 
 def register() -> str:
     """Register ``"longtrain_blockdiag"`` with transformers' attention and attention-mask interfaces (idempotent);
-    returns the name. The mask function is transformers' own flash-attention one: no mask when there is no
-    padding, else the 2-D padding mask (never a dense ``[B, 1, S, S]`` mask)."""
+    returns the name. The mask function (:func:`blockdiag_attention_mask`) is transformers' flash-attention one: no
+    mask when there is no padding, else the 2-D padding mask (never a dense ``[B, 1, S, S]`` mask)."""
     transformers = _transformers()
     transformers.AttentionInterface.register(ATTN_IMPLEMENTATION, blockdiag_attention_forward)
     transformers.AttentionMaskInterface.register(ATTN_IMPLEMENTATION, blockdiag_attention_mask)
