@@ -107,6 +107,25 @@ def test_shared_layers_reuse_the_previous_top_k(monkeypatch):
     assert len(calls) == 2  # layers 0 and 2 are "full", layer 1 is "shared"
 
 
+def test_indexer_runs_in_the_model_dtype(monkeypatch):
+    """A bf16 model hands the indexer bf16 q and k (fp32 head weights), as Hugging Face's indexer holds them: the
+    fused kernel's fp32 path is far slower (an fp32 copy made a 32K-token row 60x slower on the H200)."""
+    from longtrain.integrations import hf_dsa
+
+    ours, _ = _models("glm")
+    ours.to(torch.bfloat16)
+    ids, pos, _ = _row()
+    seen = []
+    real = hf_dsa.ops.indexer_topk
+    monkeypatch.setattr(
+        hf_dsa.ops,
+        "indexer_topk",
+        lambda q, k, w, *a, **kw: seen.append((q.dtype, k.dtype, w.dtype)) or real(q, k, w, *a, **kw),
+    )
+    ours(input_ids=ids, position_ids=pos)
+    assert seen == [(torch.bfloat16, torch.bfloat16, torch.float32)] * 2
+
+
 def test_no_dense_score_matrix(monkeypatch):
     """Around our ops, no tensor of T x T elements (Hugging Face's dense [B, S, T] indexer scores or its mask) is
     created in the forward: a row of 300 tokens, where every other tensor of the tiny model is far smaller than

@@ -215,8 +215,10 @@ def _indexer(indexer, family, mod, hidden_states, q_resid, cos, sin, parts, cu, 
     index_k = gather_rows(torch.cat([k_rot, k_pass], dim=-1).reshape(tokens, dim), group, parts.row_order)
     weights = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float()
     weights = (weights * (n_heads**-0.5 * indexer.softmax_scale)).reshape(tokens, n_heads)
-    dtype = torch.promote_types(index_q.dtype, torch.float32)
-    index_q, index_k, weights = index_q.to(dtype), index_k.to(dtype), weights.to(dtype)
+    # q and k stay in the model's dtype: HF's indexer multiplies the same bf16 values in fp32, which is what the
+    # kernels' fp32 accumulation does; fp32 copies would only run the fused kernel on its far slower fp32 path.
+    index_k = index_k.to(index_q.dtype)
+    weights = weights.to(torch.promote_types(index_q.dtype, torch.float32))
     topk = [
         ops.indexer_topk(
             index_q[rows], index_k, weights[rows], cu, indexer.index_topk, packed_metadata=meta, backend=backend
