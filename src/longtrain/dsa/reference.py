@@ -21,6 +21,8 @@ __all__ = [
     "eligible_key_mask",
     "indexer_scores",
     "indexer_topk_reference",
+    "selected_rows",
+    "sparse_mla_on_keys",
     "sparse_mla_reference",
 ]
 
@@ -130,14 +132,37 @@ def sparse_mla_reference(
     Returns:
         ``(out [T_q, H, d_v]`` in ``q.dtype``, ``lse [T_q, H]`` float32, or float64 for float64 inputs).
     """
+    rows, valid = selected_rows(topk_indices, kv.shape[0], topk_length)
+    keys = kv[:, 0].to(compute_dtype(q, kv))[rows]  # [T_q, K, D_qk]
+    return sparse_mla_on_keys(q, keys, valid, softmax_scale, d_v=d_v, attn_sink=attn_sink)
+
+
+def selected_rows(
+    topk_indices: torch.Tensor, total_keys: int, topk_length: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows [T_q, K] int64, valid [T_q, K] bool)``: each slot's key row (an unused slot clamped into range) and
+    whether the slot is used (an index in ``[0, total_keys)`` within the row's ``topk_length``)."""
     idx = topk_indices.reshape(topk_indices.shape[0], topk_indices.shape[-1]).to(torch.int64)
-    total_keys = kv.shape[0]
-    dtype = compute_dtype(q, kv)
     valid = (idx >= 0) & (idx < total_keys)
     if topk_length is not None:
         slot = torch.arange(idx.shape[1], device=idx.device)
         valid &= slot[None, :] < topk_length.to(torch.int64)[:, None]
-    keys = kv[:, 0].to(dtype)[idx.clamp(0, total_keys - 1)]  # [T_q, K, D_qk]
+    return idx.clamp(0, total_keys - 1), valid
+
+
+def sparse_mla_on_keys(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    valid: torch.Tensor,
+    softmax_scale: float,
+    *,
+    d_v: int = 512,
+    attn_sink: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sparse_mla_reference` on keys already gathered per slot: ``keys: [T_q, K, D_qk]`` in the compute dtype
+    (float32, or float64), ``valid: [T_q, K] bool`` (:func:`selected_rows`); differentiable in ``q``, ``keys`` and
+    ``attn_sink`` (the gradient of an unused slot's key is exactly 0)."""
+    dtype = keys.dtype
     # An ignored slot contributes nothing, whatever the row it clamps to holds (0 * NaN would be NaN).
     keys = torch.where(valid[..., None], keys, keys.new_zeros(()))
     logits = softmax_scale * torch.einsum("thd,tkd->thk", q.to(dtype), keys)
