@@ -56,6 +56,33 @@ def test_invariants(doc_lens, world, extra_pad, sharding, chunk):
     assert again.pieces == plan.pieces  # deterministic
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(0, 300), min_size=1, max_size=9),
+    st.integers(2, 8),
+    st.integers(0, 40),
+    st.sampled_from([1, 4, 16]),
+)
+def test_rank_pieces_need_exactly_their_passes_keys(doc_lens, world, extra_pad, chunk):
+    """Every rank's needed key positions (what the all-to-all-v delivers) are the sorted, duplicate-free union of the
+    keys its passes read: a document's keys from its start to the end of the rank's last piece of it."""
+    from longtrain.blockdiag_cp.sharding import rank_pieces
+
+    total = sum(doc_lens) + extra_pad
+    pad = extra_pad + (-total) % world
+    if sum(doc_lens) + pad == 0:
+        pad = world
+    plan = plan_cp_shards(doc_lens, world, sharding="balanced", chunk=chunk, pad=pad)
+    if plan.is_contiguous:
+        return
+    for rank in range(world):
+        pieces = rank_pieces(plan, rank, "cpu")
+        for r in range(world):
+            keys = [p.key_pos for p in rank_pieces(plan, r, "cpu").passes]
+            want = torch.unique(torch.cat(keys)) if keys else torch.zeros(0, dtype=torch.int64)
+            assert torch.equal(pieces.needed[r], want), (rank, r)
+
+
 def test_contiguous_is_the_seed_split():
     plan = plan_cp_shards([300, 500, 150], 4, sharding="contiguous", pad=74)
     assert plan.pieces == tuple(((r * 256, (r + 1) * 256),) for r in range(4)) and plan.is_contiguous

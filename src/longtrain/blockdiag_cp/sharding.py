@@ -379,8 +379,13 @@ def rank_pieces(plan: CPShardPlan, rank: int, device: Any) -> RankPieces:
 
     needed = []
     for r in range(plan.world_size):
-        pos = [torch.arange(ds, hi, dtype=torch.int64) for p in passes_of(r) for ds, _, hi in p]
-        needed.append(torch.unique(torch.cat(pos)) if pos else torch.zeros(0, dtype=torch.int64))
+        # Every piece of a document reads the document's keys from its start: the union of a rank's key ranges is
+        # one range per document, [start, end of its last piece), and these are disjoint and ascending.
+        reach: dict[int, int] = {}
+        for ds, _, hi in _segments(plan, r):
+            reach[ds] = max(reach.get(ds, hi), hi)
+        pos = [torch.arange(ds, hi, dtype=torch.int64) for ds, hi in sorted(reach.items())]
+        needed.append(torch.cat(pos) if pos else torch.zeros(0, dtype=torch.int64))
     index = plan.token_index[rank]
     built = []
     for segs in passes_of(rank):
