@@ -7,9 +7,9 @@ U[64, 2048] seed 2) and one long document, at 32K and 128K tokens, and each shar
 - the planner's causal work (same-document query-key pairs of a rank's queries) max/mean over ranks, next to
   per-document head-tail (torch's layout: every document cut into 2W pieces, no minimum piece size);
 - the K/V tokens a rank receives per layer: all-gather ``S - L`` (both modes) versus the all-to-all-v of exactly
-  the needed keys (max over ranks), and the varlen passes per rank;
-- the host time of planning a step (the plan and one rank's passes, as every rank does once per step);
-- on CUDA, each rank's attention (its varlen passes over the gathered keys, the provider ``auto`` picks,
+  the needed keys (max over ranks), and the varlen calls per rank;
+- the host time of planning a step (the plan and one rank's pieces, as every rank does once per step);
+- on CUDA, each rank's attention (its varlen call over the gathered keys, the provider ``auto`` picks,
   Hq=32, Hkv=8, D=128, bf16) timed forward+backward one rank after the other on one GPU, and the busiest rank's
   time over the mean. Without CUDA the timing columns read "n/a (no CUDA)".
 
@@ -71,7 +71,9 @@ def rank_calls(plan, ids: torch.Tensor, rank: int, device) -> list[tuple[torch.T
         keys = torch.arange(meta.s_first, meta.real_end)
         return [(rows, keys, meta.rebased(0, meta.kv_len))]
     pieces = rank_pieces(plan, rank, device)
-    return [(p.q_rows, p.key_pos, p.meta) for p in pieces.passes]
+    if not pieces.passes:
+        return []
+    return [(pieces.q_rows, torch.cat([p.key_pos for p in pieces.passes]), pieces.meta)]
 
 
 def time_ranks(plan, ids: torch.Tensor, backend: str) -> list[float]:
@@ -129,7 +131,7 @@ def run(worlds: list[int], token_counts: list[int], time_tokens: list[int]) -> t
                         "sharding": mode,
                         "work_max_over_mean": plan.imbalance,
                         "head_tail_max_over_mean": _imbalance(head_tail_work(lens, world)),
-                        "passes_max": max(len(c) for c in calls),
+                        "calls_max": max(len(c) for c in calls),
                         "kv_recv_allgather": plan.seq_len - plan.local_len,
                         "kv_recv_a2a_max": max(recv),
                         "plan_ms": plan_ms,
@@ -146,10 +148,10 @@ def run(worlds: list[int], token_counts: list[int], time_tokens: list[int]) -> t
         "Causal work = same-document (query, key) pairs with key <= query of a rank's queries; max/mean = the "
         "busiest rank over the mean (a CP group's step time follows its busiest rank). head-tail = every document "
         "cut into 2W near-equal pieces, rank r taking pieces r and 2W-1-r (torch's per-document layout, no minimum "
-        "piece size). Balanced = plan_cp_shards(sharding='balanced', chunk=128). passes = varlen calls per rank and "
+        "piece size). Balanced = plan_cp_shards(sharding='balanced', chunk=128). calls = varlen calls per rank and "
         "attention layer. kv_recv = K/V tokens a rank receives per layer: all-gather S - L on every rank (both "
         "modes); all-to-all-v the needed keys it does not own (max over ranks). plan_ms = host time of the plan "
-        "and every rank's passes divided by W (each rank builds the plan and its own passes once per step). "
+        "and every rank's pieces divided by W (each rank builds the plan and its own pieces once per step). "
         "Timing (CUDA only): each rank's varlen "
         "calls (forward+backward, over K/V already gathered) one rank after the other on one GPU, median of "
         "triton.testing.do_bench; communication excluded."
@@ -171,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         "tokens", "docs", "W", "sharding",
         ("work_max_over_mean", "causal work max/mean"),
         ("head_tail_max_over_mean", "head-tail max/mean"),
-        ("passes_max", "passes/rank"),
+        ("calls_max", "varlen calls/rank"),
         ("kv_recv_allgather", "K/V recv all-gather"),
         ("kv_recv_a2a_max", "K/V recv a2a (max)"),
         ("plan_ms", "plan ms/step"),

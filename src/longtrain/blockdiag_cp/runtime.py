@@ -485,8 +485,9 @@ def _dense_rows(q, k_full, v_full, step: CPStep, scale, dropout_p):
 def _cp_pieces_attention(q, k, v, step: CPStep, path: str, backend: str, scale, dropout_p, deterministic):
     """A balanced step: this rank's rows are several pieces of the row. K/V travel by all-gather (then the keys of
     every pass are picked from the gathered rows) or by one all-to-all-v of exactly the needed keys ("halo"
-    becomes all-to-all-v); each pass (at most one segment per document) is one varlen call over compacted keys,
-    and the passes' rows are written back to local order. Padding rows are zero. On the all-gather path a provider
+    becomes all-to-all-v); the keys are compacted pass by pass (a pass reads each key row at most once, so the
+    gathers' backward is deterministic) and concatenated, all the rank's segments run as one varlen call, and its
+    rows are written back to local order. Padding rows are zero. On the all-gather path a provider
     that cannot run or raises falls back to the dense mask on this rank alone (no collective depends on it); on
     the all-to-all-v path a failure on any rank is the same ``CPStepError`` on every rank."""
     pieces, group, rank = step.pieces, step.group, step.rank
@@ -507,11 +508,11 @@ def _cp_pieces_attention(q, k, v, step: CPStep, path: str, backend: str, scale, 
         failure = providers.unavailable_reason(backend, q.dtype, q.device, dropout_p=dropout_p)
     if failure is None:
         try:
-            for rp, kidx in zip(pieces.passes, key_index):
-                kp, vp = buf[0].index_select(0, kidx), buf[1].index_select(0, kidx)
-                o = attend(q.index_select(0, rp.q_rows), kp, vp, rp.meta, backend, scale=scale, dropout_p=dropout_p,
-                           deterministic=deterministic)  # fmt: skip
-                out = out.index_copy(0, rp.q_rows, o)
+            if pieces.passes:
+                kvp = torch.cat([buf.index_select(1, kidx) for kidx in key_index], dim=1)  # [2, n_keys, Hkv, D]
+                o = attend(q.index_select(0, pieces.q_rows), kvp[0], kvp[1], pieces.meta, backend, scale=scale,
+                           dropout_p=dropout_p, deterministic=deterministic)  # fmt: skip
+                out = out.index_copy(0, pieces.q_rows, o)
         except reraised_errors():
             raise
         except Exception as exc:

@@ -276,17 +276,18 @@ def _balanced(lens: list[int], pad: int, w: int, local: int, chunk: int) -> list
 
 
 # ----------------------------------------------------------------------------------------------------------
-# attention over a rank's pieces: passes of varlen segments over compacted keys
+# attention over a rank's pieces: one varlen call over compacted keys, gathered in passes
 # ----------------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, eq=False)
 class RankPass:
-    """One varlen call of a rank whose rows are not one range: at most one segment per document.
+    """One group of a rank's segments with at most one segment per document, so that gathering its keys reads
+    every key row at most once (the gather's backward then adds each row once: deterministic).
 
-    ``q_rows``: ``[n] int64`` local rows (device) whose queries the call computes, segment after segment;
+    ``q_rows``: ``[n] int64`` local rows (device) of its segments' queries, segment after segment;
     ``key_pos``: ``[m] int64`` global key positions (host), segment after segment (a segment's keys run from its
-    document's start to its last query); ``meta``: the segmentation over the compacted rows and keys.
+    document's start to its last query); ``meta``: the segmentation of these rows and keys alone.
     """
 
     q_rows: torch.Tensor
@@ -296,17 +297,25 @@ class RankPass:
 
 @dataclass(frozen=True, eq=False)
 class RankPieces:
-    """Everything a rank of a non-contiguous plan needs per attention call, built once per step (host work)."""
+    """Everything a rank of a non-contiguous plan needs per attention call, built once per step (host work).
+
+    The rank's attention is one varlen call: its queries are the local rows ``q_rows`` (every pass's, in pass
+    order), its keys every pass's compacted keys concatenated in the same order, and ``meta`` segments both (two
+    pieces of one document are two segments, each over its own copy of the document's prefix)."""
 
     passes: tuple[RankPass, ...]
     needed: tuple[torch.Tensor, ...]
     """Per rank, ``[n_r] int64`` sorted global key positions its passes read (host)."""
     plan: CPShardPlan
+    q_rows: torch.Tensor
+    """``[n] int64`` local rows of the one call's queries (device): every pass's ``q_rows``, in pass order."""
+    meta: Any
+    """The one call's :class:`~longtrain.blockdiag_cp.meta.VarlenMeta`: every pass's segments, in pass order."""
     cache: dict = field(default_factory=dict, repr=False)
 
     @property
     def n_real(self) -> int:
-        return sum(p.meta.n_real for p in self.passes)
+        return self.meta.n_real
 
     def key_index(self, kind: str, buffer_pos: torch.Tensor, device: Any) -> tuple[torch.Tensor, ...]:
         """Per pass, the indices of its keys in a K/V buffer whose row ``i`` holds global position
@@ -387,11 +396,14 @@ def rank_pieces(plan: CPShardPlan, rank: int, device: Any) -> RankPieces:
         pos = [torch.arange(ds, hi, dtype=torch.int64) for ds, hi in sorted(reach.items())]
         needed.append(torch.cat(pos) if pos else torch.zeros(0, dtype=torch.int64))
     index = plan.token_index[rank]
-    built = []
+    built, all_segs = [], []
     for segs in passes_of(rank):
         q_pos = torch.cat([torch.arange(lo, hi, dtype=torch.int64) for _, lo, hi in segs])
         key_pos = torch.cat([torch.arange(ds, hi, dtype=torch.int64) for ds, _, hi in segs])
         rows = torch.searchsorted(index, q_pos)
         meta = meta_from_segments([hi - lo for _, lo, hi in segs], [hi - ds for ds, _, hi in segs], device)
         built.append(RankPass(rows.to(device), key_pos, meta))
-    return RankPieces(tuple(built), tuple(needed), plan)
+        all_segs += segs
+    q_rows = torch.cat([p.q_rows for p in built]) if built else torch.zeros(0, dtype=torch.int64, device=device)
+    meta = meta_from_segments([hi - lo for _, lo, hi in all_segs], [hi - ds for ds, _, hi in all_segs], device)
+    return RankPieces(tuple(built), tuple(needed), plan, q_rows, meta)

@@ -21,7 +21,7 @@ import torch.distributed
 
 from . import state
 from .exchange import GroupRef
-from .meta import VarlenMeta, check_packed_layout, empty_meta, resolve_device, segment_rank
+from .meta import VarlenMeta, check_packed_layout, resolve_device, segment_rank
 from .sharding import plan_cp_shards, rank_pieces
 
 __all__ = ["CPStep", "ExchangePlan", "build_cp_step", "packed_runs", "resolve_cp_group"]
@@ -209,7 +209,8 @@ class CPStep:
     pieces: Any = None
     """``None`` when this rank owns the contiguous rows ``[row_offset, row_offset + local_len)``; else its
     :class:`~longtrain.blockdiag_cp.sharding.RankPieces` (``sharding="balanced"``): the varlen passes over its
-    pieces and every rank's needed keys. ``row_offset`` is then -1 and ``varlen_meta`` the first pass's."""
+    pieces and every rank's needed keys. ``row_offset`` is then -1 and ``varlen_meta`` the segmentation of
+    the rank's one varlen call over its compacted keys (``RankPieces.meta``)."""
     token_index: torch.Tensor | None = None
     """``[L] int64`` global positions of this rank's rows on the compute device (ascending)."""
     cache: dict = field(default_factory=dict, repr=False)
@@ -330,7 +331,7 @@ def build_cp_step(
         row_offset = rank * local_len
     else:
         pieces = rank_pieces(shard_plan, rank, dev)
-        meta = pieces.passes[0].meta if pieces.passes else empty_meta()
+        meta = pieces.meta
         plan, row_offset = None, -1
         token_index = shard_plan.token_index[rank].to(dev)
     runs = runs_cpu.to(dev)
