@@ -27,6 +27,19 @@ LAYOUTS = {
 }
 
 
+def _balanced_rank_segments() -> tuple[list[int], list[int]]:
+    """The one varlen call of rank 1 of a balanced plan (documents 3000, 700, 5000, 300; W = 4): pieces of one
+    document twice (head and tail), each over its own copy of the document's prefix."""
+    from longtrain.blockdiag_cp import plan_cp_shards
+    from longtrain.blockdiag_cp.sharding import rank_pieces
+
+    meta = rank_pieces(plan_cp_shards([3000, 700, 5000, 300], 4), 1, "cpu").meta
+    return list(meta.seg_q), list(meta.seg_k)
+
+
+LAYOUTS["balanced_rank"] = _balanced_rank_segments()
+
+
 @pytest.fixture(autouse=True)
 def _route(request, monkeypatch):
     backend = request.node.callspec.params.get("backend", "") if hasattr(request.node, "callspec") else ""
