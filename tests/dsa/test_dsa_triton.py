@@ -289,6 +289,11 @@ def test_indexer_clips_windows_and_validates(triton_interpret):
     lengths = torch.tensor([3, 9, 2, 0], dtype=torch.int32)  # row 1 runs past T_k, row 2 starts before 0
     out = indexer_topk_triton(q, k, w, starts, lengths, 4, config=_ICFG)
     assert out.tolist() == [[0, 1, 2, -1], [4, 5, -1, -1], [-1] * 4, [-1] * 4]
+    # int64 windows, one starting past T_k and one far past it: empty, like a window before 0.
+    starts64 = torch.tensor([0, 6, 2**40, 5], dtype=torch.int64)
+    lengths64 = torch.tensor([3, 2, 1, 2**40], dtype=torch.int64)
+    out = indexer_topk_triton(q, k, w, starts64, lengths64, 4, config=_ICFG)
+    assert out.tolist() == [[0, 1, 2, -1], [-1] * 4, [-1] * 4, [5, -1, -1, -1]]
     with pytest.raises(ValueError, match="index_topk"):
         indexer_topk_triton(q, k, w, starts, lengths, 4096)
     with pytest.raises(ValueError, match="head_weights"):

@@ -43,6 +43,17 @@ __all__ = [
 MAX_TOPK = 2048
 
 
+@triton.jit
+def _clip_window(st, ln, T_k):
+    """A row's key window clipped to the key rows that exist (a window starting before 0 or past ``T_k`` is empty,
+    one running past ``T_k`` ends there): what keeps a forged window from reading or emitting out of range."""
+    st = st.to(tl.int64)
+    ln = ln.to(tl.int64)
+    ln = tl.where(st < 0, 0, tl.maximum(tl.minimum(ln, T_k - st), 0))
+    st = tl.minimum(tl.maximum(st, 0), tl.maximum(T_k - 1, 0))
+    return st.to(tl.int32), ln.to(tl.int32)
+
+
 @triton.jit(do_not_specialize=["row_begin", "row_end", "T_k", "topk", "scratch_stride"])
 def indexer_topk_fwd_kernel_scores(
     q_ptr, k_ptr, w_ptr, starts_ptr, lens_ptr, scratch_ptr,
@@ -59,6 +70,7 @@ def indexer_topk_fwd_kernel_scores(
     row_ok = rows < row_end
     st = tl.load(starts_ptr + rows, mask=row_ok, other=0)  # [BLOCK_M]
     ln = tl.load(lens_ptr + rows, mask=row_ok, other=0)  # [BLOCK_M]
+    st, ln = _clip_window(st, ln, T_k)
     # Only rows with more eligible keys than K need scores.
     need = row_ok & (ln > topk)
     k_lo = kb * BLOCK_N
@@ -94,13 +106,14 @@ def indexer_topk_fwd_kernel_scores(
         tl.store(out_rows + cols, key, mask=eligible)  # [BLOCK_M, BLOCK_N]
 
 
-@triton.jit(do_not_specialize=["row_begin", "topk", "scratch_stride"])
+@triton.jit(do_not_specialize=["row_begin", "T_k", "topk", "scratch_stride"])
 def indexer_topk_fwd_kernel_select(
-    scratch_ptr, starts_ptr, lens_ptr, out_ptr, row_begin, topk, scratch_stride, BLOCK: tl.constexpr,
+    scratch_ptr, starts_ptr, lens_ptr, out_ptr, row_begin, T_k, topk, scratch_stride, BLOCK: tl.constexpr,
 ):  # fmt: skip
     r = row_begin + tl.program_id(0)
     st = tl.load(starts_ptr + r)  # scalar
-    ln = tl.maximum(tl.load(lens_ptr + r), 0)  # scalar
+    ln = tl.load(lens_ptr + r)  # scalar
+    st, ln = _clip_window(st, ln, T_k)
     out_row = out_ptr + r.to(tl.int64) * topk
     offs = tl.arange(0, BLOCK)
     if ln <= topk:
@@ -186,7 +199,7 @@ def indexer_topk_fwd(
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )  # fmt: skip
         indexer_topk_fwd_kernel_select[(row1 - row0,)](
-            scratch, starts, causal_lengths, out, row0, index_topk, scratch.stride(0),
+            scratch, starts, causal_lengths, out, row0, num_keys, index_topk, scratch.stride(0),
             BLOCK=cfg.select_block, num_warps=cfg.select_warps,
         )  # fmt: skip
     return out
@@ -273,21 +286,19 @@ def indexer_topk_triton_unchecked(
 ) -> torch.Tensor:
     """:func:`indexer_topk_triton` without its checks, for callers that validated the call already (the public op).
 
-    Takes what :func:`indexer_topk_triton` documents, with ``index_k: [T_k, D_I]``. The windows are still clipped to
-    the key rows that exist: that is what keeps a forged window from reading or emitting past ``T_k``.
+    Takes what :func:`indexer_topk_triton` documents, with ``index_k: [T_k, D_I]``. The kernels still clip the windows
+    to the key rows that exist: that is what keeps a forged window from reading or emitting past ``T_k``.
     """
     if config is None:
         config = _INTERPRETER_CONFIG if interpreting() else _DEFAULT_CONFIG
-    num_keys = index_k.shape[0]
-    starts64 = starts.to(torch.int64)
-    lengths = torch.minimum(causal_lengths.to(torch.int64), num_keys - starts64).clamp_min(0)
-    lengths = torch.where(starts64 < 0, 0, lengths)
+    # The kernels clip every window to the key rows that exist themselves (no per-call tensor ops here: each is a
+    # launch on the host's critical path).
     return indexer_topk_fwd(
         index_q.contiguous(),
         index_k.contiguous(),
         head_weights.to(torch.float32).contiguous(),
-        starts64.clamp(0, max(num_keys - 1, 0)).to(torch.int32).contiguous(),
-        lengths.to(torch.int32).contiguous(),
+        starts.contiguous(),
+        causal_lengths.contiguous(),
         index_topk,
         config,
     )
