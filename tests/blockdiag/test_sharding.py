@@ -83,6 +83,60 @@ def test_rank_pieces_need_exactly_their_passes_keys(doc_lens, world, extra_pad, 
             assert torch.equal(pieces.needed[r], want), (rank, r)
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.integers(1, 200), min_size=1, max_size=6),
+    st.integers(2, 8),
+    st.integers(0, 20),
+    st.sampled_from([1, 8, 32]),
+)
+def test_a_balanced_ranks_one_call_equals_attention_over_the_row(doc_lens, world, extra_pad, chunk):
+    """A rank's one varlen call (its rows, its passes' compacted keys concatenated, ``RankPieces.meta``) on the
+    reference provider equals block-diagonal causal attention over the whole row at the rank's positions (float64),
+    forward and the gradients of q and of the whole row's k and v."""
+    from longtrain.blockdiag_cp import runtime
+    from longtrain.blockdiag_cp.sharding import rank_pieces
+
+    total = sum(doc_lens) + extra_pad
+    pad = extra_pad + (-total) % world
+    plan = plan_cp_shards(doc_lens, world, sharding="balanced", chunk=chunk, pad=pad)
+    if plan.is_contiguous:
+        return
+    seq = plan.seq_len
+    ids = torch.cat(
+        [torch.full((n,), d + 1) for d, n in enumerate(doc_lens)] + [torch.zeros(plan.pad, dtype=torch.long)]
+    )
+    gen = torch.Generator().manual_seed(len(doc_lens) * 31 + world)
+    q_row = torch.randn(seq, 4, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+    k_row = torch.randn(seq, 2, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+    v_row = torch.randn(seq, 2, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+    pos = torch.arange(seq)
+    allow = (ids[:, None] == ids[None, :]) & (ids[:, None] > 0) & (pos[None, :] <= pos[:, None])
+    scores = torch.einsum("qhd,khd->hqk", q_row, k_row.repeat_interleave(2, dim=1)) * 8**-0.5
+    probs = torch.softmax(scores.masked_fill(~allow, float("-inf")), -1).nan_to_num(0.0)
+    want_row = torch.einsum("hqk,khd->qhd", probs, v_row.repeat_interleave(2, dim=1))
+    for rank in range(world):
+        pieces = rank_pieces(plan, rank, "cpu")
+        index = plan.token_index[rank]
+        q = q_row[index]
+        kv = torch.stack([k_row, v_row])[:, plan.permutation]  # the all-gathered buffer: rows in plan order
+        key_index = pieces.key_index("allgather", plan.permutation, "cpu")
+        out = torch.zeros(index.numel(), 4, 8, dtype=torch.float64)
+        if pieces.passes:
+            kvp = torch.cat([kv.index_select(1, kidx) for kidx in key_index], dim=1)
+            got = runtime.attend(q.index_select(0, pieces.q_rows), kvp[0], kvp[1], pieces.meta, "reference")
+            out = out.index_copy(0, pieces.q_rows, got)
+        want = want_row[index]
+        torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+        if not pieces.passes:  # a padding-only rank: nothing to differentiate
+            continue
+        dout = torch.randn(out.shape, dtype=torch.float64, generator=gen)
+        got_g = torch.autograd.grad(out, (q_row, k_row, v_row), dout, allow_unused=True, materialize_grads=True)
+        want_g = torch.autograd.grad(want, (q_row, k_row, v_row), dout, retain_graph=True, materialize_grads=True)
+        for name, a, b in zip(("dq", "dk", "dv"), got_g, want_g):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
+
+
 def test_contiguous_is_the_seed_split():
     plan = plan_cp_shards([300, 500, 150], 4, sharding="contiguous", pad=74)
     assert plan.pieces == tuple(((r * 256, (r + 1) * 256),) for r in range(4)) and plan.is_contiguous
