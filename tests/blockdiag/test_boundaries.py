@@ -17,6 +17,15 @@ POS = [0, 1, 2, 0, 1, 0, 1, 2, 3, 4]
 CU = [0, 3, 5, 8]
 
 
+# Three documents; the second opens with a 2x2-patch image (temporal 0 four times), then one text token.
+MROPE_TEXT = [0, 1, 2, 0, 1, 2, 3, 4, 0, 1]
+MROPE_THW = [
+    [0, 1, 2, 0, 0, 0, 0, 2, 0, 1],  # temporal
+    [0, 1, 2, 0, 0, 1, 1, 2, 0, 1],  # height
+    [0, 1, 2, 0, 1, 0, 1, 2, 0, 1],  # width
+]
+
+
 def _ids(batch: dict) -> list[int]:
     return batch_mod._cp_blockdiag_doc_ids(batch, len(IDS), torch.device("cpu"), 1)[0].tolist()
 
@@ -34,6 +43,12 @@ def _mask(ids=IDS):
         ({"position_ids": torch.tensor([POS]), "attention_mask": _mask()}, IDS),
         ({"position_ids": torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 0, 1]])}, [1, 1, 1, 2, 2, 3, 3, 3, 4, 4]),
         ({"position_ids": torch.stack([torch.tensor([POS])] * 3), "attention_mask": _mask()}, IDS),  # mRoPE
+        # transformers' packed mRoPE layout: text positions first, then temporal/height/width (an image of 2x2
+        # patches opens the second document: temporal 0 four times)
+        (
+            {"position_ids": torch.tensor([[MROPE_TEXT], *([p] for p in MROPE_THW)])},
+            [1, 1, 1, 2, 2, 2, 2, 2, 3, 3],
+        ),
         ({"position_ids": torch.arange(10)[None], "attention_mask": _mask()}, [1] * 8 + [0, 0]),  # no restart
         ({"attention_mask": _mask()}, [1] * 8 + [0, 0]),
         ({"attention_mask": torch.tensor([IDS])}, IDS),  # an id-valued 2-D mask
@@ -62,6 +77,7 @@ def _mask(ids=IDS):
         "position_ids+mask",
         "position_ids_only",
         "mrope",
+        "mrope_text_plane_first",
         "positions_no_restart",
         "mask_01",
         "mask_ids",
@@ -149,3 +165,23 @@ def test_every_source_gives_the_same_documents(lengths, pad):
     both = {"_packed_seq_ids": torch.tensor([ids]), "cu_seq_lens_q": torch.tensor(cu), "position_ids":
             torch.tensor([pos]), "attention_mask": mask}  # fmt: skip
     assert f(both, s, "cpu", 1).tolist() == want
+
+
+def test_three_plane_mrope_with_vision_at_a_document_start_is_refused():
+    """Without the text plane, a document that opens with vision tokens repeats temporal position 0 while the spatial
+    planes move: a restart of the first plane would make every patch a document, so it is a clear error."""
+    with pytest.raises(ValueError, match=r"temporal plane is 0 again.*\[4, B, S\]"):
+        _ids({"position_ids": torch.tensor([[p] for p in MROPE_THW])})
+    # the same planes with a one-token text document before each restart are fine: equal planes never move
+    assert _ids({"position_ids": torch.tensor([[[0, 0, 1, 0, 1, 2, 0, 1, 2, 3]]] * 3)}) == [
+        1,
+        2,
+        2,
+        3,
+        3,
+        3,
+        4,
+        4,
+        4,
+        4,
+    ]
