@@ -49,6 +49,9 @@ def _mask(ids=IDS):
             {"position_ids": torch.tensor([[MROPE_TEXT], *([p] for p in MROPE_THW)])},
             [1, 1, 1, 2, 2, 2, 2, 2, 3, 3],
         ),
+        # a jump starts a document as a restart does (Hugging Face's rule: the position does not grow by 1)
+        ({"position_ids": torch.tensor([[0, 1, 2, 7, 8, 9, 0, 1, 5, 6]])}, [1, 1, 1, 2, 2, 2, 3, 3, 4, 4]),
+        ({"position_ids": torch.tensor([[1, 2, 3, 1, 2, 1, 2, 3, 4, 5]])}, [1, 1, 1, 2, 2, 3, 3, 3, 3, 3]),
         ({"position_ids": torch.arange(10)[None], "attention_mask": _mask()}, [1] * 8 + [0, 0]),  # no restart
         ({"attention_mask": _mask()}, [1] * 8 + [0, 0]),
         ({"attention_mask": torch.tensor([IDS])}, IDS),  # an id-valued 2-D mask
@@ -78,6 +81,8 @@ def _mask(ids=IDS):
         "position_ids_only",
         "mrope",
         "mrope_text_plane_first",
+        "positions_jump",
+        "positions_from_one",
         "positions_no_restart",
         "mask_01",
         "mask_ids",
@@ -185,3 +190,25 @@ def test_three_plane_mrope_with_vision_at_a_document_start_is_refused():
         4,
         4,
     ]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(-3, 12), min_size=1, max_size=24), st.integers(1, 3))
+def test_every_reader_of_position_ids_finds_the_same_documents(positions, batch_size):
+    """The batch builder, the Hugging Face attention's ``packed_doc_ids`` and torchtitan's ``varlen_masks`` read
+    position ids with one rule (``longtrain.packing.doc_starts_from_positions``): the same documents, any ids."""
+    from longtrain.integrations.hf_blockdiag import packed_doc_ids
+    from longtrain.integrations.torchtitan import varlen_masks
+
+    pos = torch.tensor([positions] * batch_size)
+    seq = pos.shape[1]
+    builder = batch_mod._ids_from_positions(pos, seq, batch_size)
+    hf_ids = packed_doc_ids(batch_size, seq, position_ids=pos)
+    cu = varlen_masks(pos).cu_seq_q.tolist()
+    titan = torch.zeros(batch_size * seq, dtype=torch.int64)
+    for d, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        titan[a:b] = d
+    for r in range(batch_size):
+        starts = [bool(i == 0 or builder[r, i] != builder[r, i - 1]) for i in range(seq)]
+        assert starts == [bool(i == 0 or hf_ids[r, i] != hf_ids[r, i - 1]) for i in range(seq)]
+        assert starts == [bool(i == 0 or titan[r * seq + i] != titan[r * seq + i - 1]) for i in range(seq)]

@@ -15,6 +15,8 @@ import torch
 import torch.distributed
 import torch.utils.checkpoint
 
+from longtrain.packing import doc_starts_from_positions
+
 from . import state
 from .runtime import maybe_disable_dynamo
 from .step import CPStep, build_cp_step, resolve_cp_group
@@ -135,29 +137,8 @@ def _ids_from_offsets(cu: torch.Tensor, seq_len: int, batch_size: int, key: str)
 
 
 def _ids_from_positions(pos: torch.Tensor, seq_len: int, batch_size: int) -> torch.Tensor:
-    if pos.dim() == 3 and pos.shape[0] == 3:
-        _check_mrope_starts(pos)
-    plane = pos[0] if pos.dim() == 3 else pos  # mRoPE [3|4, B, S]: documents restart in the first plane
-    plane = plane.reshape(-1, plane.shape[-1]) if plane.dim() == 2 else plane.reshape(1, -1)
-    starts = plane == 0
-    starts[:, 0] = True
+    starts = doc_starts_from_positions(pos)
     return torch.cumsum(starts.to(torch.int64), dim=-1)
-
-
-def _check_mrope_starts(pos: torch.Tensor) -> None:
-    """Refuse 3-plane mRoPE positions ``[3, B, S]`` (temporal, height, width) whose temporal plane stays 0 while the
-    spatial planes move: vision tokens at the very start of a document, where a restart of the first plane cannot
-    tell one document from the next patch (each patch would become a document of its own)."""
-    t, hw = pos[0], pos[1:]
-    repeat = (t[..., 1:] == 0) & (t[..., :-1] == 0) & (hw[..., 1:] != hw[..., :-1]).any(0)
-    if bool(repeat.any()):
-        b, i = (int(x) for x in repeat.nonzero()[0])
-        raise ValueError(
-            f"mRoPE position_ids [3, B, S]: at row {b}, position {i + 1} the temporal plane is 0 again while the "
-            "spatial planes move (vision tokens at the start of a document), so restarts of the first plane do not "
-            "mark documents there. Prepend the text positions as a first plane ([4, B, S], transformers' packed "
-            "layout), or pass _packed_seq_ids or cu_seq_lens_q"
-        )
 
 
 def _boundary_sources(batch: dict, seq_len: int, batch_size: int) -> list[_Source]:

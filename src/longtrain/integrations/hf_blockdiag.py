@@ -12,6 +12,7 @@ import torch
 
 from longtrain.blockdiag_cp import current_cp_step, varlen_attention
 from longtrain.blockdiag_cp.runtime import check_recompute_outside_context, cp_blockdiag_sdpa
+from longtrain.packing import doc_starts_from_positions
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -91,9 +92,9 @@ def packed_doc_ids(
     """Document ids ``[B, S] int64`` (0 == padding, documents numbered from 1 across the batch).
 
     Documents: ``cu_seq_lens`` (flash-attention offsets over the flattened batch) when given; else
-    ``position_ids`` (``[B, S]``, or mRoPE ``[3|4, B, S]``: the first plane), a new document wherever the position
-    does not grow by exactly 1 (Hugging Face's packed-sequence rule; ``DataCollatorWithFlattening`` restarts each
-    document at 0); else one document per row. Padding: the zeros of a 2-D ``attention_mask``, in any place.
+    ``position_ids`` (``[B, S]`` or mRoPE ``[3|4, B, S]``; :func:`longtrain.packing.doc_starts_from_positions`: a
+    new document wherever the text position does not grow by exactly 1, Hugging Face's packed-sequence rule); else
+    one document per row. Padding: the zeros of a 2-D ``attention_mask``, in any place.
     """
     dev = torch.device(device) if device is not None else None
     if cu_seq_lens is not None:
@@ -108,15 +109,10 @@ def packed_doc_ids(
         ids = torch.repeat_interleave(torch.arange(1, lengths.numel() + 1), lengths).view(batch_size, seq_len)
         ids = ids.to(dev or cu_seq_lens.device)
     elif position_ids is not None:
-        pos = position_ids[0] if position_ids.dim() == 3 else position_ids
-        if pos.dim() == 1:
-            pos = pos[None]
-        if pos.shape[-1] != seq_len:
-            raise ValueError(f"position_ids cover {pos.shape[-1]} positions, the batch has {seq_len}")
-        pos = pos.expand(batch_size, seq_len)
-        starts = torch.ones_like(pos, dtype=torch.bool)
-        starts[:, 1:] = pos[:, 1:] - pos[:, :-1] != 1
-        ids = torch.cumsum(starts.flatten(), 0).view(batch_size, seq_len).to(dev or pos.device)
+        if position_ids.shape[-1] != seq_len:
+            raise ValueError(f"position_ids cover {position_ids.shape[-1]} positions, the batch has {seq_len}")
+        starts = doc_starts_from_positions(position_ids).expand(batch_size, seq_len)
+        ids = torch.cumsum(starts.flatten(), 0).view(batch_size, seq_len).to(dev or position_ids.device)
     else:
         ids = torch.arange(1, batch_size + 1, device=dev)[:, None].expand(batch_size, seq_len).contiguous()
     if attention_mask is not None:

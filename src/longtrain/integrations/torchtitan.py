@@ -33,6 +33,7 @@ from longtrain.blockdiag_cp import (
     varlen_attention,
 )
 from longtrain.blockdiag_cp.runtime import check_recompute_outside_context
+from longtrain.packing import doc_starts_from_positions
 
 from .fsdp import set_fsdp_gradient_divide_factor
 
@@ -54,12 +55,12 @@ class VarlenOffsets(NamedTuple):
 
 def varlen_masks(positions: torch.Tensor) -> VarlenOffsets:
     """``positions [B, L]`` restarting at 0 per document (torchtitan's packed convention) -> the offsets
-    :class:`BlockdiagAttention` reads outside a CP step. Every row starts a document at its first token."""
+    :class:`BlockdiagAttention` reads outside a CP step. A document starts wherever the position does not grow by
+    exactly 1 (:func:`longtrain.packing.doc_starts_from_positions`), and at every row's first token."""
     if not isinstance(positions, torch.Tensor) or positions.dim() != 2:
         raise ValueError(f"positions must be a [B, L] tensor, got {getattr(positions, 'shape', type(positions))}")
     batch, length = positions.shape
-    starts = positions == 0
-    starts[:, 0] = True
+    starts = doc_starts_from_positions(positions)
     flat = starts.flatten().nonzero().flatten()
     cu = torch.cat([flat, flat.new_tensor([batch * length])]).to(torch.int32)
     longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
