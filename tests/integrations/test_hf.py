@@ -94,6 +94,22 @@ def test_one_process_equals_per_document(source):
     _check_grads(ours, ref_grads)
 
 
+def test_a_position_jump_is_a_document_at_every_world_size():
+    """A padded row whose second document's positions start at 5, not 0: Hugging Face's rule (and ours at cp = 1)
+    makes it a document, and so does the step ``hf_cp_batch`` builds (it used to take only restarts at 0 there)."""
+    ours, ref = _models()
+    ids, pos, real, labels = _row()
+    pos = pos.clone()
+    pos[0, LENS[0] : LENS[0] + LENS[1]] += 5
+    ref_logits, _, _ = _per_document(ref, ids, labels)
+    plain = ours(input_ids=ids, position_ids=pos, attention_mask=real).logits.detach()
+    _close(plain[:, : sum(LENS)], ref_logits, "cp = 1")
+    ctx, kwargs, _ = hf.hf_cp_batch({"input_ids": ids, "position_ids": pos, "attention_mask": real}, None)
+    with ctx():
+        stepped = ours(**kwargs).logits.detach()
+    _close(stepped[:, : sum(LENS)], ref_logits, "hf_cp_batch step")
+
+
 def test_rows_with_padding_equal_hugging_face():
     """Two rows, left and right padding, no packing: Hugging Face's own masked result per row."""
     ours, ref = _models()
