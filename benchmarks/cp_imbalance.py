@@ -2,7 +2,8 @@
 
 For W in {2, 4, 8}, the document layouts of ``blockdiag_attention.py`` (documents U[512, 8192] seed 1 and
 U[64, 2048] seed 2) and one long document, at 32K and 128K tokens, and each sharding mode of
-:func:`longtrain.blockdiag_cp.plan_cp_shards` (``contiguous``: the seed's split; ``balanced``, chunk 128):
+:func:`longtrain.blockdiag_cp.plan_cp_shards` (``contiguous``: the seed's split; ``balanced`` with each
+``--chunks`` value, default 128):
 
 - the planner's causal work (same-document query-key pairs of a rank's queries) max/mean over ranks, next to
   per-document head-tail (torch's layout: every document cut into 2W pieces, no minimum piece size);
@@ -40,7 +41,6 @@ from longtrain.blockdiag_cp.sharding import rank_pieces  # noqa: E402
 from longtrain.packing import doc_lengths, ids_from_lengths  # noqa: E402
 
 NO_CUDA = "n/a (no CUDA)"
-MODES = ("contiguous", "balanced")
 
 
 def head_tail_work(lens: list[int], world: int) -> list[int]:
@@ -106,7 +106,9 @@ def time_ranks(plan, ids: torch.Tensor, backend: str) -> list[float]:
     return times
 
 
-def run(worlds: list[int], token_counts: list[int], time_tokens: list[int]) -> tuple[list[dict], str]:
+def run(
+    worlds: list[int], token_counts: list[int], time_tokens: list[int], chunks: tuple[int, ...] = (128,)
+) -> tuple[list[dict], str]:
     cuda = torch.cuda.is_available()
     backend = resolve_backend("auto", torch.bfloat16, "cuda") if cuda else None
     rows = []
@@ -117,9 +119,10 @@ def run(worlds: list[int], token_counts: list[int], time_tokens: list[int]) -> t
             for world in worlds:
                 pad = (-tokens) % (2 * world)
                 ids = ids_from_lengths(lens, pad)
-                for mode in MODES:
+                for mode, chunk in [("contiguous", None)] + [("balanced", c) for c in chunks]:
                     t0 = time.perf_counter()
-                    plan = plan_cp_shards(lens, world, sharding=mode, pad=pad)
+                    extra = {} if chunk is None else {"chunk": chunk}
+                    plan = plan_cp_shards(lens, world, sharding=mode, pad=pad, **extra)
                     calls = [rank_calls(plan, ids, r, "cpu") for r in range(world)]
                     plan_ms = (time.perf_counter() - t0) * 1e3 / world  # (the plan + every rank's passes) / W
                     owned = [set(t.tolist()) for t in plan.token_index]
@@ -129,6 +132,7 @@ def run(worlds: list[int], token_counts: list[int], time_tokens: list[int]) -> t
                         "docs": f"{name} ({len(lens)} docs)",
                         "W": world,
                         "sharding": mode,
+                        "chunk": "-" if chunk is None else chunk,
                         "work_max_over_mean": plan.imbalance,
                         "head_tail_max_over_mean": _imbalance(head_tail_work(lens, world)),
                         "calls_max": max(len(c) for c in calls),
@@ -148,9 +152,9 @@ def run(worlds: list[int], token_counts: list[int], time_tokens: list[int]) -> t
         "Causal work = same-document (query, key) pairs with key <= query of a rank's queries; max/mean = the "
         "busiest rank over the mean (a CP group's step time follows its busiest rank). head-tail = every document "
         "cut into 2W near-equal pieces, rank r taking pieces r and 2W-1-r (torch's per-document layout, no minimum "
-        "piece size). Balanced = plan_cp_shards(sharding='balanced', chunk=128). calls = varlen calls per rank and "
-        "attention layer. kv_recv = K/V tokens a rank receives per layer: all-gather S - L on every rank (both "
-        "modes); all-to-all-v the needed keys it does not own (max over ranks). plan_ms = host time of the plan "
+        "piece size). Balanced = plan_cp_shards(sharding='balanced', chunk=C), C per row. calls = varlen calls per "
+        "rank and attention layer. kv_recv = K/V tokens a rank receives per layer: all-gather S - L on every rank "
+        "(both modes); all-to-all-v the needed keys it does not own (max over ranks). plan_ms = host time of the plan "
         "and every rank's pieces divided by W (each rank builds the plan and its own pieces once per step). "
         "Timing (CUDA only): each rank's varlen "
         "calls (forward+backward, over K/V already gathered) one rank after the other on one GPU, median of "
@@ -166,11 +170,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-tokens", type=int, nargs="*", default=[32768], help="token counts to time on CUDA")
     parser.add_argument("--out-dir", default=None)
     parser.add_argument("--name", default="cp_imbalance")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[128], help="balanced plans' smallest piece(s)")
     args = parser.parse_args(argv)
     header = machine_header()
-    rows, notes = run(args.worlds, args.tokens, args.time_tokens)
+    rows, notes = run(args.worlds, args.tokens, args.time_tokens, tuple(args.chunks))
     columns = [
-        "tokens", "docs", "W", "sharding",
+        "tokens", "docs", "W", "sharding", "chunk",
         ("work_max_over_mean", "causal work max/mean"),
         ("head_tail_max_over_mean", "head-tail max/mean"),
         ("calls_max", "varlen calls/rank"),

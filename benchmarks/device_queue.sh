@@ -21,7 +21,8 @@ run() {  # run NAME SECONDS CMD...: one bounded step, its log under $Q
   timeout "$limit" bash benchmarks/device.sh python "$@" > "$Q/$name.log" 2>&1
   echo "$name: exit $? after $(since)"
 }
-run cp_imbalance 120 benchmarks/cp_imbalance.py --tokens 32768 131072 --time-tokens 32768 --out-dir "$Q"
+run cp_imbalance 120 benchmarks/cp_imbalance.py --worlds 4 8 --tokens 32768 131072 --time-tokens 32768 \
+  --chunks 128 256 512 --out-dir "$Q"
 run dsa_overhead 45 benchmarks/dsa_overhead.py --out-dir "$Q"
 run demo_profile 100 benchmarks/demo_profile.py --out "$Q/demo_plain_profile.txt" -- --preset h200-32k \
   --seq-len 4096 --steps 2 --attn-backend dense --dsa-backend torch --no-prewarm --no-parity --out /tmp/demo_prof

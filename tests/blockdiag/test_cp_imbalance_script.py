@@ -1,0 +1,36 @@
+"""``benchmarks/cp_imbalance.py`` on CPU: a contiguous row and one balanced row per ``--chunks`` value for every
+layout and world size, one varlen call per rank, the planner's work ratio and the exchange sizes; no timing."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def test_rows_per_layout_world_and_chunk(tmp_path):
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location("_bench_cp_imbalance", BENCH / "cp_imbalance.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH))
+    argv = ["--worlds", "2", "4", "--tokens", "8192", "--chunks", "128", "512", "--out-dir", str(tmp_path)]
+    assert module.main(argv) == 0
+    (report,) = tmp_path.glob("cp_imbalance_*.json")
+    rows = json.loads(report.read_text())["rows"]
+    assert len(rows) == 3 * 2 * 3  # layouts x worlds x (contiguous + two chunks)
+    assert [(r["sharding"], r["chunk"]) for r in rows[:3]] == [
+        ("contiguous", "-"),
+        ("balanced", 128),
+        ("balanced", 512),
+    ]
+    for r in rows:
+        assert r["calls_max"] <= 1 and r["work_max_over_mean"] >= 1.0
+        assert r["kv_recv_a2a_max"] <= r["kv_recv_allgather"] == 8192 - 8192 // r["W"]
+    one_doc_w4 = [r for r in rows if r["docs"].startswith("one document") and r["W"] == 4]
+    assert one_doc_w4[0]["work_max_over_mean"] > 1.5 and one_doc_w4[1]["work_max_over_mean"] < 1.01
