@@ -110,6 +110,32 @@ def test_a_position_jump_is_a_document_at_every_world_size():
     _close(stepped[:, : sum(LENS)], ref_logits, "hf_cp_batch step")
 
 
+def test_seq_idx_passes_through_on_one_rank():
+    """``seq_idx`` (sequence-state layers' document resets) reaches the model whole at cp = 1 (it used to be
+    dropped: a Mamba-style layer would then run its state across documents)."""
+    ids, pos, real, labels = _row()
+    seq_idx = torch.repeat_interleave(torch.arange(4), torch.tensor([*LENS, TAIL]))[None].to(torch.int32)
+    ctx, kwargs, layout = hf.hf_cp_batch({"input_ids": ids, "position_ids": pos, "seq_idx": seq_idx}, None)
+    grow = layout.padded_seq_len - ids.shape[1]
+    assert (
+        torch.equal(kwargs["seq_idx"][:, : ids.shape[1]], seq_idx) and kwargs["seq_idx"].shape[1] == ids.shape[1] + grow
+    )
+
+
+def _seq_idx_worker(rank, world):
+    ids, pos, _, _ = _row()
+    try:
+        hf.hf_cp_batch({"input_ids": ids, "position_ids": pos, "seq_idx": torch.zeros_like(ids)}, dist.group.WORLD)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_seq_idx_is_refused_on_several_ranks(gloo):
+    for message in gloo(_seq_idx_worker, 2):
+        assert "seq_idx" in message and "not exact under CP" in message
+
+
 def test_rows_with_padding_equal_hugging_face():
     """Two rows, left and right padding, no packing: Hugging Face's own masked result per row."""
     ours, ref = _models()

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from longtrain.blockdiag_cp import make_cp_blockdiag_batch_and_ctx
+from longtrain.blockdiag_cp.step import resolve_cp_group
 
 from .fsdp import set_fsdp_gradient_divide_factor
 from .hf_blockdiag import (
@@ -87,12 +88,21 @@ def hf_cp_batch(
     DeviceMesh or a named dim of a larger one). ``model_kwargs`` holds the local ``input_ids``/``inputs_embeds``,
     ``position_ids``, ``labels`` and ``shift_labels`` (the same shifted local labels: the model computes its loss
     and does not shift again) and ``num_items_in_batch`` (the row's label count), plus every other key of the
-    batch; run ``model(**model_kwargs)`` and ``loss.backward()`` inside ``with ctx_factory():``. The per-rank
+    batch (``seq_idx``, the state resets of sequence-state layers, is passed through on one rank and refused
+    on several: those layers carry no state between CP ranks); run ``model(**model_kwargs)`` and ``loss.backward()``
+    inside ``with ctx_factory():``. The per-rank
     losses sum (all-reduce) to the single-process loss; the caller's ``batch`` is not modified. ``sharding``:
     ``"contiguous"`` or ``"balanced"`` (see the builder; default ``configure_cp_varlen(sharding=...)``; the DSA
     models of :func:`apply_dsa` take both), ``shard_chunk`` the balanced plan's smallest piece.
     """
     batch = dict(batch)
+    if batch.get("seq_idx") is not None and resolve_cp_group(cp_mesh)[2] > 1:
+        raise ValueError(
+            "hf_cp_batch: the batch has seq_idx (DataCollatorWithFlattening(return_seq_idx=True)), the per-document "
+            "state resets of sequence-state layers such as Mamba-2; transformers' sequence-state layers pass no "
+            "state between CP ranks, so such a model is not exact under CP. Train it with cp_mesh=None (seq_idx is "
+            "passed through), or, for an attention-only model, leave seq_idx out of the batch"
+        )
     primary = "input_ids" if batch.get("input_ids") is not None else "inputs_embeds"
     if batch.get(primary) is None:
         raise ValueError("hf_cp_batch needs 'input_ids' or 'inputs_embeds' in the batch")
@@ -116,7 +126,7 @@ def hf_cp_batch(
         cp_mesh, None, batch, padding_token_id=padding_token_id, sharding=sharding, shard_chunk=shard_chunk
     )
     kwargs = {k: v for k, v in local.items() if k not in ("_packed_seq_ids", "padding_mask", "loss_mask")}
-    for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"):
+    for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
         kwargs.pop(key, None)
     if shifted is not None:
         kwargs["shift_labels"] = kwargs["labels"]
