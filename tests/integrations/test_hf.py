@@ -122,6 +122,23 @@ def test_seq_idx_passes_through_on_one_rank():
     )
 
 
+def test_a_callers_num_items_in_batch_is_kept():
+    """A count the caller brings (e.g. over gradient-accumulation steps) normalises the loss, not the row's own."""
+    ours, _ = _models()
+    ids, pos, _, labels = _row()
+    ctx, kwargs, _ = hf.hf_cp_batch({"input_ids": ids, "position_ids": pos, "labels": labels}, None)
+    own = int(kwargs["num_items_in_batch"])
+    ctx2, kwargs2, _ = hf.hf_cp_batch(
+        {"input_ids": ids, "position_ids": pos, "labels": labels, "num_items_in_batch": torch.tensor(4 * own)}, None
+    )
+    assert int(kwargs2["num_items_in_batch"]) == 4 * own
+    with ctx():
+        loss = ours(**kwargs).loss.detach()
+    with ctx2():
+        loss4 = ours(**kwargs2).loss.detach()
+    _close(loss4 * 4, loss, "loss over a 4x count")
+
+
 def _seq_idx_worker(rank, world):
     ids, pos, _, _ = _row()
     try:

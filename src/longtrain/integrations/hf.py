@@ -87,7 +87,8 @@ def hf_cp_batch(
     :func:`~longtrain.blockdiag_cp.make_cp_blockdiag_batch_and_ctx` (``cp_mesh``: None, a ProcessGroup, a 1-D
     DeviceMesh or a named dim of a larger one). ``model_kwargs`` holds the local ``input_ids``/``inputs_embeds``,
     ``position_ids``, ``labels`` and ``shift_labels`` (the same shifted local labels: the model computes its loss
-    and does not shift again) and ``num_items_in_batch`` (the row's label count), plus every other key of the
+    and does not shift again) and ``num_items_in_batch`` (the row's label count, unless the batch brings its own,
+    e.g. a count over gradient-accumulation steps), plus every other key of the
     batch (``seq_idx``, the state resets of sequence-state layers, is passed through on one rank and refused
     on several: those layers carry no state between CP ranks); run ``model(**model_kwargs)`` and ``loss.backward()``
     inside ``with ctx_factory():``. The per-rank
@@ -130,5 +131,6 @@ def hf_cp_batch(
         kwargs.pop(key, None)
     if shifted is not None:
         kwargs["shift_labels"] = kwargs["labels"]
-        kwargs["num_items_in_batch"] = (shifted != ignore_index).sum()
+        if batch.get("num_items_in_batch") is None:  # a caller's count (e.g. over accumulation steps) stays
+            kwargs["num_items_in_batch"] = (shifted != ignore_index).sum()
     return ctx, kwargs, layout
