@@ -219,19 +219,19 @@ def test_cp_ranks_equal_per_document(gloo, world):
     assert all(gloo(_cp_worker, world, timeout=180))
 
 
-def _fsdp_worker(rank, world):
+def _fsdp_worker(rank, world, dp=1):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     ours, ref = _models()
-    ids, pos, _, labels = _row(tail=0)
+    ids, pos, _, labels = _row(tail=0)  # every data-parallel replica trains the same row: its mean is the reference
     _, _, ref_grads = _per_document(ref, ids, labels)
-    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp_shard", "cp"))
+    mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp_shard", "cp"))
     for layer in ours.model.layers:
         fully_shard(layer, mesh=mesh["dp_shard", "cp"]._flatten("dp_shard_cp"))
     fully_shard(ours, mesh=mesh["dp_shard", "cp"]._flatten("dp_shard_cp"))
     results = {}
-    for factor in (None, 1.0):
+    for factor in (None, float(dp)) if dp == 1 else (None, float(dp), 1.0):
         if factor is not None:
             assert hf.set_fsdp_gradient_divide_factor(ours, factor) == len(ours.model.layers) + 1
         ours.zero_grad(set_to_none=True)
@@ -242,19 +242,24 @@ def _fsdp_worker(rank, world):
         for name, p in ours.named_parameters():
             full = p.grad.full_tensor()
             ratios.append(float((full * ref_grads[name]).sum() / (ref_grads[name] * ref_grads[name]).sum()))
-            if factor is not None:
+            if factor == dp:
                 _close(full, ref_grads[name], name)
         results[factor] = ratios
     return results
 
 
-def test_fsdp2_with_cp_needs_the_divide_factor(gloo):
+@pytest.mark.parametrize("world, dp", [(2, 1), (4, 2)], ids=["cp2", "dp2xcp2"])
+def test_fsdp2_with_cp_needs_the_divide_factor(gloo, world, dp):
     """FSDP2 over a dp_shard x cp mesh: by default every gradient comes out divided by the CP size (0.5x at cp = 2);
-    set_fsdp_gradient_divide_factor(model, 1.0) makes it equal the single-process gradient."""
-    results = gloo(_fsdp_worker, 2, timeout=240)
+    set_fsdp_gradient_divide_factor(model, D), D the data-parallel degree, makes it the single-process gradient
+    (the replicas' average); 1.0 with D > 1 sums the replicas (D x)."""
+    results = gloo(_fsdp_worker, world, dp, timeout=300)
+    cp = world // dp
     for per_rank in results:
-        assert all(abs(r - 0.5) < RTOL for r in per_rank[None])
-        assert all(abs(r - 1.0) < RTOL for r in per_rank[1.0])
+        assert all(abs(r - 1 / cp) < RTOL for r in per_rank[None])
+        assert all(abs(r - 1.0) < RTOL for r in per_rank[float(dp)])
+        if dp > 1:
+            assert all(abs(r - dp) < RTOL for r in per_rank[1.0])
 
 
 def test_clear_errors():

@@ -10,12 +10,13 @@ __all__ = ["set_fsdp_gradient_divide_factor"]
 def set_fsdp_gradient_divide_factor(model: torch.nn.Module, factor: float = 1.0) -> int:
     """Set FSDP2's gradient divide factor on every FSDP module of ``model``; returns how many it set.
 
-    With a ``dp_shard x cp`` mesh flattened into FSDP's mesh, FSDP averages gradients over every rank of it, so a
-    loss normalised by the global token count (what :func:`~longtrain.integrations.hf.hf_cp_batch`'s
-    ``num_items_in_batch`` gives, summed over the CP ranks) comes out divided by the CP size as well. ``factor=1.0``
-    makes the reduction a plain sum: right when every rank's loss is already divided by the token count of the
-    whole global batch (all DP and CP ranks). Raises a ``ValueError`` when ``model`` holds no FSDP module (call it
-    after ``fully_shard``).
+    With a ``dp_shard x cp`` mesh flattened into FSDP's mesh, FSDP averages gradients over every rank of it
+    (divides by ``D x C``). The CP ranks of one replica hold parts of one row whose losses sum to the row's loss,
+    so that average comes out divided by the CP size ``C`` as well. Pass ``factor=D``, the number of data-parallel
+    replicas, when each replica's loss is its row's mean (:func:`~longtrain.integrations.hf.hf_cp_batch`'s default
+    ``num_items_in_batch``): an average over the replicas, a sum over the CP ranks. Pass ``factor=1.0`` (a plain
+    sum) when every rank's loss is already divided by the token count of the whole global batch; without DP both
+    are 1.0. Raises a ``ValueError`` when ``model`` holds no FSDP module (call it after ``fully_shard``).
     """
     try:
         from torch.distributed.fsdp import FSDPModule
