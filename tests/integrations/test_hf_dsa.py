@@ -187,9 +187,13 @@ def _cp_worker(rank, world, family, sharding="contiguous"):
     return True
 
 
-@pytest.mark.parametrize("world,sharding", [(2, "contiguous"), (3, "contiguous"), (2, "balanced"), (3, "balanced")])
-def test_cp_ranks_equal_per_document(gloo, world, sharding):
-    assert all(gloo(_cp_worker, world, "glm", sharding, timeout=180))
+@pytest.mark.parametrize(
+    "family,world,sharding",
+    [("glm", 2, "contiguous"), ("glm", 3, "contiguous"), ("glm", 2, "balanced"), ("glm", 3, "balanced"),
+     ("deepseek", 2, "contiguous"), ("deepseek", 2, "balanced")],
+)  # fmt: skip
+def test_cp_ranks_equal_per_document(gloo, family, world, sharding):
+    assert all(gloo(_cp_worker, world, family, sharding, timeout=180))
 
 
 def test_errors():
