@@ -47,11 +47,13 @@ def _models(family):
     return ours, ref
 
 
-def _row(seed=1):
+def _row(seed=1, tail=0):
+    """Three packed documents, then ``tail`` padding tokens (label -100, attention_mask 0)."""
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, 64, (1, sum(LENS)), generator=gen)
-    pos = torch.cat([torch.arange(n) for n in LENS])[None]
+    ids = torch.randint(1, 64, (1, sum(LENS) + tail), generator=gen)
+    pos = torch.cat([torch.arange(n) for n in LENS] + [torch.arange(tail)])[None]
     labels = ids.clone()
+    labels[0, sum(LENS) :] = -100
     for start in torch.tensor([0, *LENS]).cumsum(0)[:-1]:
         labels[0, start] = -100
     return ids, pos, labels
@@ -64,7 +66,8 @@ def _per_document(ref, ids, labels):
         logits.append(ref(input_ids=ids[:, start : start + n]).logits)
         start += n
     logits = torch.cat(logits, 1)
-    loss = torch.nn.functional.cross_entropy(logits[0], hf.shift_labels(labels)[0], ignore_index=-100)
+    shifted = hf.shift_labels(labels)[0, : logits.shape[1]]
+    loss = torch.nn.functional.cross_entropy(logits[0], shifted, ignore_index=-100)
     loss.backward()
     grads = {n: None if p.grad is None else p.grad.clone() for n, p in ref.named_parameters()}
     return logits.detach(), loss.detach(), grads
@@ -83,14 +86,16 @@ def _check_grads(model, ref_grads):
             _close(p.grad, ref_grads[name], name)
 
 
+@pytest.mark.parametrize("tail", [0, 4], ids=["no_padding", "padding_tail"])
 @pytest.mark.parametrize("family", ["glm", "deepseek"])
-def test_one_process_equals_per_document(family):
+def test_one_process_equals_per_document(family, tail):
     ours, ref = _models(family)
-    ids, pos, labels = _row()
+    ids, pos, labels = _row(tail=tail)
     ref_logits, ref_loss, ref_grads = _per_document(ref, ids, labels)
-    out = ours(input_ids=ids, position_ids=pos, labels=labels)
+    mask = torch.tensor([[1] * sum(LENS) + [0] * tail])
+    out = ours(input_ids=ids, position_ids=pos, labels=labels, attention_mask=mask)
     out.loss.backward()
-    _close(out.logits, ref_logits, "logits")
+    _close(out.logits[:, : sum(LENS)], ref_logits, "logits")
     _close(out.loss, ref_loss, "loss")
     _check_grads(ours, ref_grads)
 
@@ -164,11 +169,13 @@ def test_no_dense_score_matrix(monkeypatch):
     assert sizes and max(sizes) < t * t, max(sizes)
 
 
-def _cp_worker(rank, world, family, sharding="contiguous"):
+def _cp_worker(rank, world, family, sharding="contiguous", tail=0):
     ours, ref = _models(family)
-    ids, pos, labels = _row()
+    ids, pos, labels = _row(tail=tail)
     ref_logits, ref_loss, ref_grads = _per_document(ref, ids, labels)
     batch = {"input_ids": ids, "position_ids": pos, "labels": labels}
+    if tail:
+        batch["attention_mask"] = torch.tensor([[1] * sum(LENS) + [0] * tail])
     ctx, kwargs, layout = hf.hf_cp_batch(batch, dist.group.WORLD, sharding=sharding, shard_chunk=2)
     if sharding == "balanced":
         assert not layout.step.contiguous  # several ranges of the row per rank: one DSA kernel call per range
@@ -194,6 +201,11 @@ def _cp_worker(rank, world, family, sharding="contiguous"):
 )  # fmt: skip
 def test_cp_ranks_equal_per_document(gloo, family, world, sharding):
     assert all(gloo(_cp_worker, world, family, sharding, timeout=180))
+
+
+@pytest.mark.parametrize("world,sharding", [(2, "contiguous"), (3, "balanced")])
+def test_cp_ranks_equal_per_document_with_a_padding_tail(gloo, world, sharding):
+    assert all(gloo(_cp_worker, world, "glm", sharding, 5, timeout=180))
 
 
 def test_errors():
