@@ -449,6 +449,19 @@ def _mla_case(add, total: int, heads: int, topk: int, layout: str) -> None:
     ms = bench(lambda: run_bwd(q, kv, out, dout, lse, idx, length, deterministic=True), rep_ms=50)
     add(op="sparse_mla_bwd", impl="triton (ours), deterministic", shape=shape, ms=ms[0], p20=ms[1], p80=ms[2],
         tflops=bwd_flops / ms[0] / 1e9)  # fmt: skip
+    # The deterministic row chunk is set by its scratch (113 rows here, launches of 113 programs): a larger one.
+    from longtrain.dsa.triton import sparse_mla_bwd as smb
+
+    default_scratch = smb.DETERMINISTIC_SCRATCH_ELEMENTS
+    for scratch in (default_scratch * 4,):
+        smb.DETERMINISTIC_SCRATCH_ELEMENTS = scratch
+        try:
+            ms = bench(lambda: run_bwd(q, kv, out, dout, lse, idx, length, deterministic=True), rep_ms=50)
+        finally:
+            smb.DETERMINISTIC_SCRATCH_ELEMENTS = default_scratch
+        what = f"{scratch // (topk * D_QK)}-row chunks, {scratch * 4 >> 20} MiB scratch"
+        add(op="sparse_mla_bwd", impl=f"triton (ours), deterministic, {what}", shape=shape, ms=ms[0], p20=ms[1],
+            p80=ms[2], tflops=bwd_flops / ms[0] / 1e9)  # fmt: skip
 
     def torch_fwd():
         return ops.sparse_mla_torch_fwd(q, kv, idx, D_QK**-0.5, D_V, length, None)

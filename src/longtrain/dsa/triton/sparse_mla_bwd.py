@@ -26,6 +26,7 @@ from longtrain.dsa.triton._common import KernelConfig, dot_precision, interpreti
 from longtrain.dsa.triton.sparse_mla_fwd import LOG2E, _row_col_mask, fwd_block_h
 
 __all__ = [
+    "DETERMINISTIC_SCRATCH_ELEMENTS",
     "sparse_mla_bwd",
     "sparse_mla_bwd_kernel_dkv",
     "sparse_mla_bwd_kernel_dkv_reduce",
@@ -40,8 +41,9 @@ _DQ_CANDIDATES = ((64, 8, 2), (32, 8, 3), (128, 8, 1))
 _DKV_CANDIDATES = ((64, 8, 2), (64, 8, 3), (64, 4, 2))
 # Bytes of the bf16 P / dS scratch (rows are processed in chunks that fit).
 _PDS_SCRATCH_BYTES = 1 << 29
-# fp32 elements of the deterministic mode's per-slot contribution scratch.
-_DETERMINISTIC_SCRATCH = 1 << 27
+#: fp32 elements of the deterministic mode's per-slot contribution scratch (``[rows, K, D_qk]``): it sets the row
+#: chunk of a deterministic backward (113 rows at K = 2048, D_qk = 576). Read at each call.
+DETERMINISTIC_SCRATCH_ELEMENTS = 1 << 27
 
 
 @triton.jit
@@ -392,7 +394,7 @@ def sparse_mla_bwd(
 
     rows_per_chunk = max(1, _PDS_SCRATCH_BYTES // (2 * 2 * num_heads * k_slots))
     if compute_dkv and deterministic:
-        rows_per_chunk = min(rows_per_chunk, max(1, _DETERMINISTIC_SCRATCH // (k_slots * d_qk)))
+        rows_per_chunk = min(rows_per_chunk, max(1, DETERMINISTIC_SCRATCH_ELEMENTS // (k_slots * d_qk)))
     rows_per_chunk = min(rows_per_chunk, num_tokens)
     ds_buf = torch.empty((rows_per_chunk, num_heads, k_slots), dtype=q.dtype, device=dev)
     p_buf = torch.empty_like(ds_buf) if compute_dkv else ds_buf
