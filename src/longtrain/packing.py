@@ -71,6 +71,5 @@ def doc_starts_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
         plane = plane.reshape(1, -1) if plane.dim() == 1 else plane
         starts = torch.ones_like(plane, dtype=torch.bool)
         starts[:, 1:] = plane[:, 1:] - plane[:, :-1] != 1
-    starts = starts.clone()
     starts[:, :1] = True
     return starts

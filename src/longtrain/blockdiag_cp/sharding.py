@@ -287,12 +287,11 @@ class RankPass:
 
     ``q_rows``: ``[n] int64`` local rows (device) of its segments' queries, segment after segment;
     ``key_pos``: ``[m] int64`` global key positions (host), segment after segment (a segment's keys run from its
-    document's start to its last query); ``meta``: the segmentation of these rows and keys alone.
+    document's start to its last query).
     """
 
     q_rows: torch.Tensor
     key_pos: torch.Tensor
-    meta: Any
 
 
 @dataclass(frozen=True, eq=False)
@@ -400,9 +399,7 @@ def rank_pieces(plan: CPShardPlan, rank: int, device: Any) -> RankPieces:
     for segs in passes_of(rank):
         q_pos = torch.cat([torch.arange(lo, hi, dtype=torch.int64) for _, lo, hi in segs])
         key_pos = torch.cat([torch.arange(ds, hi, dtype=torch.int64) for ds, _, hi in segs])
-        rows = torch.searchsorted(index, q_pos)
-        meta = meta_from_segments([hi - lo for _, lo, hi in segs], [hi - ds for ds, _, hi in segs], device)
-        built.append(RankPass(rows.to(device), key_pos, meta))
+        built.append(RankPass(torch.searchsorted(index, q_pos).to(device), key_pos))
         all_segs += segs
     q_rows = torch.cat([p.q_rows for p in built]) if built else torch.zeros(0, dtype=torch.int64, device=device)
     meta = meta_from_segments([hi - lo for _, lo, hi in all_segs], [hi - ds for ds, _, hi in all_segs], device)
