@@ -25,6 +25,12 @@ def _brute_work(doc_lens, index):
     return total
 
 
+def _pad(doc_lens, world, extra_pad):
+    """At least ``extra_pad`` padding positions, making the row a non-empty multiple of ``world``."""
+    pad = extra_pad + (-(sum(doc_lens) + extra_pad)) % world
+    return world if sum(doc_lens) + pad == 0 else pad
+
+
 def _check_plan(plan: CPShardPlan, doc_lens, pad, world):
     seq = sum(doc_lens) + pad
     assert plan.seq_len == seq and plan.local_len * world == seq
@@ -46,10 +52,7 @@ def _check_plan(plan: CPShardPlan, doc_lens, pad, world):
     st.sampled_from([1, 4, 16, 128]),
 )
 def test_invariants(doc_lens, world, extra_pad, sharding, chunk):
-    total = sum(doc_lens) + extra_pad
-    pad = extra_pad + (-total) % world
-    if sum(doc_lens) + pad == 0:
-        pad = world
+    pad = _pad(doc_lens, world, extra_pad)
     plan = plan_cp_shards(doc_lens, world, sharding=sharding, chunk=chunk, pad=pad)
     _check_plan(plan, doc_lens, pad, world)
     again = plan_cp_shards(list(doc_lens), world, sharding=sharding, chunk=chunk, pad=pad)
@@ -68,10 +71,7 @@ def test_rank_pieces_need_exactly_their_passes_keys(doc_lens, world, extra_pad, 
     keys its passes read: a document's keys from its start to the end of the rank's last piece of it."""
     from longtrain.blockdiag_cp.sharding import rank_pieces
 
-    total = sum(doc_lens) + extra_pad
-    pad = extra_pad + (-total) % world
-    if sum(doc_lens) + pad == 0:
-        pad = world
+    pad = _pad(doc_lens, world, extra_pad)
     plan = plan_cp_shards(doc_lens, world, sharding="balanced", chunk=chunk, pad=pad)
     if plan.is_contiguous:
         return
@@ -97,8 +97,7 @@ def test_a_balanced_ranks_one_call_equals_attention_over_the_row(doc_lens, world
     from longtrain.blockdiag_cp import runtime
     from longtrain.blockdiag_cp.sharding import rank_pieces
 
-    total = sum(doc_lens) + extra_pad
-    pad = extra_pad + (-total) % world
+    pad = _pad(doc_lens, world, extra_pad)
     plan = plan_cp_shards(doc_lens, world, sharding="balanced", chunk=chunk, pad=pad)
     if plan.is_contiguous:
         return
