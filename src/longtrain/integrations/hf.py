@@ -118,11 +118,6 @@ def hf_cp_batch(
             raise ValueError(f"labels cover {labels.shape[-1]} positions, {primary} {seq_len}")
         shifted = shift_labels(labels, ignore_index)
         batch["labels"] = shifted
-    if batch.get("_packed_seq_ids") is None and batch.get("cu_seq_lens_q") is None:
-        mask = batch.get("attention_mask")
-        pos = batch["position_ids"]
-        if mask is None or bool(mask.all()):  # Hugging Face's packed rule: a jump in the positions starts a document
-            batch["_packed_seq_ids"] = packed_doc_ids(1, seq_len, position_ids=pos, device=device)
     ctx, local, layout = make_cp_blockdiag_batch_and_ctx(
         cp_mesh, None, batch, padding_token_id=padding_token_id, sharding=sharding, shard_chunk=shard_chunk
     )
