@@ -430,7 +430,11 @@ def sparse_mla_torch_bwd(
         if needs[0]:
             grad_q[part] = grads.pop(0)
         if needs[1]:
-            flat_rows, flat_grads = rows.reshape(-1), grads.pop(0).reshape(-1, kv.shape[2])
+            # Only used slots: an unused slot's gradient is exactly 0, and its row is clamped to 0, so keeping them
+            # makes key row 0 the target of every unused slot of the chunk (tens of thousands of duplicates, which
+            # CUDA's deterministic accumulation walks one by one: most of a step's time at 1K tokens and K = 2048).
+            used = valid.reshape(-1)
+            flat_rows, flat_grads = rows.reshape(-1)[used], grads.pop(0).reshape(-1, kv.shape[2])[used]
             if grad_kv.is_cuda:
                 grad_kv[:, 0].index_put_((flat_rows,), flat_grads, accumulate=True)
             else:
