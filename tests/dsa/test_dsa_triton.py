@@ -281,6 +281,61 @@ def test_indexer_ties_negative_weights_and_chunks(triton_interpret):
         assert torch.equal(out[t, :n].long(), torch.arange(n) + int(starts[t])), t
 
 
+def test_indexer_sampled_select_is_the_exact_selection(triton_interpret):
+    """Rows wider than ``select_cand`` (256 here) are bracketed from a 64-key sample and the radix select runs on the
+    bracket's candidates: on a 320-token document with K = 24 the rows of 257..320 keys take that path (their bracket,
+    about a quarter of the row, fits the buffer); the result equals the float64 reference and the whole-row select."""
+    from longtrain.dsa.triton import indexer_topk_triton
+
+    starts, lengths = _doc_layout((320,))
+    T, H_I, D_I, K = 320, 2, 16, 24
+    q, k, w = _indexer_inputs(T, T, H_I, D_I, seed=5)
+    base = dict(block_m=16, block_n=16, num_warps=4, num_stages=1, select_block=256)
+    sampled = indexer_topk_triton(q, k, w, starts, lengths, K, config=IndexerConfig(**base, select_sample=64,
+                                                                                     select_cand=256))  # fmt: skip
+    whole = indexer_topk_triton(q, k, w, starts, lengths, K, config=IndexerConfig(**base, select_sample=0,
+                                                                                   select_cand=256))  # fmt: skip
+    ref = indexer_topk_reference(q.double(), k.double(), w.double(), starts, lengths, K)
+    assert torch.equal(sampled, ref)
+    assert torch.equal(whole, ref)
+
+
+def test_indexer_sampled_select_with_ties_falls_back_exactly(triton_interpret):
+    """Ties everywhere: rounded inputs make many equal scores, and all-zero head weights make a whole row tie (its
+    bracket is then the whole row, wider than the buffer: the whole-row radix select takes over). Both paths give
+    the canonical selection, ties to the smaller index, the same as the whole-row select."""
+    from longtrain.dsa.triton import indexer_topk_triton
+
+    starts, lengths = _doc_layout((300,))
+    T, H_I, D_I, K = 300, 2, 16, 20
+    q, k, w = _indexer_inputs(T, T, H_I, D_I, seed=8)
+    q, k, w = torch.round(q), torch.round(k), torch.round(w * 2) / 2
+    w[270:285] = 0.0
+    base = dict(block_m=16, block_n=16, num_warps=4, num_stages=1, select_block=256)
+    sampled = indexer_topk_triton(q, k, w, starts, lengths, K, config=IndexerConfig(**base, select_sample=64,
+                                                                                     select_cand=256))  # fmt: skip
+    whole = indexer_topk_triton(q, k, w, starts, lengths, K, config=IndexerConfig(**base, select_sample=0,
+                                                                                   select_cand=256))  # fmt: skip
+    assert torch.equal(sampled, whole)
+    eligible = torch.zeros(T, T, dtype=torch.bool)
+    for t in range(T):
+        eligible[t, : t + 1] = True
+    scores = indexer_scores(q.double(), k.double(), w.double(), eligible)
+    _assert_canonical_and_maximal(sampled, scores, starts, lengths, K, tol=0.0)
+    for t in range(270, 285):  # zero-weight rows: the first K keys
+        assert torch.equal(sampled[t].long(), torch.arange(K)), t
+
+
+def test_indexer_select_config_is_validated():
+    with pytest.raises(ValueError, match="select_sample"):
+        IndexerConfig(select_sample=100)
+    with pytest.raises(ValueError, match="at most select_cand"):
+        IndexerConfig(select_sample=1024, select_cand=512)
+    with pytest.raises(ValueError, match="select_cand"):
+        IndexerConfig(select_cand=128)
+    assert IndexerConfig(select_sample=0).select_sample == 0
+
+
 def test_indexer_clips_windows_and_validates(triton_interpret):
     from longtrain.dsa.triton import indexer_topk_triton
 

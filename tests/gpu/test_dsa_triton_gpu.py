@@ -169,6 +169,57 @@ def test_sparse_mla_deterministic_bitwise():
     torch.testing.assert_close(runs[0][1].float(), runs[2][1].float(), rtol=2**-7, atol=2**-7)
 
 
+def test_torch_route_bf16_on_cuda():
+    """The plain-PyTorch route (``backend="torch"``) on CUDA: its backward sums key gradients with
+    ``index_put_(accumulate=True)`` over used slots only; unused (-1) slots, most of them here, change nothing."""
+    from longtrain.dsa.ops import sparse_mla_attention
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(7)
+    T, T_k, H, D, d_v, K = 96, 1500, 64, 576, 512, 2048
+    q = torch.randn((T, H, D), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
+    kv = torch.randn((T_k, 1, D), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
+    idx, length = _index_sets(T, T_k, 1024, gen, dev)
+    idx = torch.cat([idx, torch.full((T, K - 1024), -1, dtype=torch.int32, device=dev)], 1)  # half the slots unused
+    scale = 192**-0.5
+    out = sparse_mla_attention(q, kv, idx, scale, d_v=d_v, backend="torch")
+    dout = torch.randn(out.shape, generator=gen, device=dev).to(torch.bfloat16)
+    grads = torch.autograd.grad(out, (q, kv), dout)
+    same = _torch_bf16(q, kv, idx, scale, d_v, None, None)
+    same_grads = torch.autograd.grad(same, (q, kv), dout)
+    leaves64 = [t.detach().double().requires_grad_(True) for t in (q, kv)]
+    ref, _ = sparse_mla_reference(leaves64[0], leaves64[1], idx, scale, d_v=d_v)
+    ref_grads = torch.autograd.grad(ref, leaves64, dout.double())
+    _check_rule("out", out, same, ref)
+    for name, g, s_, r in zip(("dq", "dkv"), grads, same_grads, ref_grads):
+        _check_rule(name, g, s_, r)
+
+
+@pytest.mark.parametrize("K", [2048, 512])
+def test_indexer_sampled_select_equals_whole_row(K):
+    """Rows wider than ``select_cand`` (4096) take the sampled bracket; zero-weight rows tie throughout and take the
+    whole-row fallback. Either way the selection is bit-identical to the whole-row radix select's."""
+    import dataclasses
+
+    from longtrain.dsa.triton import IndexerConfig
+    from longtrain.dsa.triton.indexer_topk import indexer_topk_fwd
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(K + 1)
+    T, H_I, D_I = 10000, 32, 128
+    starts = torch.zeros(T, dtype=torch.int32, device=dev)
+    causal = torch.arange(1, T + 1, dtype=torch.int32, device=dev)
+    q = torch.randn((T, H_I, D_I), generator=gen, device=dev).to(torch.bfloat16)
+    k = torch.randn((T, D_I), generator=gen, device=dev).to(torch.bfloat16)
+    w = torch.randn((T, H_I), generator=gen, device=dev) * (H_I * D_I) ** -0.5
+    w[9000:9100] = 0.0
+    cfg = IndexerConfig()
+    out = indexer_topk_fwd(q, k, w, starts, causal, K, cfg)
+    whole = indexer_topk_fwd(q, k, w, starts, causal, K, dataclasses.replace(cfg, select_sample=0))
+    assert torch.equal(out, whole)
+    assert torch.equal(out[9000:9100], torch.arange(K, dtype=torch.int32, device=dev).expand(100, K))
+
+
 @pytest.mark.parametrize("K", [2048, 512])
 def test_indexer_bf16_canonical_and_maximal(K):
     from longtrain.dsa.triton import indexer_topk_triton

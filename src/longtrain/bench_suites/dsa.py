@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -403,6 +404,13 @@ def memcheck() -> None:
                 assert bool(torch.isfinite(o90).all())
     iq, ik, iw = indexer_inputs(90, dev)
     sel = indexer_topk_triton(iq, ik, iw, starts, causal, 16, config=IndexerConfig(block_m=64, block_n=128))
+    # The sampled select (rows wider than select_cand) and its whole-row fallback (zero-weight rows tie throughout).
+    _, _, st600, ca600 = causal_index_sets([600], 64, dev)
+    iq, ik, iw = indexer_inputs(600, dev)
+    iw[550:] = 0.0
+    for sample in (64, 0):
+        cfg_s = IndexerConfig(block_m=64, block_n=128, select_sample=sample, select_cand=256)
+        indexer_topk_triton(iq, ik, iw, st600, ca600, 24, config=cfg_s)
     torch.cuda.synchronize()
     print("memcheck case done", bool(torch.isfinite(out).all()), int((sel >= 0).sum()), flush=True)
 
@@ -520,10 +528,19 @@ def _indexer_case(add, total: int, layout: str) -> None:
     def torch_ref():
         return torch_indexer_chunked(iq, ik, iw, starts, causal, TOPK)
 
+    def whole_row():
+        return indexer_topk_fwd(iq, ik, iw, starts, causal, TOPK, whole_cfg)
+
+    whole_cfg = dataclasses.replace(cfg, select_sample=0)
     overlap = selection_overlap(ours(), torch_ref())
+    same = bool(torch.equal(ours(), whole_row()))
     ms = bench(ours)
     add(op="indexer_topk", impl="triton (ours, fused)", shape=shape, ms=ms[0], p20=ms[1], p80=ms[2],
         tflops=flops / ms[0] / 1e9, peak_mib=peak_mib(ours))  # fmt: skip
+    ms = bench(whole_row)
+    add(op="indexer_topk", impl="triton (ours, fused; whole-row radix select, select_sample=0)", shape=shape,
+        ms=ms[0], p20=ms[1], p80=ms[2], tflops=flops / ms[0] / 1e9, peak_mib=peak_mib(whole_row),
+        note=f"selection {'identical to' if same else 'DIFFERS from'} the default's")  # fmt: skip
     ms = bench(torch_ref, rep_ms=300)
     add(op="indexer_topk", impl="torch reference (scores + topk, 2048-row chunks)", shape=shape, ms=ms[0],
         p20=ms[1], p80=ms[2], tflops=flops / ms[0] / 1e9, peak_mib=peak_mib(torch_ref),
@@ -627,6 +644,10 @@ def main() -> None:
         "--case", action="append", default=None, metavar="T,H,K,LAYOUT",
         help="only these sparse MLA cases (e.g. 16384,64,2048,1doc); report dsa_cases_<date>",
     )  # fmt: skip
+    parser.add_argument(
+        "--indexer-case", action="append", default=None, metavar="T,LAYOUT",
+        help="only these indexer cases (e.g. 16384,1doc); report dsa_indexer_<date>",
+    )  # fmt: skip
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/dsa.py needs a CUDA GPU")
@@ -660,6 +681,18 @@ def main() -> None:
     def flush(rows):
         return write_report("dsa", rows, columns, notes, out_dir=out_dir, title=title)
 
+    if args.indexer_case:
+        rows_i: list[dict] = []
+
+        def add_i(**row):
+            rows_i.append(row)
+            print(row, flush=True)
+
+        for case in args.indexer_case:
+            total, layout = case.split(",")
+            _indexer_case(add_i, int(total), layout)
+        print("report:", *write_report("dsa_indexer", rows_i, columns, notes, out_dir=out_dir, title=title))
+        return
     if args.case:
         rows: list[dict] = []
 

@@ -127,6 +127,13 @@ class IndexerConfig:
     """Scores read per step of the per-row radix selection."""
     select_warps: int = 8
     """Warps per selection program (one program per query row)."""
+    select_sample: int = 1024
+    """Scores a selection program samples from a row wider than ``select_cand`` to bracket its K-th largest score
+    (the exact radix select then runs on the bracketed candidates only); 0 = no sampling: the radix select reads
+    the whole row in every pass."""
+    select_cand: int = 4096
+    """Candidates a selection program holds (rows at most this wide are held whole); a row whose bracket holds more
+    falls back to the whole-row radix select (still exact)."""
     scratch_elements: int | None = None
     """Cap on the int32 score scratch (rows x key width); ``None`` = ``max(T_q * K, block_m * T_k)``."""
 
@@ -136,6 +143,14 @@ class IndexerConfig:
         _check_pow2("num_warps", self.num_warps, 1, 16)
         _check_pow2("select_block", self.select_block, 256, 16384)
         _check_pow2("select_warps", self.select_warps, 1, 16)
+        if self.select_sample != 0:
+            _check_pow2("select_sample", self.select_sample, 64, 4096)
+        _check_pow2("select_cand", self.select_cand, 256, 16384)
+        if self.select_sample > self.select_cand:
+            raise ValueError(
+                f"select_sample ({self.select_sample}) must be at most select_cand ({self.select_cand}): a row is "
+                "sampled only when it is wider than select_cand"
+            )
         if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 6:
             raise ValueError(f"num_stages must be an int in [1, 6], got {self.num_stages!r}")
         if self.scratch_elements is not None and (

@@ -7,11 +7,20 @@ Query rows are processed in chunks. For a chunk:
    eligible score as an order-preserving 32-bit key into a row-relative scratch (``[rows, T_k]`` int32,
    column ``j`` = key ``starts[t] + j``). Rows whose whole window fits in ``K`` are skipped (they select
    everything) and tiles without an eligible pair exit at once.
-2. ``indexer_topk_fwd_kernel_select`` (one program per row) finds the K-th largest key by a 4-pass, 8-bit
-   radix select over the row's scratch, then emits, in ascending key order, every key above the threshold
-   and the first ties at it (ties go to the smaller index), followed by ``-1``.
+2. ``indexer_topk_fwd_kernel_select`` (one program per row) finds the K-th largest key exactly by an 8-bit radix
+   select, then emits, in ascending key order, every key above the threshold and the first ties at it (ties go to
+   the smaller index), followed by ``-1``. A row of at most ``select_cand`` keys is held whole in registers. A
+   wider one is bracketed first: a strided sample of ``select_sample`` keys, sorted, gives two keys ``lo <= hi``
+   whose ranks bracket the K-th largest with a margin of four standard deviations, one pass over the row counts
+   the keys above ``hi`` and compacts those in ``[lo, hi]`` into a ``select_cand`` buffer, and the radix select
+   runs on these candidates only, below the leading bits ``lo`` and ``hi`` share. When the bracket misses (fewer
+   than K keys at or above ``lo``, K or more above ``hi``) or holds more than ``select_cand`` keys, the radix
+   select reads the whole row in each of its 4 passes, as it does with ``select_sample=0``: the result is the
+   same exact selection either way. The histograms, the select's main cost, then cover a few thousand
+   candidates instead of the whole row four times.
 
-The scratch holds at most ``max(T_q * K, block_m * T_k)`` int32 (the size of the output, O(T_q K)).
+The scratch holds at most ``max(T_q * K, block_m * T_k)`` int32 (the size of the output, O(T_q K)), the candidate
+buffer ``select_cand`` int32 per row of a chunk.
 """
 
 from __future__ import annotations
@@ -106,9 +115,31 @@ def indexer_topk_fwd_kernel_scores(
         tl.store(out_rows + cols, key, mask=eligible)  # [BLOCK_M, BLOCK_N]
 
 
+@triton.jit
+def _radix_digit(hist, bins, remaining, prefix, prefix_mask, shift):
+    """One 8-bit step of the radix select: the digit at ``shift`` of the ``remaining``-th largest matched key, from
+    the matched keys' digit histogram ``hist: [256]``; returns the new ``(prefix, prefix_mask, remaining)``."""
+    at_or_above = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # [256]
+    digit_sel = tl.max(tl.where(at_or_above >= remaining, bins, -1), 0)
+    remaining -= tl.sum(tl.where(bins > digit_sel, hist, 0), 0)
+    prefix = prefix | (digit_sel.to(tl.uint32) << shift)
+    prefix_mask = prefix_mask | (tl.full([], 0xFF, tl.uint32) << shift)
+    return prefix, prefix_mask, remaining
+
+
+@triton.jit
+def _significant_bits(d):
+    """Bits below and at the highest set bit of the uint32 scalar ``d`` (0 for ``d == 0``)."""
+    n = tl.full([], 0, tl.int32)
+    for b in tl.static_range(32):
+        n = tl.where((d >> b) != 0, b + 1, n)
+    return n
+
+
 @triton.jit(do_not_specialize=["row_begin", "T_k", "topk", "scratch_stride"])
 def indexer_topk_fwd_kernel_select(
-    scratch_ptr, starts_ptr, lens_ptr, out_ptr, row_begin, T_k, topk, scratch_stride, BLOCK: tl.constexpr,
+    scratch_ptr, starts_ptr, lens_ptr, out_ptr, cand_ptr, row_begin, T_k, topk, scratch_stride,
+    BLOCK: tl.constexpr, SAMPLE: tl.constexpr, CAND: tl.constexpr,
 ):  # fmt: skip
     r = row_begin + tl.program_id(0)
     st = tl.load(starts_ptr + r)  # scalar
@@ -124,29 +155,86 @@ def indexer_topk_fwd_kernel_select(
     else:
         row = scratch_ptr + (r - row_begin).to(tl.int64) * scratch_stride
         bins = tl.arange(0, 256)
-        prefix = tl.full([], 0, tl.uint32)
-        prefix_mask = tl.full([], 0, tl.uint32)
-        remaining = topk
-        for p in tl.static_range(4):
-            shift = 24 - 8 * p
-            hist = tl.zeros([256], tl.int32)
-            n_matched = 0
-            n_seen = 0
-            for j0 in range(0, ln, BLOCK):
-                j = j0 + offs
-                x = tl.load(row + j, mask=j < ln, other=0).to(tl.uint32, bitcast=True)  # [BLOCK]
-                match = (j < ln) & ((x & prefix_mask) == prefix)
-                digit = ((x >> shift) & 0xFF).to(tl.int32)
-                # Unmatched lanes are counted in bin 0 and taken out again below (no masked histogram needed).
-                hist += tl.histogram(tl.where(match, digit, 0), 256)
-                n_matched += tl.sum(match.to(tl.int32), 0)
-                n_seen += BLOCK
-            hist -= tl.where(bins == 0, n_seen - n_matched, 0)
-            at_or_above = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
-            digit_sel = tl.max(tl.where(at_or_above >= remaining, bins, -1), 0)
-            remaining -= tl.sum(tl.where(bins > digit_sel, hist, 0), 0)
-            prefix = prefix | (digit_sel.to(tl.uint32) << shift)
-            prefix_mask = prefix_mask | (tl.full([], 0xFF, tl.uint32) << shift)
+        umax = tl.full([], 0xFFFFFFFF, tl.uint32)
+        # Candidates: the keys in [lo, hi], a bracket known to hold the K-th largest key (`above` keys lie over it).
+        lo = tl.full([], 0, tl.uint32)
+        hi = umax
+        above = tl.full([], 0, tl.int32)
+        if SAMPLE > 0:
+            offs_c = tl.arange(0, CAND)
+            cand_row = cand_ptr + tl.program_id(0).to(tl.int64) * CAND
+            use_cand = ln <= CAND  # a row this narrow is held whole
+            n_c = tl.where(use_cand, ln, 0)
+            if ln > CAND:
+                # Bracket the K-th largest by the ranks of a strided sample (its expected rank +- 4 standard
+                # deviations of a binomial count, +- 4), then count and compact the row's keys in it in one pass.
+                stride = ln // SAMPLE
+                offs_s = tl.arange(0, SAMPLE)
+                sample = tl.load(row + offs_s * stride + stride // 2)  # [SAMPLE] keys (uint32 order)
+                # Sorted as int32 with the sign bit flipped: the same order as the uint32 keys.
+                sample = (tl.sort(sample ^ -2147483648) ^ -2147483648).to(tl.uint32, bitcast=True)  # [SAMPLE] ascending
+                q = topk.to(tl.float32) / ln.to(tl.float32)
+                rank = q * SAMPLE
+                margin = 4.0 * tl.sqrt(rank * (1.0 - q)) + 4.0
+                r_hi = tl.floor(rank - margin).to(tl.int32)  # descending ranks: 0 is the sample's largest
+                r_lo = tl.ceil(rank + margin).to(tl.int32)
+                hi_v = tl.max(tl.where(offs_s == SAMPLE - 1 - r_hi, sample, 0), 0)
+                lo_v = tl.max(tl.where(offs_s == SAMPLE - 1 - r_lo, sample, 0), 0)
+                hi = tl.where(r_hi < 0, umax, hi_v)
+                lo = tl.where(r_lo >= SAMPLE, tl.full([], 0, tl.uint32), lo_v)
+                # A bracket expected to hold more than CAND keys (very wide rows) is not compacted at all.
+                expected = (tl.minimum(r_lo, SAMPLE) - tl.maximum(r_hi, 0)) * stride
+                for j0 in range(0, tl.where(expected <= CAND, ln, 0), BLOCK):
+                    j = j0 + offs
+                    in_row = j < ln
+                    x = tl.load(row + j, mask=in_row, other=0).to(tl.uint32, bitcast=True)  # [BLOCK]
+                    is_c = (in_row & (x >= lo) & (x <= hi)).to(tl.int32)
+                    pos = n_c + tl.cumsum(is_c, 0) - is_c
+                    tl.store(cand_row + pos, x.to(tl.int32, bitcast=True), mask=(is_c > 0) & (pos < CAND))
+                    n_c += tl.sum(is_c, 0)
+                    above += tl.sum((in_row & (x > hi)).to(tl.int32), 0)
+                use_cand = (expected <= CAND) & (above < topk) & (n_c + above >= topk) & (n_c <= CAND)
+                tl.debug_barrier()  # the compacted candidates are read back by other threads of this program
+        else:
+            use_cand = False
+        if use_cand:
+            src = tl.where(ln <= CAND, row, cand_row)
+            valid = offs_c < n_c
+            y = tl.load(src + offs_c, mask=valid, other=0).to(tl.uint32, bitcast=True)  # [CAND]
+            # Every candidate shares the leading bits where lo and hi agree: start the radix below them.
+            n_bits = _significant_bits(lo ^ hi)
+            keep = tl.where(n_bits >= 32, tl.full([], 0, tl.uint32), umax << n_bits.to(tl.uint32))
+            prefix = lo & keep
+            prefix_mask = keep
+            remaining = topk - above
+            for p in tl.static_range(4):
+                shift = 24 - 8 * p
+                if shift < n_bits:
+                    match = valid & ((y & prefix_mask) == prefix)
+                    digit = ((y >> shift) & 0xFF).to(tl.int32)
+                    # Unmatched lanes are counted in bin 0 and taken out again (no masked histogram needed).
+                    hist = tl.histogram(tl.where(match, digit, 0), 256)
+                    hist -= tl.where(bins == 0, CAND - tl.sum(match.to(tl.int32), 0), 0)
+                    prefix, prefix_mask, remaining = _radix_digit(hist, bins, remaining, prefix, prefix_mask, shift)
+        else:
+            prefix = tl.full([], 0, tl.uint32)
+            prefix_mask = tl.full([], 0, tl.uint32)
+            remaining = topk
+            for p in tl.static_range(4):
+                shift = 24 - 8 * p
+                hist = tl.zeros([256], tl.int32)
+                n_matched = 0
+                n_seen = 0
+                for j0 in range(0, ln, BLOCK):
+                    j = j0 + offs
+                    x = tl.load(row + j, mask=j < ln, other=0).to(tl.uint32, bitcast=True)  # [BLOCK]
+                    match = (j < ln) & ((x & prefix_mask) == prefix)
+                    digit = ((x >> shift) & 0xFF).to(tl.int32)
+                    hist += tl.histogram(tl.where(match, digit, 0), 256)
+                    n_matched += tl.sum(match.to(tl.int32), 0)
+                    n_seen += BLOCK
+                hist -= tl.where(bins == 0, n_seen - n_matched, 0)
+                prefix, prefix_mask, remaining = _radix_digit(hist, bins, remaining, prefix, prefix_mask, shift)
         # prefix is now the exact K-th largest key; `remaining` ties at it are taken, lowest index first.
         n_out = 0
         n_tie = 0
@@ -154,10 +242,10 @@ def indexer_topk_fwd_kernel_select(
             j = j0 + offs
             in_row = j < ln
             x = tl.load(row + j, mask=in_row, other=0).to(tl.uint32, bitcast=True)  # [BLOCK]
-            above = in_row & (x > prefix)
+            above_t = in_row & (x > prefix)
             tie = (in_row & (x == prefix)).to(tl.int32)
             tie_rank = n_tie + tl.cumsum(tie, 0) - tie
-            sel = (above | ((tie > 0) & (tie_rank < remaining))).to(tl.int32)
+            sel = (above_t | ((tie > 0) & (tie_rank < remaining))).to(tl.int32)
             pos = n_out + tl.cumsum(sel, 0) - sel
             tl.store(out_row + pos, st + j, mask=(sel > 0) & (pos < topk))
             n_out += tl.sum(sel, 0)
@@ -187,6 +275,10 @@ def indexer_topk_fwd(
         return out
     chunk = _chunk_rows(num_queries, num_keys, index_topk, cfg)
     scratch = torch.empty((chunk, max(num_keys, 1)), dtype=torch.int32, device=index_q.device)
+    # The selection's candidate buffer: select_cand int32 per row of a chunk (O(T_q K) like the output).
+    cand = scratch
+    if cfg.select_sample > 0 and num_keys > index_topk:
+        cand = torch.empty((chunk, cfg.select_cand), dtype=torch.int32, device=index_q.device)
     n_kb = triton.cdiv(max(num_keys, 1), cfg.block_n)
     for row0 in range(0, num_queries, chunk):
         row1 = min(num_queries, row0 + chunk)
@@ -199,8 +291,8 @@ def indexer_topk_fwd(
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )  # fmt: skip
         indexer_topk_fwd_kernel_select[(row1 - row0,)](
-            scratch, starts, causal_lengths, out, row0, num_keys, index_topk, scratch.stride(0),
-            BLOCK=cfg.select_block, num_warps=cfg.select_warps,
+            scratch, starts, causal_lengths, out, cand, row0, num_keys, index_topk, scratch.stride(0),
+            BLOCK=cfg.select_block, SAMPLE=cfg.select_sample, CAND=cfg.select_cand, num_warps=cfg.select_warps,
         )  # fmt: skip
     return out
 
