@@ -160,11 +160,12 @@ def indexer_topk_fwd_kernel_select(
         lo = tl.full([], 0, tl.uint32)
         hi = umax
         above = tl.full([], 0, tl.int32)
-        if SAMPLE > 0:
-            offs_c = tl.arange(0, CAND)
-            cand_row = cand_ptr + tl.program_id(0).to(tl.int64) * CAND
-            use_cand = ln <= CAND  # a row this narrow is held whole
-            n_c = tl.where(use_cand, ln, 0)
+        offs_c = tl.arange(0, CAND)
+        cand_row = cand_ptr + tl.program_id(0).to(tl.int64) * CAND
+        # (Names a constexpr branch defines do not outlive it: everything used below is defined here.)
+        use_cand = ln <= CAND * (SAMPLE > 0)  # a row this narrow is held whole (none without sampling)
+        n_c = tl.where(use_cand, ln, 0)
+        if SAMPLE > 0:  # noqa: SIM102  (a constexpr test and a runtime one cannot share an `and` in Triton)
             if ln > CAND:
                 # Bracket the K-th largest by the ranks of a strided sample (its expected rank +- 4 standard
                 # deviations of a binomial count, +- 4), then count and compact the row's keys in it in one pass.
@@ -172,7 +173,7 @@ def indexer_topk_fwd_kernel_select(
                 offs_s = tl.arange(0, SAMPLE)
                 sample = tl.load(row + offs_s * stride + stride // 2)  # [SAMPLE] keys (uint32 order)
                 # Sorted as int32 with the sign bit flipped: the same order as the uint32 keys.
-                sample = (tl.sort(sample ^ -2147483648) ^ -2147483648).to(tl.uint32, bitcast=True)  # [SAMPLE] ascending
+                sample = (tl.sort(sample ^ -2147483648) ^ -2147483648).to(tl.uint32, bitcast=True)  # [SAMPLE]
                 q = topk.to(tl.float32) / ln.to(tl.float32)
                 rank = q * SAMPLE
                 margin = 4.0 * tl.sqrt(rank * (1.0 - q)) + 4.0
@@ -195,8 +196,6 @@ def indexer_topk_fwd_kernel_select(
                     above += tl.sum((in_row & (x > hi)).to(tl.int32), 0)
                 use_cand = (expected <= CAND) & (above < topk) & (n_c + above >= topk) & (n_c <= CAND)
                 tl.debug_barrier()  # the compacted candidates are read back by other threads of this program
-        else:
-            use_cand = False
         if use_cand:
             src = tl.where(ln <= CAND, row, cand_row)
             valid = offs_c < n_c
