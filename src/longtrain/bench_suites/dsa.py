@@ -512,7 +512,7 @@ def _cudnn_rows(add, q, kv, idx, length, dout, shape: str, flops: float) -> None
             add(op="sparse_mla_fwd+bwd", impl=impl, shape=shape, note=f"failed: {exc!s:.150}")
 
 
-def _indexer_case(add, total: int, layout: str) -> None:
+def _indexer_case(add, total: int, layout: str, selects: list[tuple[int, int, int]] | None = None) -> None:
     from longtrain.dsa.triton.indexer_topk import indexer_topk_fwd
 
     dev = torch.device("cuda")
@@ -532,7 +532,7 @@ def _indexer_case(add, total: int, layout: str) -> None:
         return indexer_topk_fwd(iq, ik, iw, starts, causal, TOPK, whole_cfg)
 
     whole_cfg = dataclasses.replace(cfg, select_sample=0)
-    overlap = selection_overlap(ours(), torch_ref())
+    overlap = selection_overlap(ours(), torch_ref()) if total <= 16384 else None
     same = bool(torch.equal(ours(), whole_row()))
     ms = bench(ours)
     add(op="indexer_topk", impl="triton (ours, fused)", shape=shape, ms=ms[0], p20=ms[1], p80=ms[2],
@@ -541,6 +541,19 @@ def _indexer_case(add, total: int, layout: str) -> None:
     add(op="indexer_topk", impl="triton (ours, fused; whole-row radix select, select_sample=0)", shape=shape,
         ms=ms[0], p20=ms[1], p80=ms[2], tflops=flops / ms[0] / 1e9, peak_mib=peak_mib(whole_row),
         note=f"selection {'identical to' if same else 'DIFFERS from'} the default's")  # fmt: skip
+    for sample, cand, warps in selects or []:
+        other = dataclasses.replace(cfg, select_sample=sample, select_cand=cand, select_warps=warps)
+
+        def variant(other=other):
+            return indexer_topk_fwd(iq, ik, iw, starts, causal, TOPK, other)
+
+        same = bool(torch.equal(ours(), variant()))
+        ms = bench(variant)
+        add(op="indexer_topk", impl=f"triton (ours, fused; select_sample={sample}, select_cand={cand}, "
+            f"select_warps={warps})", shape=shape, ms=ms[0], p20=ms[1], p80=ms[2], tflops=flops / ms[0] / 1e9,
+            note=f"selection {'identical to' if same else 'DIFFERS from'} the default's")  # fmt: skip
+    if overlap is None:  # about a second per call at 64K tokens: timed up to 16K only
+        return
     ms = bench(torch_ref, rep_ms=300)
     add(op="indexer_topk", impl="torch reference (scores + topk, 2048-row chunks)", shape=shape, ms=ms[0],
         p20=ms[1], p80=ms[2], tflops=flops / ms[0] / 1e9, peak_mib=peak_mib(torch_ref),
@@ -648,6 +661,10 @@ def main() -> None:
         "--indexer-case", action="append", default=None, metavar="T,LAYOUT",
         help="only these indexer cases (e.g. 16384,1doc); report dsa_indexer_<date>",
     )  # fmt: skip
+    parser.add_argument(
+        "--select", action="append", default=None, metavar="SAMPLE,CAND,WARPS",
+        help="with --indexer-case: also time the selection with these IndexerConfig select_* values",
+    )  # fmt: skip
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/dsa.py needs a CUDA GPU")
@@ -690,7 +707,8 @@ def main() -> None:
 
         for case in args.indexer_case:
             total, layout = case.split(",")
-            _indexer_case(add_i, int(total), layout)
+            selects = [tuple(int(v) for v in sel.split(",")) for sel in args.select or []]
+            _indexer_case(add_i, int(total), layout, selects)
         print("report:", *write_report("dsa_indexer", rows_i, columns, notes, out_dir=out_dir, title=title))
         return
     if args.case:
