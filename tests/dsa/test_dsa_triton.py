@@ -334,6 +334,12 @@ def test_indexer_select_config_is_validated():
     with pytest.raises(ValueError, match="select_cand"):
         IndexerConfig(select_cand=128)
     assert IndexerConfig(select_sample=0).select_sample == 0
+    auto = IndexerConfig()
+    assert (auto.resolved_select(32768), auto.resolved_select(32769)) == ((512, 2048), (1024, 4096))
+    assert IndexerConfig(select_cand=512, select_sample=256).resolved_select(10**6) == (256, 512)
+    assert IndexerConfig(select_sample=0).resolved_select(10) == (0, 2048)
+    with pytest.raises(ValueError, match="at most select_cand"):
+        IndexerConfig(select_sample=4096)  # more than the 2048 candidates of narrower key tensors
 
 
 def test_indexer_clips_windows_and_validates(triton_interpret):

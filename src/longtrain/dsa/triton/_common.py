@@ -127,13 +127,13 @@ class IndexerConfig:
     """Scores read per step of the per-row radix selection."""
     select_warps: int = 8
     """Warps per selection program (one program per query row)."""
-    select_sample: int = 1024
+    select_sample: int | None = None
     """Scores a selection program samples from a row wider than ``select_cand`` to bracket its K-th largest score
     (the exact radix select then runs on the bracketed candidates only); 0 = no sampling: the radix select reads
-    the whole row in every pass."""
-    select_cand: int = 4096
+    the whole row in every pass. ``None``: by the key tensor's rows, see :meth:`resolved_select`."""
+    select_cand: int | None = None
     """Candidates a selection program holds (rows at most this wide are held whole); a row whose bracket holds more
-    falls back to the whole-row radix select (still exact)."""
+    falls back to the whole-row radix select (still exact). ``None``: see :meth:`resolved_select`."""
     scratch_elements: int | None = None
     """Cap on the int32 score scratch (rows x key width); ``None`` = ``max(T_q * K, block_m * T_k)``."""
 
@@ -143,20 +143,27 @@ class IndexerConfig:
         _check_pow2("num_warps", self.num_warps, 1, 16)
         _check_pow2("select_block", self.select_block, 256, 16384)
         _check_pow2("select_warps", self.select_warps, 1, 16)
-        if self.select_sample != 0:
+        if self.select_sample not in (None, 0):
             _check_pow2("select_sample", self.select_sample, 64, 4096)
-        _check_pow2("select_cand", self.select_cand, 256, 16384)
-        if self.select_sample > self.select_cand:
-            raise ValueError(
-                f"select_sample ({self.select_sample}) must be at most select_cand ({self.select_cand}): a row is "
-                "sampled only when it is wider than select_cand"
-            )
-        if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 6:
-            raise ValueError(f"num_stages must be an int in [1, 6], got {self.num_stages!r}")
-        if self.scratch_elements is not None and (
-            not isinstance(self.scratch_elements, int) or self.scratch_elements < 1
-        ):
-            raise ValueError(f"scratch_elements must be a positive int or None, got {self.scratch_elements!r}")
+        if self.select_cand is not None:
+            _check_pow2("select_cand", self.select_cand, 256, 16384)
+        for num_keys in (1, 1 << 40):
+            sample, cand = self.resolved_select(num_keys)
+            if sample > cand:
+                raise ValueError(
+                    f"select_sample ({sample}) must be at most select_cand ({cand}) for {num_keys} keys: a row is "
+                    "sampled only when it is wider than select_cand"
+                )
+
+    def resolved_select(self, num_keys: int) -> tuple[int, int]:
+        """``(select_sample, select_cand)`` for a key tensor of ``num_keys`` rows, ``None`` fields by a measured
+        table: ``(512, 2048)`` up to 32768 keys, ``(1024, 4096)`` above. On the H200 (one causal document, K = 2048,
+        ``benchmarks/results/dsa_indexer_select_2026-12-01.md``) the first was the fastest setting tried at 4K and 16K
+        keys, and the second at 64K, where 2048 candidates overflow on the widest rows; 32K is not measured."""
+        auto_sample, auto_cand = (512, 2048) if num_keys <= 32768 else (1024, 4096)
+        sample = auto_sample if self.select_sample is None else self.select_sample
+        cand = auto_cand if self.select_cand is None else self.select_cand
+        return sample, cand
 
 
 def availability(device: torch.device | str | None = None) -> tuple[bool, str]:

@@ -275,9 +275,10 @@ def indexer_topk_fwd(
     chunk = _chunk_rows(num_queries, num_keys, index_topk, cfg)
     scratch = torch.empty((chunk, max(num_keys, 1)), dtype=torch.int32, device=index_q.device)
     # The selection's candidate buffer: select_cand int32 per row of a chunk (O(T_q K) like the output).
+    select_sample, select_cand = cfg.resolved_select(num_keys)
     cand = scratch
-    if cfg.select_sample > 0 and num_keys > index_topk:
-        cand = torch.empty((chunk, cfg.select_cand), dtype=torch.int32, device=index_q.device)
+    if select_sample > 0 and num_keys > index_topk:
+        cand = torch.empty((chunk, select_cand), dtype=torch.int32, device=index_q.device)
     n_kb = triton.cdiv(max(num_keys, 1), cfg.block_n)
     for row0 in range(0, num_queries, chunk):
         row1 = min(num_queries, row0 + chunk)
@@ -291,7 +292,7 @@ def indexer_topk_fwd(
             )  # fmt: skip
         indexer_topk_fwd_kernel_select[(row1 - row0,)](
             scratch, starts, causal_lengths, out, cand, row0, num_keys, index_topk, scratch.stride(0),
-            BLOCK=cfg.select_block, SAMPLE=cfg.select_sample, CAND=cfg.select_cand, num_warps=cfg.select_warps,
+            BLOCK=cfg.select_block, SAMPLE=select_sample, CAND=select_cand, num_warps=cfg.select_warps,
         )  # fmt: skip
     return out
 
