@@ -21,13 +21,13 @@ run() {  # run NAME SECONDS CMD...: one bounded step, its log under $Q
   timeout "$limit" bash benchmarks/device.sh python "$@" > "$Q/$name.log" 2>&1
   echo "$name: exit $? after $(since)"
 }
-run cp_imbalance 120 benchmarks/cp_imbalance.py --worlds 4 8 --tokens 32768 131072 --time-tokens 32768 \
-  --chunks 128 256 512 --out-dir "$Q"
-run dsa_overhead 45 benchmarks/dsa_overhead.py --out-dir "$Q"
-run demo_profile 100 benchmarks/demo_profile.py --out "$Q/demo_plain_profile.txt" -- --preset h200-32k \
-  --seq-len 4096 --steps 2 --attn-backend dense --dsa-backend torch --no-prewarm --no-parity --out /tmp/demo_prof
-run demo_sweep 280 benchmarks/demo_runs.py --preset h200-32k --sweep 1024 2048 4096 8192 16384 32768 \
-  --sweep-steps 3 --timeout 150 --budget 260 --name demo_sweep_h200_32k --out-dir "$Q" --run-dir /tmp/demo_runs
-for d in /tmp/demo_runs/*/; do cp "$d/log.txt" "$Q/$(basename "$d")_log.txt" 2>/dev/null; done
+run gpu_dsa_tests 120 -m pytest -q -p no:cacheprovider tests/gpu/test_dsa_triton_gpu.py -k "indexer or torch_route"
+PYTHONPATH=$PWD/src timeout 60 compute-sanitizer --tool memcheck python3 benchmarks/dsa.py --memcheck > "$Q/memcheck.log" 2>&1
+echo "memcheck: exit $? after $(since)"
+run dsa_indexer 120 benchmarks/dsa.py --indexer-case 16384,1doc --indexer-case 16384,docs --indexer-case 4096,1doc \
+  --indexer-case 65536,1doc --out-dir "$Q"
+run dsa_case 120 benchmarks/dsa.py --case 4096,64,2048,1doc --out-dir "$Q"
+run cp_imbalance 150 benchmarks/cp_imbalance.py --worlds 2 4 8 --tokens 131072 --time-tokens 131072 --chunks 128 512 \
+  --out-dir "$Q"
 tar czf "$OUT/queue.tgz" -C "$OUT" queue && rm -rf "$Q"
 echo "done after $(since)"
