@@ -399,6 +399,25 @@ def test_warmup_runs_every_kernel(triton_interpret):
     assert torch.equal(state, torch.get_rng_state())
 
 
+def test_warmup_compiles_each_default_selection_setting(triton_interpret, monkeypatch):
+    """The selection kernel compiles once per (sample, candidates) pair its defaults pick by key count: the warm-up
+    runs both, so a step with more than 32K keys does not compile at step 1."""
+    from longtrain.dsa.triton import indexer_topk, warmup
+
+    seen = []
+    real = indexer_topk.indexer_topk_triton
+
+    def spy(*args, config=None, **kwargs):
+        seen.append((config.select_sample, config.select_cand))
+        return real(*args, config=config, **kwargs)
+
+    monkeypatch.setattr(indexer_topk, "indexer_topk_triton", spy)
+    warmup(num_heads=2, d_qk=48, d_v=32, topk=8, index_heads=2, index_dim=16, dtype=torch.float32, device="cpu",
+           num_tokens=20)  # fmt: skip
+    assert seen == [IndexerConfig().resolved_select(1), IndexerConfig().resolved_select(1 << 40)]
+    assert seen == [(512, 2048), (1024, 4096)]
+
+
 def test_availability_reasons(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     ok, reason = availability("cpu")

@@ -42,6 +42,7 @@ from longtrain.dsa.triton._common import (
 
 __all__ = [
     "MAX_TOPK",
+    "default_config",
     "indexer_topk_fwd",
     "indexer_topk_fwd_kernel_scores",
     "indexer_topk_fwd_kernel_select",
@@ -367,6 +368,11 @@ _DEFAULT_CONFIG = IndexerConfig()
 _INTERPRETER_CONFIG = IndexerConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
 
 
+def default_config() -> IndexerConfig:
+    """The launch configuration a call without ``config`` gets (the interpreter's on CPU)."""
+    return _INTERPRETER_CONFIG if interpreting() else _DEFAULT_CONFIG
+
+
 def indexer_topk_triton_unchecked(
     index_q: torch.Tensor,
     index_k: torch.Tensor,
@@ -382,7 +388,7 @@ def indexer_topk_triton_unchecked(
     to the key rows that exist: that is what keeps a forged window from reading or emitting past ``T_k``.
     """
     if config is None:
-        config = _INTERPRETER_CONFIG if interpreting() else _DEFAULT_CONFIG
+        config = default_config()
     # The kernels clip every window to the key rows that exist themselves (no per-call tensor ops here: each is a
     # launch on the host's critical path).
     return indexer_topk_fwd(

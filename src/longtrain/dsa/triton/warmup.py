@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -55,7 +56,7 @@ def warmup(
     """
     device = torch.device(device)
     require_available(device)
-    from longtrain.dsa.triton.indexer_topk import indexer_topk_triton
+    from longtrain.dsa.triton import indexer_topk
     from longtrain.dsa.triton.sparse_mla import sparse_mla_triton
 
     start = time.perf_counter()
@@ -76,8 +77,15 @@ def warmup(
     weights = torch.randn((num_tokens, index_heads), generator=gen).to(device)
     starts = torch.zeros(num_tokens, dtype=torch.int32, device=device)
     lengths = torch.arange(1, num_tokens + 1, dtype=torch.int32, device=device)
-    # A K below the row lengths makes the scoring and radix-select kernels run, not only the fast path.
-    selected = indexer_topk_triton(iq, ik, weights, starts, lengths, max(1, min(topk, num_tokens // 2)))
+    # A K below the row lengths makes the scoring and radix-select kernels run, not only the fast path; the
+    # selection compiles once per (sample, candidates) setting its defaults pick by key count: warm each of them.
+    base = indexer_topk.default_config()
+    for num_keys in (1, 1 << 40):
+        sample, cand = base.resolved_select(num_keys)
+        cfg = dataclasses.replace(base, select_sample=sample, select_cand=cand)
+        selected = indexer_topk.indexer_topk_triton(
+            iq, ik, weights, starts, lengths, max(1, min(topk, num_tokens // 2)), config=cfg
+        )
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     finite = bool(torch.isfinite(out).all()) and all(bool(torch.isfinite(g).all()) for g in grads)
