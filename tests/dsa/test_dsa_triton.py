@@ -327,6 +327,10 @@ def test_indexer_sampled_select_with_ties_falls_back_exactly(triton_interpret):
 
 
 def test_indexer_select_config_is_validated():
+    with pytest.raises(ValueError, match="num_stages"):
+        IndexerConfig(num_stages=0)
+    with pytest.raises(ValueError, match="scratch_elements"):
+        IndexerConfig(scratch_elements=0)
     with pytest.raises(ValueError, match="select_sample"):
         IndexerConfig(select_sample=100)
     with pytest.raises(ValueError, match="at most select_cand"):

@@ -147,6 +147,12 @@ class IndexerConfig:
             _check_pow2("select_sample", self.select_sample, 64, 4096)
         if self.select_cand is not None:
             _check_pow2("select_cand", self.select_cand, 256, 16384)
+        if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 6:
+            raise ValueError(f"num_stages must be an int in [1, 6], got {self.num_stages!r}")
+        if self.scratch_elements is not None and (
+            not isinstance(self.scratch_elements, int) or self.scratch_elements < 1
+        ):
+            raise ValueError(f"scratch_elements must be a positive int or None, got {self.scratch_elements!r}")
         for num_keys in (1, 1 << 40):
             sample, cand = self.resolved_select(num_keys)
             if sample > cand:
@@ -158,8 +164,10 @@ class IndexerConfig:
     def resolved_select(self, num_keys: int) -> tuple[int, int]:
         """``(select_sample, select_cand)`` for a key tensor of ``num_keys`` rows, ``None`` fields by a measured
         table: ``(512, 2048)`` up to 32768 keys, ``(1024, 4096)`` above. On the H200 (one causal document, K = 2048,
-        ``benchmarks/results/dsa_indexer_select_2026-12-01.md``) the first was the fastest setting tried at 4K and 16K
-        keys, and the second at 64K, where 2048 candidates overflow on the widest rows; 32K is not measured."""
+        ``benchmarks/results/dsa_indexer_select_2026-12-01.md``) the first was the fastest setting tried at 4K keys
+        and on 16K keys of documents U[K, 4K], and second on one 16K document (5.43 ms; sample 1024 with 2048
+        candidates 5.16, slower on the shorter rows); the second was the fastest at 64K, where 2048 candidates
+        overflow on the widest rows. 32K is not measured."""
         auto_sample, auto_cand = (512, 2048) if num_keys <= 32768 else (1024, 4096)
         sample = auto_sample if self.select_sample is None else self.select_sample
         cand = auto_cand if self.select_cand is None else self.select_cand
