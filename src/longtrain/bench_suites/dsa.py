@@ -698,26 +698,20 @@ def main() -> None:
     def flush(rows):
         return write_report("dsa", rows, columns, notes, out_dir=out_dir, title=title)
 
+    rows: list[dict] = []
+
+    def add(**row):
+        rows.append(row)
+        print(row, flush=True)
+
     if args.indexer_case:
-        rows_i: list[dict] = []
-
-        def add_i(**row):
-            rows_i.append(row)
-            print(row, flush=True)
-
         for case in args.indexer_case:
             total, layout = case.split(",")
             selects = [tuple(int(v) for v in sel.split(",")) for sel in args.select or []]
-            _indexer_case(add_i, int(total), layout, selects)
-        print("report:", *write_report("dsa_indexer", rows_i, columns, notes, out_dir=out_dir, title=title))
+            _indexer_case(add, int(total), layout, selects)
+        print("report:", *write_report("dsa_indexer", rows, columns, notes, out_dir=out_dir, title=title))
         return
     if args.case:
-        rows: list[dict] = []
-
-        def add(**row):
-            rows.append(row)
-            print(row, flush=True)
-
         for case in args.case:
             total, heads, topk, layout = case.split(",")
             _mla_case(add, int(total), int(heads), int(topk), layout)
