@@ -21,13 +21,10 @@ run() {  # run NAME SECONDS CMD...: one bounded step, its log under $Q
   timeout "$limit" bash benchmarks/device.sh python "$@" > "$Q/$name.log" 2>&1
   echo "$name: exit $? after $(since)"
 }
-run cp_imbalance 150 benchmarks/cp_imbalance.py --worlds 2 4 8 --tokens 131072 --time-tokens 131072 --chunks 128 512 \
-  --out-dir "$Q"
-run gpu_dsa_tests 100 -m pytest -q -p no:cacheprovider tests/gpu/test_dsa_triton_gpu.py -k "indexer or torch_route"
+run gpu_dsa_tests 120 -m pytest -q -p no:cacheprovider tests/gpu/test_dsa_triton_gpu.py -k "indexer or torch_route"
 PYTHONPATH=$PWD/src timeout 60 compute-sanitizer --tool memcheck python3 benchmarks/dsa.py --memcheck > "$Q/memcheck.log" 2>&1
 echo "memcheck: exit $? after $(since)"
-run dsa_indexer 110 benchmarks/dsa.py --indexer-case 16384,1doc --indexer-case 16384,docs --indexer-case 4096,1doc \
+run dsa_indexer 150 benchmarks/dsa.py --indexer-case 16384,1doc --indexer-case 16384,docs --indexer-case 4096,1doc \
   --indexer-case 65536,1doc --out-dir "$Q"
-run dsa_case 90 benchmarks/dsa.py --case 4096,64,2048,1doc --out-dir "$Q"
 tar czf "$OUT/queue.tgz" -C "$OUT" queue && rm -rf "$Q"
 echo "done after $(since)"

@@ -31,7 +31,7 @@ def test_doctor_lists_every_module_backend_with_reasons():
     # Every unavailable backend says why, and every auto choice which table row it follows.
     assert all(reason for _, _, avail, reason in rows if avail in ("no", "auto"))
     assert [b.split(" -> ")[0] for m, b, avail, _ in rows if avail == "auto"] == [
-        "auto sparse_mla fwd", "auto sparse_mla bwd", "auto indexer_topk"
+        "auto sparse_mla fwd", "auto sparse_mla bwd", "auto indexer_topk", "auto indexer_topk fp8=True"
     ]  # fmt: skip
 
 

@@ -411,15 +411,20 @@ def test_warmup_compiles_each_default_selection_setting(triton_interpret, monkey
     seen = []
     real = indexer_topk.indexer_topk_triton
 
-    def spy(*args, config=None, **kwargs):
-        seen.append((config.select_sample, config.select_cand))
-        return real(*args, config=config, **kwargs)
+    def spy(*args, config=None, fp8=False, **kwargs):
+        seen.append((config.select_sample, config.select_cand, fp8))
+        return real(*args, config=config, fp8=fp8, **kwargs)
 
     monkeypatch.setattr(indexer_topk, "indexer_topk_triton", spy)
-    warmup(num_heads=2, d_qk=48, d_v=32, topk=8, index_heads=2, index_dim=16, dtype=torch.float32, device="cpu",
-           num_tokens=20)  # fmt: skip
-    assert seen == [IndexerConfig().resolved_select(1), IndexerConfig().resolved_select(1 << 40)]
-    assert seen == [(512, 2048), (1024, 4096)]
+    info = warmup(num_heads=2, d_qk=48, d_v=32, topk=8, index_heads=2, index_dim=16, dtype=torch.float32,
+                  device="cpu", num_tokens=20)  # fmt: skip
+    assert seen[:2] == [
+        (*IndexerConfig().resolved_select(1), False),
+        (*IndexerConfig().resolved_select(1 << 40), False),
+    ]
+    assert seen[:2] == [(512, 2048, False), (1024, 4096, False)]
+    # The FP8 scores are another variant of the scoring kernel: warmed too where they run (the interpreter here).
+    assert seen[2][2] is True and info["index_fp8"] is True
 
 
 def test_availability_reasons(monkeypatch):

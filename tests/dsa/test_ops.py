@@ -317,7 +317,9 @@ def _fake_triton(calls):
         calls.append(("availability", str(device)))
         return True, ""
 
-    def indexer_topk_triton_unchecked(index_q, index_k, head_weights, starts, causal_lengths, index_topk, config=None):
+    def indexer_topk_triton_unchecked(
+        index_q, index_k, head_weights, starts, causal_lengths, index_topk, config=None, *, fp8=False
+    ):
         calls.append(("indexer", starts.tolist(), causal_lengths.tolist(), index_topk))
         return ref.indexer_topk_reference(index_q, index_k, head_weights, starts, causal_lengths, index_topk)
 
@@ -445,6 +447,7 @@ def test_backend_status_rows():
             "auto sparse_mla fwd -> torch",
             "auto sparse_mla bwd -> torch",
             "auto indexer_topk -> torch",
+            "auto indexer_topk fp8=True -> torch",
         ]
         assert "CUDA" in dict(rows)["triton"]
 

@@ -169,6 +169,7 @@ def test_doctor_prints_the_choice_and_its_row(machine, capsys):
     assert fwd.startswith("auto sparse_mla fwd -> triton: 337.9 TFLOP/s on SM90 (dsa_2026-11-29.md)")
     assert bwd.startswith("auto sparse_mla bwd -> cudnn: 411 TFLOP/s on SM90 (blockdiag_cudnn_bwd_probe_2026-11-29")
     assert idx.startswith("auto indexer_topk -> triton: 202.7 TFLOP/s on SM90 (dsa_indexer_select_2026-12-01.md)")
+    assert "auto indexer_topk fp8=True -> triton: FP8 scores not timed yet" in "\n".join(rows)
     machine(triton=False, cudnn=False)
     assert cli.cmd_doctor(argparse.Namespace()) == 0
     out = capsys.readouterr().out
@@ -176,6 +177,7 @@ def test_doctor_prints_the_choice_and_its_row(machine, capsys):
     assert "9.029 TFLOP/s on SM90 (dsa_2026-11-29.md); rows above it not usable here: triton, flash_mla" in fwd_line
     assert "auto sparse_mla bwd -> torch" in out
     assert "not measured" in next(line for line in out.splitlines() if "auto indexer_topk -> torch" in line)
+    assert "auto indexer_topk fp8=True -> torch" in out
 
 
 # --------------------------------------------------------------------------------------------- dispatch

@@ -236,3 +236,24 @@ def test_disagreeing_ranks_raise_the_same_error(gloo):
     results = gloo(_disagree_worker, 2, timeout=180)
     assert all(kind == "CPMismatchError" for kind, _ in results), results
     assert len({msg for _, msg in results}) == 1 and "document layout" in results[0][1]
+
+
+def test_apply_dsa_indexer_fp8_reaches_every_indexer_call(monkeypatch):
+    """``apply_dsa(indexer_fp8=True)``: every "full" layer's indexer scores FP8 codes; the sparse attention does not
+    change its inputs (its output stays finite and the loss differentiable)."""
+    from longtrain.integrations import hf_dsa
+
+    torch.manual_seed(0)
+    model = transformers.GlmMoeDsaForCausalLM(_config("glm")).to(torch.float64)
+    assert hf.apply_dsa(model, backend="torch", indexer_fp8=True) == 3
+    ids, pos, labels = _row()
+    seen = []
+    real = hf_dsa.ops.indexer_topk
+    monkeypatch.setattr(
+        hf_dsa.ops, "indexer_topk", lambda *a, fp8=False, **k: seen.append(fp8) or real(*a, fp8=fp8, **k)
+    )
+    out = model(input_ids=ids, position_ids=pos, labels=labels)
+    out.loss.backward()
+    assert seen == [True, True] and torch.isfinite(out.loss)
+    with pytest.raises(TypeError, match="indexer_fp8 must be a bool"):
+        hf.apply_dsa(model, indexer_fp8="no")

@@ -411,6 +411,10 @@ def memcheck() -> None:
     for sample in (64, 0):
         cfg_s = IndexerConfig(block_m=64, block_n=128, select_sample=sample, select_cand=256)
         indexer_topk_triton(iq, ik, iw, st600, ca600, 24, config=cfg_s)
+    from longtrain.dsa.triton._common import indexer_fp8_unfit
+
+    if indexer_fp8_unfit(dev) is None:  # the FP8 scores' variant of the scoring kernel (SM89+)
+        indexer_topk_triton(iq, ik, iw, st600, ca600, 24, fp8=True)
     torch.cuda.synchronize()
     print("memcheck case done", bool(torch.isfinite(out).all()), int((sel >= 0).sum()), flush=True)
 
@@ -541,6 +545,7 @@ def _indexer_case(add, total: int, layout: str, selects: list[tuple[int, int, in
     add(op="indexer_topk", impl="triton (ours, fused; whole-row radix select, select_sample=0)", shape=shape,
         ms=ms[0], p20=ms[1], p80=ms[2], tflops=flops / ms[0] / 1e9, peak_mib=peak_mib(whole_row),
         note=f"selection {'identical to' if same else 'DIFFERS from'} the default's")  # fmt: skip
+    _fp8_row(add, iq, ik, iw, starts, causal, cfg, ours(), shape, flops, total <= 16384)
     for sample, cand, warps in selects or []:
         other = dataclasses.replace(cfg, select_sample=sample, select_cand=cand, select_warps=warps)
 
@@ -558,6 +563,28 @@ def _indexer_case(add, total: int, layout: str, selects: list[tuple[int, int, in
     add(op="indexer_topk", impl="torch reference (scores + topk, 2048-row chunks)", shape=shape, ms=ms[0],
         p20=ms[1], p80=ms[2], tflops=flops / ms[0] / 1e9, peak_mib=peak_mib(torch_ref),
         note=f"selection overlap with ours {overlap:.5f}")  # fmt: skip
+
+
+def _fp8_row(add, iq, ik, iw, starts, causal, cfg, exact_sel, shape, flops, with_reference: bool) -> None:
+    """The FP8 indexer (``fp8=True``: E4M3 codes, quantization included in the time), with its selection's overlap
+    with the bf16 one and, up to 16K tokens, with the float32 torch selection of the same FP8 scores."""
+    from longtrain.dsa.reference import indexer_fp8_operands
+    from longtrain.dsa.triton.indexer_topk import indexer_topk_triton_unchecked
+
+    def fp8():
+        return indexer_topk_triton_unchecked(iq, ik, iw, starts, causal, TOPK, cfg, fp8=True)
+
+    sel = fp8()
+    wide = causal > TOPK  # rows with a choice to make
+    note = f"selection overlap with the bf16 selection {selection_overlap(sel[wide], exact_sel[wide]):.5f}"
+    if with_reference:
+        q8, k8, wf, ks = indexer_fp8_operands(iq, ik, iw)
+        ref = torch_indexer_chunked(q8.float(), k8.float() * ks[:, None], wf, starts, causal, TOPK)
+        note += f", with the torch selection of the FP8 scores {selection_overlap(sel[wide], ref[wide]):.5f}"
+    note += " (rows wider than K)"
+    ms = bench(fp8)
+    add(op="indexer_topk", impl="triton (ours, fused; FP8 E4M3 scores, fp8=True)", shape=shape, ms=ms[0], p20=ms[1],
+        p80=ms[2], tflops=flops / ms[0] / 1e9, peak_mib=peak_mib(fp8), note=note)  # fmt: skip
 
 
 def print_tuning() -> None:

@@ -96,6 +96,9 @@ class DSAConfig:
     """Override of the attention logit scale; ``None`` derives it with :func:`mla_softmax_scale`."""
     backend: str = "auto"
     """DSA kernel backend for both ops: ``"auto" | "triton" | "cudnn" | "torch"``."""
+    indexer_fp8: bool = False
+    """The indexer scores FP8 codes of its queries and keys, as DeepSeek-V3.2 runs it (``indexer_topk(...,
+    fp8=True)``: triton on CUDA SM89+, or torch); the selection then follows the quantized scores."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -125,6 +128,8 @@ class DSAConfig:
             raise ValueError(f"DSAConfig.index_topk must be in [1, {ops.MAX_TOPK}], got {self.index_topk}.")
         if self.backend not in ops.BACKENDS:
             raise ValueError(f"DSAConfig.backend must be one of {ops.BACKENDS}, got {self.backend!r}.")
+        if not isinstance(self.indexer_fp8, bool):
+            raise ValueError(f"DSAConfig.indexer_fp8 must be a bool, got {self.indexer_fp8!r}.")
         for name in ("rope_theta", "rms_norm_eps", "index_norm_eps"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
@@ -595,6 +600,7 @@ class DSAAttention(nn.Module):
                 c.index_topk,
                 packed_metadata=meta,
                 backend=c.backend,
+                fp8=c.indexer_fp8,
             )
             for rows, meta in parts.parts
         ]

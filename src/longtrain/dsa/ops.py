@@ -83,6 +83,7 @@ def indexer_topk(
     cu_seqlens_padded: torch.Tensor | None = None,
     packed_metadata: CudnnDsaPackedMetadata | None = None,
     backend: str = "auto",
+    fp8: bool = False,
 ) -> torch.Tensor:
     """Lightning-indexer top-k for packed THD input (no gradient: the result is integer).
 
@@ -100,6 +101,10 @@ def indexer_topk(
         packed_metadata: optional prebuilt :func:`~longtrain.dsa.metadata.prepare_dsa_metadata` result;
             avoids the per-call metadata synchronization.
         backend: ``"auto" | "triton" | "cudnn" | "torch"``.
+        fp8: score E4M3 codes of ``index_q`` and ``index_k`` (a power-of-two scale per query row and head and per
+            key row, :func:`~longtrain.dsa.reference.indexer_fp8_operands`), as DeepSeek-V3.2 runs its indexer:
+            the selection is exact for those scores and differs from the unquantized one where scores are close.
+            ``triton`` (CUDA SM89+) and ``torch`` routes only; ``auto`` picks among them.
 
     Returns:
         ``[T_q, K] int32``: row ``t`` holds its ``min(K, causal_length[t])`` selected global key indices in
@@ -108,6 +113,8 @@ def indexer_topk(
     """
     _check_backend(backend)
     _validate_topk(index_topk)
+    if not isinstance(fp8, bool):
+        raise TypeError(f"fp8 must be a bool, got {type(fp8).__name__}.")
     check_float("index_q", index_q, "[T_q, H_I, D_I]")
     check_float("index_k", index_k, "[T_k, D_I]")
     check_float("head_weights", head_weights, "[T_q, H_I]")
@@ -129,11 +136,13 @@ def indexer_topk(
     if backend != "torch":
         call = routes.CallShape(
             "indexer_topk", device, index_q.dtype, num_heads, head_dim, index_topk,
-            key_dtype=index_k.dtype, weight_dtype=head_weights.dtype,
+            key_dtype=index_k.dtype, weight_dtype=head_weights.dtype, fp8=fp8,
         )  # fmt: skip
     if backend == "auto":
         route = routes.auto_plan(call).fwd
     elif backend == "cudnn":
+        if fp8:
+            _raise_unfit(routes.route_unfit("cudnn", call))
         # The indexer uses no FlashMLA kernel: the cuDNN frontend DSA alone is enough.
         if not cudnn_dsa._has_cudnn_dsa():
             cudnn_dsa._require_available()
@@ -160,8 +169,12 @@ def indexer_topk(
         if backend == "triton":
             _require_triton(call)
         return _triton_module().indexer_topk_triton_unchecked(
-            index_q, index_k, head_weights, meta.starts, meta.causal_lengths, index_topk
+            index_q, index_k, head_weights, meta.starts, meta.causal_lengths, index_topk, fp8=fp8
         )
+    if fp8:
+        # The dequantized codes (exact in float32: power-of-two scales) give the FP8 scores themselves.
+        q8, k8, head_weights, k_scale = reference.indexer_fp8_operands(index_q, index_k, head_weights)
+        index_q, index_k = q8.to(torch.float32), k8.to(torch.float32) * k_scale[:, None]
     return _indexer_topk_torch(index_q, index_k, head_weights, meta.starts, meta.causal_lengths, index_topk)
 
 

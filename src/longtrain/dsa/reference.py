@@ -18,7 +18,10 @@ from longtrain.dsa.metadata import CudnnDsaPackedMetadata
 
 __all__ = [
     "compute_dtype",
+    "FP8_E4M3_MAX",
     "eligible_key_mask",
+    "fp8_rows",
+    "indexer_fp8_operands",
     "indexer_scores",
     "indexer_topk_reference",
     "selected_rows",
@@ -67,6 +70,45 @@ def indexer_scores(
     logits = torch.einsum("thd,sd->ths", index_q.to(dtype), index_k.to(dtype))
     scores = torch.einsum("th,ths->ts", head_weights.to(dtype), logits.clamp_min(0))
     return scores.masked_fill(~eligible, float("-inf"))
+
+
+#: Largest finite ``float8_e4m3fn`` value.
+FP8_E4M3_MAX = 448.0
+
+
+def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 codes of ``x`` with one power-of-two scale per row of its last dimension: ``x ~ codes * scale``.
+
+    ``scale = 2 ** ceil(log2(amax / 448))`` (1 for an all-zero row), so every ``x / scale`` lies in ``[-448, 448]``
+    and dividing by the scale is exact: the only error is the rounding of ``x / scale`` to E4M3 (round to nearest
+    even; 3 mantissa bits). A power of two also keeps ``codes * scale`` exact in float32 (and in bf16).
+
+    Returns:
+        ``(codes`` like ``x`` in ``torch.float8_e4m3fn``, ``scale`` ``x.shape[:-1]`` float32``)``.
+    """
+    xf = x.detach().to(torch.float32)
+    amax = xf.abs().amax(dim=-1)
+    scale = torch.where(
+        amax > 0, torch.exp2(torch.ceil(torch.log2(amax / FP8_E4M3_MAX))), torch.ones_like(amax)
+    )  # fmt: skip
+    return (xf / scale[..., None]).to(torch.float8_e4m3fn), scale
+
+
+def indexer_fp8_operands(
+    index_q: torch.Tensor, index_k: torch.Tensor, head_weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The FP8 indexer's operands: ``(q8 [T_q, H_I, D_I], k8 [T_k, D_I])`` E4M3 codes (:func:`fp8_rows`: a scale per
+    query row and head, one per key row), ``weights [T_q, H_I]`` float32 = ``head_weights`` times the query scales,
+    and ``k_scale [T_k]`` float32.
+
+    The FP8 scores are ``I8[t, s] = k_scale[s] * sum_h weights[t, h] * relu(q8[t, h] . k8[s])``: the indexer scores
+    of the dequantized inputs (the scales are positive, so they pass through ``relu``), as DeepSeek-V3.2 computes its
+    indexer. :func:`indexer_topk_reference` of ``(q8, k8 * k_scale, weights)`` in float32 or float64 is their
+    reference selection.
+    """
+    q8, q_scale = fp8_rows(index_q)
+    k8, k_scale = fp8_rows(index_k)
+    return q8, k8, head_weights.to(torch.float32) * q_scale, k_scale
 
 
 def indexer_topk_reference(

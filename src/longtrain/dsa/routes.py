@@ -169,6 +169,8 @@ class CallShape(NamedTuple):
     """The indexer's ``index_k`` dtype."""
     weight_dtype: torch.dtype | None = None
     """The indexer's ``head_weights`` dtype."""
+    fp8: bool = False
+    """The indexer scores FP8 codes of its inputs (``indexer_topk(..., fp8=True)``): triton (SM89+) or torch only."""
 
 
 class Plan(NamedTuple):
@@ -279,7 +281,12 @@ def route_unfit(route: str, call: CallShape, major: int | None = None) -> tuple[
     if route == "triton":
         if call.op == "sparse_mla":
             return _triton_common.sparse_mla_unfit(call.dtype, call.heads, call.width, call.d_v)
-        return _triton_common.indexer_unfit(call.dtype, call.key_dtype, call.heads, call.width)
+        unfit = _triton_common.indexer_unfit(call.dtype, call.key_dtype, call.heads, call.width)
+        if unfit is None and call.fp8:
+            unfit = _triton_common.indexer_fp8_unfit(call.device)
+        return unfit
+    if call.fp8:
+        return ValueError, f"fp8=True has no {route} route: the FP8 indexer runs on backend='triton' or 'torch'"
     major = device_major(call.device) if major is None else major
     if call.op == "sparse_mla":
         return cudnn_dsa.value_unfit(call.d_v, call.has_sink) or cudnn_dsa.sparse_attention_unfit(
@@ -376,6 +383,11 @@ def auto_status(device: torch.device) -> list[tuple[str, None]]:
             skipped = [r.route for r in rows[: rows.index(row)]]
             label = f"auto {op} {direction}" if op == "sparse_mla" else f"auto {op}"
             out.append((f"{label} -> {row.route}: {_why(row, skipped)}", None))
+    try:  # the FP8 indexer takes the same table's order, without the routes that have no FP8 option
+        route = auto_plan(CallShape("indexer_topk", device, **GLM52_INDEXER, fp8=True)).fwd
+        out.append((f"auto indexer_topk fp8=True -> {route}: FP8 scores not timed yet (cudnn has no FP8 option)", None))
+    except Exception as exc:
+        out.append((f"auto indexer_topk fp8=True: cannot decide ({type(exc).__name__}: {str(exc)[:120]})", None))
     return out
 
 

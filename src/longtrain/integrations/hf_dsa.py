@@ -39,22 +39,25 @@ DSA_ATTENTION_CLASSES = {"GlmMoeDsaAttention": "glm", "DeepseekV32Attention": "d
 _METAS: OrderedDict[tuple, tuple[list, Any]] = OrderedDict()
 
 
-def apply_dsa(model: torch.nn.Module, *, backend: str = "auto") -> int:
+def apply_dsa(model: torch.nn.Module, *, backend: str = "auto", indexer_fp8: bool = False) -> int:
     """Run every DSA attention module of ``model`` on our indexer and sparse MLA kernels; returns how many.
 
-    ``backend``: ``"auto" | "triton" | "cudnn" | "torch"`` for both ops. Training and evaluation forwards only: a
+    ``backend``: ``"auto" | "triton" | "cudnn" | "torch"`` for both ops. ``indexer_fp8``: the indexer scores FP8
+    codes of its queries and keys (``indexer_topk(..., fp8=True)``). Training and evaluation forwards only: a
     forward that would read or fill a KV cache outside training (generation) raises a ``ValueError``.
     """
     from .hf_blockdiag import ATTN_IMPLEMENTATION, register
 
     register()
     ops._check_backend(backend)
+    if not isinstance(indexer_fp8, bool):
+        raise TypeError(f"indexer_fp8 must be a bool, got {type(indexer_fp8).__name__}")
     count = 0
     for module in model.modules():
         family = DSA_ATTENTION_CLASSES.get(type(module).__name__)
         if family is None:
             continue
-        module.forward = types.MethodType(_make_forward(family, backend), module)
+        module.forward = types.MethodType(_make_forward(family, backend, indexer_fp8), module)
         count += 1
     if not count:
         raise ValueError(
@@ -65,11 +68,11 @@ def apply_dsa(model: torch.nn.Module, *, backend: str = "auto") -> int:
     return count
 
 
-def _make_forward(family: str, backend: str):
+def _make_forward(family: str, backend: str, indexer_fp8: bool = False):
     def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, position_ids=None,
                 prev_topk_indices=None, **kwargs):  # fmt: skip
-        return _dsa_forward(self, family, backend, hidden_states, position_embeddings, attention_mask, cache,
-                            position_ids, prev_topk_indices, kwargs)  # fmt: skip
+        return _dsa_forward(self, family, (backend, indexer_fp8), hidden_states, position_embeddings, attention_mask,
+                            cache, position_ids, prev_topk_indices, kwargs)  # fmt: skip
 
     return forward
 
@@ -123,7 +126,7 @@ def _metadata(batch_size: int, seq_len: int, device, position_ids, attention_mas
     return meta, cu
 
 
-def _dsa_forward(self, family, backend, hidden_states, position_embeddings, attention_mask, cache, position_ids,
+def _dsa_forward(self, family, kernels, hidden_states, position_embeddings, attention_mask, cache, position_ids,
                  prev_topk_indices, kwargs):  # fmt: skip
     cache = cache if cache is not None else kwargs.get("past_key_values")
     if cache is not None and not self.training:
@@ -169,7 +172,7 @@ def _dsa_forward(self, family, backend, hidden_states, position_embeddings, atte
 
     topk_width = cfg.index_topk
     if self.indexer is not None:
-        topk = _indexer(self.indexer, family, mod, hidden_states, q_resid, cos, sin, parts, cu, group, backend)
+        topk = _indexer(self.indexer, family, mod, hidden_states, q_resid, cos, sin, parts, cu, group, *kernels)
     else:
         if prev_topk_indices is None or tuple(prev_topk_indices.shape) != (tokens, topk_width):
             raise ValueError(
@@ -190,7 +193,7 @@ def _dsa_forward(self, family, backend, hidden_states, position_embeddings, atte
             self.scaling,
             d_v=lora,
             topk_length=meta.causal_lengths.clamp(max=topk_width),
-            backend=backend,
+            backend=kernels[0],
         )  # fmt: skip
         for rows, meta in parts.parts
     ]
@@ -201,7 +204,7 @@ def _dsa_forward(self, family, backend, hidden_states, position_embeddings, atte
 
 
 @torch.no_grad()
-def _indexer(indexer, family, mod, hidden_states, q_resid, cos, sin, parts, cu, group, backend):
+def _indexer(indexer, family, mod, hidden_states, q_resid, cos, sin, parts, cu, group, backend, fp8=False):
     batch, seq, _ = hidden_states.shape
     tokens = batch * seq
     n_heads, dim, rope = indexer.n_heads, indexer.head_dim, indexer.qk_rope_head_dim
@@ -221,7 +224,14 @@ def _indexer(indexer, family, mod, hidden_states, q_resid, cos, sin, parts, cu, 
     weights = weights.to(torch.promote_types(index_q.dtype, torch.float32))
     topk = [
         ops.indexer_topk(
-            index_q[rows], index_k, weights[rows], cu, indexer.index_topk, packed_metadata=meta, backend=backend
+            index_q[rows],
+            index_k,
+            weights[rows],
+            cu,
+            indexer.index_topk,
+            packed_metadata=meta,
+            backend=backend,
+            fp8=fp8,
         )  # fmt: skip
         for rows, meta in parts.parts
     ]

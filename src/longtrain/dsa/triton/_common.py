@@ -16,6 +16,7 @@ __all__ = [
     "Unfit",
     "availability",
     "dot_precision",
+    "indexer_fp8_unfit",
     "indexer_unfit",
     "interpreting",
     "next_pow2",
@@ -247,3 +248,26 @@ def indexer_unfit(dtype: torch.dtype, key_dtype: torch.dtype, num_heads: int, he
     if num_heads < 1:
         return ValueError, "index_q needs at least one indexer head"
     return None
+
+
+_FP8_UNFIT: dict[str, Unfit | None] = {}
+
+
+def indexer_fp8_unfit(device: torch.device) -> Unfit | None:
+    """Why the FP8 indexer scores cannot run on ``device`` (``None`` when they can; cached per device).
+
+    FP8 tensor-core products need CUDA SM89+ (Ada, Hopper and later); CPU tensors run under the interpreter.
+    """
+    key = str(device)
+    if key not in _FP8_UNFIT:
+        unfit = None
+        if device.type == "cuda":
+            major, minor = torch.cuda.get_device_capability(device)
+            if (major, minor) < (8, 9):
+                unfit = (
+                    RuntimeError,
+                    f"FP8 indexer scores need FP8 tensor cores (CUDA SM89+); {device} is SM{major}{minor}: "
+                    "use fp8=False there",
+                )
+        _FP8_UNFIT[key] = unfit
+    return _FP8_UNFIT[key]

@@ -30,10 +30,12 @@ import triton
 import triton.language as tl
 
 from longtrain.dsa._checks import check_float, check_int, check_same_device
+from longtrain.dsa.reference import indexer_fp8_operands
 from longtrain.dsa.triton._common import (
     TRITON_DTYPES,
     IndexerConfig,
     dot_precision,
+    indexer_fp8_unfit,
     indexer_unfit,
     interpreting,
     next_pow2,
@@ -64,13 +66,10 @@ def _clip_window(st, ln, T_k):
     return st.to(tl.int32), ln.to(tl.int32)
 
 
-@triton.jit(do_not_specialize=["row_begin", "row_end", "T_k", "topk", "scratch_stride"])
-def indexer_topk_fwd_kernel_scores(
-    q_ptr, k_ptr, w_ptr, starts_ptr, lens_ptr, scratch_ptr,
-    row_begin, row_end, T_k, topk, scratch_stride,
-    H_I: tl.constexpr, D_I: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
+@triton.jit
+def _score_tile(starts_ptr, lens_ptr, row_begin, row_end, T_k, topk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's tile of the scores: ``(rows, row_ok, st, ln, need, offs_n, busy)``; ``need`` marks the rows
+    with more eligible keys than K (the only ones that need scores), ``busy`` whether any of them sees a key here."""
     pid = tl.program_id(0)
     n_kb = tl.cdiv(T_k, BLOCK_N)
     # Key blocks vary fastest: programs running together share their query rows in L2.
@@ -81,12 +80,38 @@ def indexer_topk_fwd_kernel_scores(
     st = tl.load(starts_ptr + rows, mask=row_ok, other=0)  # [BLOCK_M]
     ln = tl.load(lens_ptr + rows, mask=row_ok, other=0)  # [BLOCK_M]
     st, ln = _clip_window(st, ln, T_k)
-    # Only rows with more eligible keys than K need scores.
     need = row_ok & (ln > topk)
     k_lo = kb * BLOCK_N
     overlap = need & (st < k_lo + BLOCK_N) & (st + ln > k_lo)
-    if tl.max(overlap.to(tl.int32), 0) > 0:
-        offs_n = k_lo + tl.arange(0, BLOCK_N)
+    offs_n = k_lo + tl.arange(0, BLOCK_N)
+    return rows, row_ok, st, ln, need, offs_n, tl.max(overlap.to(tl.int32), 0) > 0
+
+
+@triton.jit
+def _store_score_keys(acc, scratch_ptr, rows, row_begin, offs_n, st, ln, need, scratch_stride):
+    """Each eligible score of ``acc: [BLOCK_M, BLOCK_N]`` as an order-preserving 32-bit key, row-relative."""
+    # Order-preserving map float -> uint32 (stored as int32): flip the sign bit of non-negative values,
+    # every bit of negative ones. -0.0 is folded into +0.0 first so equal scores get equal keys.
+    acc = tl.where(acc == 0.0, 0.0, acc)
+    bits = acc.to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) | -2147483648)
+    cols = offs_n[None, :] - st[:, None]
+    eligible = need[:, None] & (cols >= 0) & (cols < ln[:, None])
+    out_rows = scratch_ptr + (rows - row_begin).to(tl.int64)[:, None] * scratch_stride
+    tl.store(out_rows + cols, key, mask=eligible)  # [BLOCK_M, BLOCK_N]
+
+
+@triton.jit(do_not_specialize=["row_begin", "row_end", "T_k", "topk", "scratch_stride"])
+def indexer_topk_fwd_kernel_scores(
+    q_ptr, k_ptr, w_ptr, ks_ptr, starts_ptr, lens_ptr, scratch_ptr,
+    row_begin, row_end, T_k, topk, scratch_stride,
+    H_I: tl.constexpr, D_I: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K_SCALE: tl.constexpr,
+):  # fmt: skip
+    rows, row_ok, st, ln, need, offs_n, busy = _score_tile(
+        starts_ptr, lens_ptr, row_begin, row_end, T_k, topk, BLOCK_M, BLOCK_N
+    )
+    if busy:
         offs_d = tl.arange(0, BLOCK_D)
         if BLOCK_D == D_I:
             k_mask = (offs_n < T_k)[:, None]
@@ -105,15 +130,9 @@ def indexer_topk_fwd_kernel_scores(
             w_h = tl.load(w_rows + h, mask=row_ok, other=0.0)  # [BLOCK_M]
             logits = tl.dot(q_h, keys_t, input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N]
             acc += tl.maximum(logits, 0.0) * w_h[:, None]
-        # Order-preserving map float -> uint32 (stored as int32): flip the sign bit of non-negative values,
-        # every bit of negative ones. -0.0 is folded into +0.0 first so equal scores get equal keys.
-        acc = tl.where(acc == 0.0, 0.0, acc)
-        bits = acc.to(tl.int32, bitcast=True)
-        key = bits ^ ((bits >> 31) | -2147483648)
-        cols = offs_n[None, :] - st[:, None]
-        eligible = need[:, None] & (cols >= 0) & (cols < ln[:, None])
-        out_rows = scratch_ptr + (rows - row_begin).to(tl.int64)[:, None] * scratch_stride
-        tl.store(out_rows + cols, key, mask=eligible)  # [BLOCK_M, BLOCK_N]
+        if K_SCALE:  # FP8 keys: each key row's (positive, power-of-two) scale, taken out of the head sum
+            acc *= tl.load(ks_ptr + offs_n, mask=offs_n < T_k, other=0.0)[None, :]
+        _store_score_keys(acc, scratch_ptr, rows, row_begin, offs_n, st, ln, need, scratch_stride)
 
 
 @triton.jit
@@ -266,8 +285,13 @@ def indexer_topk_fwd(
     causal_lengths: torch.Tensor,
     index_topk: int,
     cfg: IndexerConfig,
+    k_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Launch scoring + selection per row chunk on validated contiguous inputs; returns ``[T_q, K] int32``."""
+    """Launch scoring + selection per row chunk on validated contiguous inputs; returns ``[T_q, K] int32``.
+
+    ``k_scale``: ``[T_k]`` float32 key-row scales of FP8 (E4M3) ``index_q`` / ``index_k`` codes
+    (:func:`~longtrain.dsa.reference.indexer_fp8_operands`; the query scales are already in ``head_weights``).
+    """
     num_queries, num_heads, head_dim = index_q.shape
     num_keys = index_k.shape[0]
     out = torch.empty((num_queries, index_topk), dtype=torch.int32, device=index_q.device)
@@ -286,10 +310,11 @@ def indexer_topk_fwd(
         if num_keys > index_topk:
             grid = (triton.cdiv(row1 - row0, cfg.block_m) * n_kb,)
             indexer_topk_fwd_kernel_scores[grid](
-                index_q, index_k, head_weights, starts, causal_lengths, scratch,
-                row0, row1, num_keys, index_topk, scratch.stride(0),
+                index_q, index_k, head_weights, k_scale if k_scale is not None else head_weights, starts,
+                causal_lengths, scratch, row0, row1, num_keys, index_topk, scratch.stride(0),
                 H_I=num_heads, D_I=head_dim, BLOCK_D=next_pow2(head_dim), DOT_PREC=dot_precision(index_q.dtype),
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, K_SCALE=k_scale is not None,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )  # fmt: skip
         indexer_topk_fwd_kernel_select[(row1 - row0,)](
             scratch, starts, causal_lengths, out, cand, row0, num_keys, index_topk, scratch.stride(0),
@@ -307,12 +332,17 @@ def indexer_topk_triton(
     index_topk: int,
     *,
     config: IndexerConfig | None = None,
+    fp8: bool = False,
 ) -> torch.Tensor:
     """Lightning-indexer top-k in canonical form (Triton), without a ``[T_q, T_k]`` score matrix.
 
     Scores ``I[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s])`` (fp32 accumulation) over each row's eligible
     keys ``[starts[t], starts[t] + causal_lengths[t])``; row ``t`` selects the ``min(K, causal_lengths[t])``
     largest (equal scores: the smaller key index first).
+
+    ``fp8=True`` scores E4M3 codes of ``q`` and ``k`` instead (FP8 tensor cores, SM89+; a power-of-two scale per
+    query row and head and per key row, :func:`~longtrain.dsa.reference.indexer_fp8_operands`): the exact
+    selection of those scores, which differs from the unquantized one where scores are close.
 
     Args:
         index_q: ``[T_q, H_I, D_I]`` bf16/fp16/fp32.
@@ -322,6 +352,7 @@ def indexer_topk_triton(
         causal_lengths: ``[T_q]`` int window lengths (0 = padding row).
         index_topk: ``K`` in ``[1, 2048]``.
         config: launch configuration (``None`` = defaults).
+        fp8: score FP8 (E4M3) codes of ``index_q`` / ``index_k`` (see above).
 
     Returns:
         ``[T_q, K] int32``: per row the selected global key rows in strictly ascending order, then ``-1``.
@@ -361,7 +392,15 @@ def indexer_topk_triton(
         causal_lengths=causal_lengths,
     )
     require_available(index_q.device)
-    return indexer_topk_triton_unchecked(index_q, index_k, head_weights, starts, causal_lengths, index_topk, config)
+    if not isinstance(fp8, bool):
+        raise TypeError(f"fp8 must be a bool, got {type(fp8).__name__}")
+    if fp8:
+        unfit = indexer_fp8_unfit(index_q.device)
+        if unfit is not None:
+            raise unfit[0](unfit[1])
+    return indexer_topk_triton_unchecked(
+        index_q, index_k, head_weights, starts, causal_lengths, index_topk, config, fp8=fp8
+    )
 
 
 _DEFAULT_CONFIG = IndexerConfig()
@@ -381,6 +420,8 @@ def indexer_topk_triton_unchecked(
     causal_lengths: torch.Tensor,
     index_topk: int,
     config: IndexerConfig | None = None,
+    *,
+    fp8: bool = False,
 ) -> torch.Tensor:
     """:func:`indexer_topk_triton` without its checks, for callers that validated the call already (the public op).
 
@@ -389,6 +430,9 @@ def indexer_topk_triton_unchecked(
     """
     if config is None:
         config = default_config()
+    k_scale = None
+    if fp8:
+        index_q, index_k, head_weights, k_scale = indexer_fp8_operands(index_q, index_k, head_weights)
     # The kernels clip every window to the key rows that exist themselves (no per-call tensor ops here: each is a
     # launch on the host's critical path).
     return indexer_topk_fwd(
@@ -399,4 +443,5 @@ def indexer_topk_triton_unchecked(
         causal_lengths.contiguous(),
         index_topk,
         config,
+        k_scale,
     )

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from longtrain.dsa.triton._common import require_available
+from longtrain.dsa.triton._common import indexer_fp8_unfit, require_available
 
 __all__ = ["causal_topk_indices", "warmup"]
 
@@ -45,7 +45,8 @@ def warmup(
     with_sink: bool = False,
     with_topk_length: bool = True,
 ) -> dict[str, Any]:
-    """Run the sparse MLA forward + backward and the indexer top-k once at ``num_tokens`` tokens.
+    """Run the sparse MLA forward + backward and the indexer top-k once at ``num_tokens`` tokens (the indexer also
+    with FP8 scores where they run: CUDA SM89+ or the interpreter; ``"index_fp8"`` in the result says whether).
 
     Autotune keys are static model dims (heads, head dims, dtype), so this fills every autotune and
     compilation cache the training step will hit; token counts never re-trigger tuning. The RNG state of
@@ -86,6 +87,12 @@ def warmup(
         selected = indexer_topk.indexer_topk_triton(
             iq, ik, weights, starts, lengths, max(1, min(topk, num_tokens // 2)), config=cfg
         )
+    # The FP8 scores (``fp8=True``) are their own compiled variant of the scoring kernel: warmed where they run.
+    index_fp8 = indexer_fp8_unfit(device) is None
+    if index_fp8:
+        selected = indexer_topk.indexer_topk_triton(
+            iq, ik, weights, starts, lengths, max(1, min(topk, num_tokens // 2)), config=cfg, fp8=True
+        )
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     finite = bool(torch.isfinite(out).all()) and all(bool(torch.isfinite(g).all()) for g in grads)
@@ -112,6 +119,7 @@ def warmup(
             "index_dim": index_dim,
             "dtype": str(dtype),
         },
+        "index_fp8": index_fp8,
         "num_tokens": num_tokens,
         "device": str(device),
         "finite": finite,
