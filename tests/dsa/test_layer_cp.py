@@ -18,7 +18,7 @@ LAYOUTS = {
 }
 
 
-def _stack(seed: int) -> tuple[DSAAttention, DSAAttention]:
+def _stack(seed: int, indexer_fp8: bool = False) -> tuple[DSAAttention, DSAAttention]:
     config = DSAConfig(
         hidden_size=32,
         num_heads=2,
@@ -32,6 +32,7 @@ def _stack(seed: int) -> tuple[DSAAttention, DSAAttention]:
         index_topk=3,
         rope_theta=10_000.0,
         backend="torch",
+        indexer_fp8=indexer_fp8,
     )
     torch.manual_seed(seed)
     return DSAAttention(config, 0, "full").double(), DSAAttention(config, 1, "shared").double()
@@ -53,7 +54,7 @@ def _positions(cu, padded, total):
     return pos
 
 
-def _cp_vs_single(rank: int, world: int, layout_name: str) -> dict[str, float]:
+def _cp_vs_single(rank: int, world: int, layout_name: str, indexer_fp8: bool = False) -> dict[str, float]:
     layout = LAYOUTS[layout_name]
     total = layout["total"]
     local = total // world
@@ -66,7 +67,7 @@ def _cp_vs_single(rank: int, world: int, layout_name: str) -> dict[str, float]:
     x = torch.randn(total, 32, dtype=torch.float64, generator=gen)
     weight = torch.randn(total, 32, dtype=torch.float64, generator=gen)
 
-    layers = _stack(seed=11)
+    layers = _stack(seed=11, indexer_fp8=indexer_fp8)
     x_ref = x.clone().requires_grad_()
     out_ref, topk_ref = _forward(layers, x_ref, pos, cu, padded, mask, None)
     (out_ref * weight).sum().backward()
@@ -77,7 +78,7 @@ def _cp_vs_single(rank: int, world: int, layout_name: str) -> dict[str, float]:
         if p.grad is not None
     }
 
-    layers = _stack(seed=11)
+    layers = _stack(seed=11, indexer_fp8=indexer_fp8)
     x_local = x[rows].clone().requires_grad_()
     out, topk = _forward(layers, x_local, pos[rows], cu, padded, None if mask is None else mask[rows], dist.group.WORLD)
     (out * weight[rows]).sum().backward()
@@ -119,9 +120,11 @@ def test_gather_tokens_forward_order_and_summed_backward(gloo):
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("indexer_fp8", [False, True], ids=["bf16_scores", "fp8_scores"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_cp_layers_equal_single_rank(gloo, layout):
-    for diffs in gloo(_cp_vs_single, 2, layout):
+def test_cp_layers_equal_single_rank(gloo, layout, indexer_fp8):
+    """The FP8 indexer quantizes each query row and head and each key row on its own: CP changes none of its codes."""
+    for diffs in gloo(_cp_vs_single, 2, layout, indexer_fp8):
         assert diffs["topk_equal"] == 1.0
         # float64 on both sides; CP only reorders sums (all-reduced gradient shares).
         assert diffs["out"] < 1e-12 and diffs["x_grad"] < 1e-12, diffs
