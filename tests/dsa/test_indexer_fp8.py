@@ -178,6 +178,8 @@ def test_layer_and_hf_pass_fp8_to_the_indexer(monkeypatch):
 
     with pytest.raises(ValueError, match="indexer_fp8 must be a bool"):
         DSAConfig(indexer_fp8="yes")
+    with pytest.raises(ValueError, match="no cudnn route"):  # at construction, not at the first forward
+        DSAConfig(indexer_fp8=True, backend="cudnn")
     assert DSAConfig().indexer_fp8 is False
     seen = []
     real = ops.indexer_topk

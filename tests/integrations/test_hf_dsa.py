@@ -257,3 +257,5 @@ def test_apply_dsa_indexer_fp8_reaches_every_indexer_call(monkeypatch):
     assert seen == [True, True] and torch.isfinite(out.loss)
     with pytest.raises(TypeError, match="indexer_fp8 must be a bool"):
         hf.apply_dsa(model, indexer_fp8="no")
+    with pytest.raises(ValueError, match="no cudnn route"):  # when applied, not at the first forward
+        hf.apply_dsa(model, backend="cudnn", indexer_fp8=True)

@@ -130,6 +130,11 @@ class DSAConfig:
             raise ValueError(f"DSAConfig.backend must be one of {ops.BACKENDS}, got {self.backend!r}.")
         if not isinstance(self.indexer_fp8, bool):
             raise ValueError(f"DSAConfig.indexer_fp8 must be a bool, got {self.indexer_fp8!r}.")
+        if self.indexer_fp8 and self.backend == "cudnn":
+            raise ValueError(
+                "DSAConfig.indexer_fp8=True has no cudnn route (cuDNN's indexer has no FP8 option): use "
+                "backend='auto', 'triton' or 'torch', or indexer_fp8=False."
+            )
         for name in ("rope_theta", "rms_norm_eps", "index_norm_eps"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:

@@ -52,6 +52,11 @@ def apply_dsa(model: torch.nn.Module, *, backend: str = "auto", indexer_fp8: boo
     ops._check_backend(backend)
     if not isinstance(indexer_fp8, bool):
         raise TypeError(f"indexer_fp8 must be a bool, got {type(indexer_fp8).__name__}")
+    if indexer_fp8 and backend == "cudnn":
+        raise ValueError(
+            "apply_dsa(indexer_fp8=True) has no cudnn route (cuDNN's indexer has no FP8 option): use backend='auto', "
+            "'triton' or 'torch', or indexer_fp8=False"
+        )
     count = 0
     for module in model.modules():
         family = DSA_ATTENTION_CLASSES.get(type(module).__name__)
