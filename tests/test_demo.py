@@ -91,6 +91,20 @@ def test_demo_yaml_config_and_flags_override(tmp_path):
     assert len((tmp_path / "o" / "metrics.jsonl").read_text().splitlines()) == 3
 
 
+def test_demo_with_the_fp8_indexer_keeps_cp_parity(tmp_path):
+    """``model.dsa.indexer_fp8`` reaches the DSA layers; its codes are per row, so 2 CP ranks still equal one."""
+    cfg = tmp_path / "demo.yaml"
+    cfg.write_text("model:\n  dsa:\n    indexer_fp8: true\n")
+    out = tmp_path / "o"
+    res = _run(["demo", "--config", str(cfg), "--cp", "2", "--steps", "2", "--seq-len", "256", "--out", str(out)])
+    assert res.returncode == 0, res.stderr
+    assert json.loads((out / "summary.json").read_text())["parity"]["ok"]
+    from longtrain.demo.config import build_model_config, make_config, read_config_file
+
+    model_cfg = build_model_config(make_config(read_config_file(cfg)), torch.device("cpu"))
+    assert model_cfg.dsa_config().indexer_fp8 is True
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
