@@ -286,12 +286,30 @@ def test_indexer_bf16_canonical_and_maximal(K):
     assert agree > 0.999, agree
 
 
+def _set_overlap(a, b, rows):
+    """Mean over ``rows`` of the share of ``b``'s selected keys that ``a`` selects too."""
+    total = 0.0
+    for r0 in range(0, int(rows.sum()), 256):
+        aa, bb = a[rows][r0 : r0 + 256].long(), b[rows][r0 : r0 + 256].long()
+        n = int(max(aa.max(), bb.max())) + 2
+        mark = torch.zeros((aa.shape[0], n), dtype=torch.bool, device=a.device)
+        mark.scatter_(1, torch.where(aa >= 0, aa, n - 1), True)
+        mark[:, n - 1] = False
+        hit = torch.gather(mark, 1, torch.where(bb >= 0, bb, n - 1)) & (bb >= 0)
+        total += float((hit.sum(1) / (bb >= 0).sum(1).clamp_min(1)).sum())
+    return total / float(rows.sum())
+
+
 @pytest.mark.parametrize("K", [2048, 512])
 def test_indexer_fp8_selects_a_maximal_set_of_the_fp8_scores(K):
     """``fp8=True`` on the FP8 tensor cores: a maximal set of the FP8 scores (the dequantized codes' scores in
-    float64), with the slack of an accumulator of 13 mantissa bits (2**-13 of the row's largest sum of absolute
-    terms: Hopper's FP8 MMA keeps about 14 bits, not fp32's 24, DeepSeek-V3 report section 3.3.2), agreeing with
-    the float64 selection of those scores almost everywhere and with the bf16 selection mostly."""
+    float64) up to the accumulation's rounding, and nearly the float64 selection of those scores.
+
+    Slack: Hopper's FP8 MMA keeps about 14 bits per accumulation step (DeepSeek-V3 report, section 3.3.2) and a
+    D_I = 128 dot is 4 steps of 32, so a score is off by at most about 4 * 2**-14 of its sum of absolute terms
+    ``sum_h |w| sum_d |q k|``; a chosen and an unchosen score together by twice that: 2**-10 bounds it. A selection
+    has no error to compare, so agreement is a set overlap over the rows with a choice to make (near-ties swap keys,
+    which would shift every later slot of an ascending row)."""
     from longtrain.dsa.reference import indexer_fp8_operands
     from longtrain.dsa.triton import indexer_topk_triton
 
@@ -299,12 +317,9 @@ def test_indexer_fp8_selects_a_maximal_set_of_the_fp8_scores(K):
     out = indexer_topk_triton(q, k, w, starts, causal, K, fp8=True)
     q8, k8, wf, ks = indexer_fp8_operands(q, k, w)
     k_deq = k8.double() * ks.double()[:, None]
-    _assert_canonical_and_maximal(out, q8, k_deq, wf, starts, causal, K, slack=2.0**-13, of_abs_terms=True)
+    _assert_canonical_and_maximal(out, q8, k_deq, wf, starts, causal, K, slack=2.0**-10, of_abs_terms=True)
+    wide = causal > K
     ref = indexer_topk_reference(q8.double(), k_deq, wf.double(), starts, causal, K)
-    assert (out == ref).float().mean().item() > 0.99
+    assert _set_overlap(out, ref, wide) > 0.99
     bf16 = indexer_topk_triton(q, k, w, starts, causal, K)
-    wide = causal > K  # rows with a choice to make
-    same = torch.zeros_like(out[wide], dtype=torch.bool)
-    for j in range(0, K, 256):  # set overlap per row: a slot counts when bf16's row holds the same key
-        same[:, j : j + 256] = (out[wide][:, j : j + 256, None] == bf16[wide][:, None, :]).any(2)
-    assert same.float().mean().item() > 0.9
+    assert _set_overlap(out, bf16, wide) > 0.9  # what FP8 itself changes (0.98-0.99 on the CPU at these widths)
