@@ -222,3 +222,64 @@ def test_benchmark_fp8_row_times_it_and_reports_both_overlaps(triton_interpret, 
     wide = lengths > 8
     fp8 = indexer_topk_triton(q, k, w, starts, lengths, 8, config=_ICFG, fp8=True)
     assert f"bf16 selection {suite.selection_overlap(fp8[wide], exact[wide]):.5f}" in row["note"]
+
+
+# --------------------------------------------------------------------------------------------- the codes kernel
+
+try:  # a module-level kernel: Triton resolves a kernel's names in its module's globals
+    import triton
+    import triton.language as tl
+
+    from longtrain.dsa.triton.indexer_topk import _e4m3_bits
+
+    @triton.jit
+    def _convert(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+        tl.store(out_ptr + offs, _e4m3_bits(x), mask=offs < n)
+
+except ImportError:  # no triton: the interpreter tests skip
+    _convert = None
+
+
+@pytest.mark.interpret
+def test_e4m3_rounding_is_torchs_on_every_code_and_every_midpoint(triton_interpret):
+    """The codes kernel rounds in integer arithmetic (the interpreter's own float -> fp8 conversion does not carry a
+    rounded-up mantissa into the exponent): every E4M3 value, every midpoint between neighbours (ties to even), the
+    values just off them, the subnormal range and random values give torch's bytes."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    values = codes[torch.isfinite(codes) & (codes >= 0)].unique()  # 0 .. 448, subnormals included
+    mids = (values[1:] + values[:-1]) / 2
+    off = torch.cat([mids * (1 + 2.0**-20), mids * (1 - 2.0**-20)])
+    g = torch.Generator().manual_seed(0)
+    rand = (torch.rand(4000, generator=g) * 2 - 1) * torch.logspace(-12, 2.65, 4000)
+    x = torch.cat([values, mids, off, rand, torch.tensor([0.0, 2.0**-6, 2.0**-6 * (1 - 2.0**-10), 2.0**-10])])
+    x = torch.cat([x, -x]).clamp(-448, 448).contiguous()
+    out = torch.empty(x.shape, dtype=torch.uint8)
+    _convert[((x.numel() + 1023) // 1024,)](x, out, x.numel(), BLOCK=1024)
+    assert torch.equal(out, x.to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("D", [128, 48])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_codes_kernel_equals_the_reference_operands_bit_for_bit(triton_interpret, D, dtype):
+    from longtrain.dsa.triton.indexer_topk import indexer_fp8_operands_triton
+
+    g = torch.Generator().manual_seed(D)
+    q = torch.randn(37, 3, D, generator=g) * torch.logspace(-20, 4, 37)[:, None, None]
+    q[5] = 0.0  # an all-zero row and head: scale 1
+    q[6, 1, 3] = 6e4  # one large value sets its row's scale
+    k = torch.randn(29, D, generator=g) * 3
+    k[2] = 0.0
+    k[3] = 448.0  # exactly the E4M3 maximum: scale 1
+    k[4, 0] = 450.0  # just above it (in every dtype): scale 2
+    w = torch.randn(37, 3, generator=g)
+    q, k = q.to(dtype), k.to(dtype)
+    got = indexer_fp8_operands_triton(q.contiguous(), k.contiguous(), w.contiguous())
+    want = ref.indexer_fp8_operands(q, k, w)
+    for a, b in zip(got, want):
+        if a.dtype == torch.float8_e4m3fn:
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        assert torch.equal(a, b)
+    assert float(want[3][3]) == 1.0 and float(want[3][4]) == 2.0 and float(want[3][2]) == 1.0

@@ -20,6 +20,7 @@ __all__ = [
     "compute_dtype",
     "FP8_E4M3_MAX",
     "eligible_key_mask",
+    "fp8_pow2_scales",
     "fp8_rows",
     "indexer_fp8_operands",
     "indexer_scores",
@@ -76,22 +77,37 @@ def indexer_scores(
 FP8_E4M3_MAX = 448.0
 
 
+def fp8_pow2_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, 1 / scale)`` float32 for row maxima ``amax >= 0``: the smallest power of two with
+    ``amax / scale <= 448`` (at least ``2**-126``; 1 for ``amax == 0``), read off the float32 bits exactly.
+
+    With ``amax = f * 2**e`` (``1 <= f < 2``) and ``448 = 1.75 * 2**8``, that power is ``2**(e - 8)`` when
+    ``f <= 1.75`` and ``2**(e - 7)`` otherwise: integer arithmetic on the exponent and mantissa bits, the same on
+    every device (the FP8 kernels compute it so too).
+    """
+    bits = amax.to(torch.float32).contiguous().view(torch.int32)
+    exponent = ((bits >> 23) & 0xFF) - 127
+    mantissa = bits & 0x7FFFFF
+    k = torch.where(mantissa <= 0x600000, exponent - 8, exponent - 7).clamp(-126, 127)
+    scale = ((k + 127) << 23).view(torch.float32)
+    inverse = ((127 - k) << 23).view(torch.float32)
+    zero = ~(amax > 0)
+    return scale.masked_fill(zero, 1.0), inverse.masked_fill(zero, 1.0)
+
+
 def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """E4M3 codes of ``x`` with one power-of-two scale per row of its last dimension: ``x ~ codes * scale``.
 
-    ``scale = 2 ** ceil(log2(amax / 448))`` (1 for an all-zero row), so every ``x / scale`` lies in ``[-448, 448]``
-    and dividing by the scale is exact: the only error is the rounding of ``x / scale`` to E4M3 (round to nearest
-    even; 3 mantissa bits). A power of two also keeps ``codes * scale`` exact in float32 (and in bf16).
+    ``scale``: :func:`fp8_pow2_scales` of the row's ``max |x|``, so every ``x / scale`` lies in ``[-448, 448]`` and
+    the rescale is exact: the only error is the rounding of ``x / scale`` to E4M3 (round to nearest even; 3
+    mantissa bits). A power of two also keeps ``codes * scale`` exact in float32 (and in bf16).
 
     Returns:
         ``(codes`` like ``x`` in ``torch.float8_e4m3fn``, ``scale`` ``x.shape[:-1]`` float32``)``.
     """
     xf = x.detach().to(torch.float32)
-    amax = xf.abs().amax(dim=-1)
-    scale = torch.where(
-        amax > 0, torch.exp2(torch.ceil(torch.log2(amax / FP8_E4M3_MAX))), torch.ones_like(amax)
-    )  # fmt: skip
-    return (xf / scale[..., None]).to(torch.float8_e4m3fn), scale
+    scale, inverse = fp8_pow2_scales(xf.abs().amax(dim=-1))
+    return (xf * inverse[..., None]).to(torch.float8_e4m3fn), scale
 
 
 def indexer_fp8_operands(

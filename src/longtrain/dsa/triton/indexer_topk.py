@@ -30,7 +30,6 @@ import triton
 import triton.language as tl
 
 from longtrain.dsa._checks import check_float, check_int, check_same_device
-from longtrain.dsa.reference import indexer_fp8_operands
 from longtrain.dsa.triton._common import (
     TRITON_DTYPES,
     IndexerConfig,
@@ -45,6 +44,8 @@ from longtrain.dsa.triton._common import (
 __all__ = [
     "MAX_TOPK",
     "default_config",
+    "indexer_fp8_operands_triton",
+    "indexer_fp8_rows_kernel",
     "indexer_topk_fwd",
     "indexer_topk_fwd_kernel_scores",
     "indexer_topk_fwd_kernel_select",
@@ -271,6 +272,77 @@ def indexer_topk_fwd_kernel_select(
             n_tie += tl.sum(tie, 0)
 
 
+@triton.jit
+def _e4m3_bits(y):
+    """The ``float8_e4m3fn`` bytes (uint8) of float32 ``y`` with ``|y| <= 448``, rounded to nearest even in integer
+    arithmetic (the same bytes as torch's conversion on every device, whatever a conversion instruction does)."""
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    # Normal codes (|y| >= 2**-6): rebias the exponent (127 -> 7) and round the 23-bit mantissa to 3 bits; a mantissa
+    # that rounds up to 8 carries into the exponent, as the encoding wants.
+    normal = (mag - (120 << 23) + 0x7FFFF + ((mag >> 20) & 1)) >> 20
+    # Subnormal codes (multiples of 2**-9): round |y| * 2**9 to an integer (adding 2**23 rounds to nearest even).
+    t = tl.abs(y) * 512.0
+    sub = ((t + 8388608.0) - 8388608.0).to(tl.int32)
+    code = tl.where(mag >= (121 << 23), normal, sub)
+    return (sign | code).to(tl.uint8)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def indexer_fp8_rows_kernel(
+    x_ptr, codes_ptr, scale_ptr, w_ptr, n_rows,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, FOLD_W: tl.constexpr,
+):  # fmt: skip
+    """E4M3 codes of ``BLOCK_R`` rows of ``x [n_rows, D]`` and their power-of-two scales, bit for bit
+    :func:`~longtrain.dsa.reference.fp8_rows`; ``FOLD_W``: store ``w[row] * scale`` (the head weights of query row
+    and head ``row``) instead of the scale."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    row_ok = rows < n_rows
+    mask = row_ok[:, None] & (cols < D)[None, :]
+    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_D]
+    amax = tl.max(tl.abs(x), 1)  # [BLOCK_R]
+    # The smallest power of two with amax / scale <= 448 = 1.75 * 2**8, from amax's bits (reference.fp8_pow2_scales).
+    bits = amax.to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) - 127
+    k = tl.where((bits & 0x7FFFFF) <= 0x600000, exponent - 8, exponent - 7)
+    k = tl.minimum(tl.maximum(k, -126), 127)
+    scale = ((k + 127) << 23).to(tl.float32, bitcast=True)
+    inverse = ((127 - k) << 23).to(tl.float32, bitcast=True)
+    zero = ~(amax > 0)
+    scale = tl.where(zero, 1.0, scale)
+    inverse = tl.where(zero, 1.0, inverse)
+    tl.store(codes_ptr + offs, _e4m3_bits(x * inverse[:, None]), mask=mask)
+    if FOLD_W:
+        tl.store(scale_ptr + rows, tl.load(w_ptr + rows, mask=row_ok, other=0.0) * scale, mask=row_ok)
+    else:
+        tl.store(scale_ptr + rows, scale, mask=row_ok)
+
+
+def indexer_fp8_operands_triton(
+    index_q: torch.Tensor, index_k: torch.Tensor, head_weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`~longtrain.dsa.reference.indexer_fp8_operands` in two launches (bit for bit the same), on contiguous
+    ``index_q [T_q, H_I, D_I]``, ``index_k [T_k, D_I]``, ``head_weights [T_q, H_I]`` float32."""
+    head_dim = index_q.shape[-1]
+    block_d = next_pow2(head_dim)
+    block_r = max(1, 4096 // block_d)
+    q8 = torch.empty(index_q.shape, dtype=torch.float8_e4m3fn, device=index_q.device)
+    k8 = torch.empty(index_k.shape, dtype=torch.float8_e4m3fn, device=index_k.device)
+    weights = torch.empty(head_weights.shape, dtype=torch.float32, device=index_q.device)
+    k_scale = torch.empty(index_k.shape[0], dtype=torch.float32, device=index_k.device)
+    for x, codes, out, w, fold in ((index_q, q8, weights, head_weights, True), (index_k, k8, k_scale, k_scale, False)):
+        n_rows = x.numel() // head_dim
+        if n_rows:  # the codes are written as their bytes (a uint8 view)
+            indexer_fp8_rows_kernel[(triton.cdiv(n_rows, block_r),)](
+                x, codes.view(torch.uint8), out, w, n_rows, D=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, FOLD_W=fold,
+                num_warps=4,
+            )  # fmt: skip
+    return q8, k8, weights, k_scale
+
+
 def _chunk_rows(num_queries: int, num_keys: int, topk: int, cfg: IndexerConfig) -> int:
     budget = cfg.scratch_elements if cfg.scratch_elements is not None else max(num_queries * topk, 1)
     rows = max(cfg.block_m, (budget // max(1, num_keys)) // cfg.block_m * cfg.block_m)
@@ -432,7 +504,9 @@ def indexer_topk_triton_unchecked(
         config = default_config()
     k_scale = None
     if fp8:
-        index_q, index_k, head_weights, k_scale = indexer_fp8_operands(index_q, index_k, head_weights)
+        index_q, index_k, head_weights, k_scale = indexer_fp8_operands_triton(
+            index_q.contiguous(), index_k.contiguous(), head_weights.to(torch.float32).contiguous()
+        )
     # The kernels clip every window to the key rows that exist themselves (no per-call tensor ops here: each is a
     # launch on the host's critical path).
     return indexer_topk_fwd(
