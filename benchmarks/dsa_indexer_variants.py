@@ -4,11 +4,13 @@
 ``dsa_indexer_variants_<date>.md``:
 
 - the split of the default indexer (T = 16384 one document and documents U[K, 4K], T = 4096): scores kernel alone
-  (every row chunk, the selection skipped) and the selection as the rest;
+  (every row chunk, the selection skipped) and the selection as the rest; the same scores on FP8 codes
+  (``fp8=True``) and the codes' own launch time;
 - at T = 16384, one document: the scoring kernel for tile shapes (block_m, block_n, warps, stages) x loop
   structures of its head loop (``mode``: 0 = the library's loop, 1 = two heads per step with both dots before
   their epilogues, 2 = software pipelined: the next head's dot before this head's epilogue, 3 = the head weights
-  loaded once as a tile), each checked to give the default's selection (``same``);
+  loaded once as a tile), each checked to give the default's selection (``same``), and the tile shapes on FP8
+  codes (the library's loop);
 - the selection kernel's settings (warps, block, sample, candidates) on the default scores;
 - ``--atomics-probe``: fp32 scatter throughput into random rows, atomics against plain stores (what bounds the
   sparse MLA backward's dkv kernel), ``dsa_atomics_probe_<date>.md``.
@@ -89,8 +91,9 @@ def scores_v(
         it._store_score_keys(acc, scratch_ptr, rows, row_begin, offs_n, st, ln, need, scratch_stride)
 
 
-def run(iq, ik, iw, starts, causal, cfg, mode=None, do_scores=True, do_select=True, out=None):
-    """indexer_topk_fwd with a scores variant (mode None = the library kernel); returns the selection."""
+def run(iq, ik, iw, starts, causal, cfg, mode=None, do_scores=True, do_select=True, out=None, k_scale=None):
+    """indexer_topk_fwd with a scores variant (mode None = the library kernel; with ``k_scale``, on FP8 codes);
+    returns the selection."""
     nq, nh, hd = iq.shape
     nk = ik.shape[0]
     if out is None:
@@ -122,7 +125,8 @@ def run(iq, ik, iw, starts, causal, cfg, mode=None, do_scores=True, do_select=Tr
                 num_stages=cfg.num_stages,
             )
             if mode is None:
-                it.indexer_topk_fwd_kernel_scores[grid](*args[:3], iw, *args[3:], **meta, K_SCALE=False)
+                ks = iw if k_scale is None else k_scale
+                it.indexer_topk_fwd_kernel_scores[grid](*args[:3], ks, *args[3:], **meta, K_SCALE=k_scale is not None)
             else:
                 scores_v[grid](*args, **meta, MODE=mode)
         if do_select:
@@ -154,8 +158,9 @@ _SELECTS = ((8, 2048, None, None), (4, 2048, None, None), (16, 2048, None, None)
             (16, 4096, 1024, 2048))  # fmt: skip
 
 
-def _case(total: int, layout: str, deadline: float, rows: list) -> None:
-    dev = torch.device("cuda")
+def _case(total: int, layout: str, deadline: float, rows: list, sweep: bool, device: str = "cuda") -> None:
+    """One input case: the default's split (scores, select, FP8), and with ``sweep`` every variant."""
+    dev = torch.device(device)
     _, _, starts, causal = causal_index_sets(doc_lengths(total, layout, TOPK), TOPK, dev)
     iq, ik, iw = indexer_inputs(total, dev)
     flops = 2 * 32 * 128 * int(causal.to(torch.int64).sum())
@@ -175,38 +180,55 @@ def _case(total: int, layout: str, deadline: float, rows: list) -> None:
     add(what="default: scores + select", ms=t_all)
     add(what="default: scores only", ms=t_sc, tflops=flops / t_sc / 1e9)
     add(what="default: select (the difference)", ms=t_all - t_sc)
-    if layout != "1doc" or total != 16384:
+    q8, k8, w8, ks = it.indexer_fp8_operands_triton(iq, ik, iw)
+
+    def call8(cfg, do_select=True):
+        return run(q8, k8, w8, starts, causal, cfg, do_select=do_select, k_scale=ks)
+
+    t8 = bench(lambda: call8(base, do_select=False))[0]
+    add(what="default, FP8 codes: scores only", ms=t8, tflops=flops / t8 / 1e9)
+    t8q = bench(lambda: it.indexer_fp8_operands_triton(iq, ik, iw))[0]
+    add(what="FP8 codes of q and k (indexer_fp8_operands_triton)", ms=t8q)
+    if not sweep:
         return
+
+    def variant(what, name, mode, timed, check=None, note=None):
+        """Time one variant (``check``: its selection against the default's); a failure is a row, not a crash."""
+        try:
+            same = None if check is None else bool(torch.equal(check(), ref))
+            ms = bench(timed)[0]
+            tflops = flops / ms / 1e9 if what.startswith("scores") else None
+            add(what=what, cfg=name, mode=mode, ms=ms, tflops=tflops, same=same, note=note)
+        except Exception as exc:  # a variant that does not compile is a row, not a crash
+            add(what=what, cfg=name, mode=mode, note=f"{type(exc).__name__}: {str(exc)[:160]}")
+
+    for bm, bn, w, st in _SCORE_TILES:
+        if time.time() > deadline:
+            return
+        cfg = IndexerConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
+        variant("scores variant, FP8 codes", f"{bm}x{bn} w{w} s{st}", 0, lambda cfg=cfg: call8(cfg, False))
     for bm, bn, w, st in _SCORE_TILES:
         for mode in (0, 1, 2, 3):
             if time.time() > deadline:
                 return
             cfg = IndexerConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
-            name = f"{bm}x{bn} w{w} s{st}"
-            try:
-                same = bool(torch.equal(call(cfg, mode), ref))
-                ms = bench(lambda cfg=cfg, mode=mode: call(cfg, mode, do_select=False))[0]
-                add(what="scores variant", cfg=name, mode=mode, ms=ms, tflops=flops / ms / 1e9, same=same)
-            except Exception as exc:  # a variant that does not compile is a row, not a crash
-                add(what="scores variant", cfg=name, mode=mode, note=f"{type(exc).__name__}: {str(exc)[:160]}")
+            variant("scores variant", f"{bm}x{bn} w{w} s{st}", mode,
+                    lambda cfg=cfg, mode=mode: call(cfg, mode, do_select=False),
+                    check=lambda cfg=cfg, mode=mode: call(cfg, mode))  # fmt: skip
     for sw, sb, samp, cand in _SELECTS:
         if time.time() > deadline:
             return
         cfg = IndexerConfig(select_warps=sw, select_block=sb, select_sample=samp, select_cand=cand)
-        name = f"warps {sw} block {sb} sample {samp} cand {cand}"
-        try:
-            same = bool(torch.equal(call(cfg), ref))
-            full = bench(lambda cfg=cfg: call(cfg))[0]
-            add(what="select variant", cfg=name, ms=full - t_sc, note=f"scores + select {full:.3f} ms", same=same)
-        except Exception as exc:
-            add(what="select variant", cfg=name, note=f"{type(exc).__name__}: {str(exc)[:160]}")
+        variant("select variant (scores + select)", f"warps {sw} block {sb} sample {samp} cand {cand}", None,
+                lambda cfg=cfg: call(cfg), check=lambda cfg=cfg: call(cfg),
+                note=f"the default's scores alone: {t_sc:.3f} ms")  # fmt: skip
 
 
 def main(out_dir: Path, budget_s: float) -> None:
     deadline = time.time() + budget_s
     rows: list = []
     for total, layout in ((16384, "1doc"), (16384, "docs"), (4096, "1doc")):
-        _case(total, layout, deadline, rows)
+        _case(total, layout, deadline, rows, sweep=(total, layout) == (16384, "1doc"))
     write_report("dsa_indexer_variants", rows, ["T", "layout", "what", "cfg", "mode", "ms", "tflops", "same", "note"],
                  "Timing: triton.testing.do_bench median, L2 flushed. tflops = 2 H_I D_I per causal pair over the "
                  "scores time. Reproduce: `python benchmarks/dsa_indexer_variants.py`.", out_dir=out_dir,
