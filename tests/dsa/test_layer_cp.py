@@ -137,7 +137,7 @@ def _step_forward(layers, x, pos, step):
     return h + shared(x + h, pos, prev_topk=topk, cp_step=step), topk
 
 
-def _step_vs_single(rank: int, world: int, sharding: str = "contiguous") -> dict[str, float]:
+def _step_vs_single(rank: int, world: int, sharding: str = "contiguous", indexer_fp8: bool = False) -> dict[str, float]:
     """DSA layers driven by a block-diagonal CPStep (no cu_seqlens, no metadata) equal the one-rank step; a balanced
     step owns several ranges of the row (pieces of 2 tokens and more)."""
     from longtrain.blockdiag_cp import build_cp_step
@@ -150,7 +150,7 @@ def _step_vs_single(rank: int, world: int, sharding: str = "contiguous") -> dict
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(total, 32, dtype=torch.float64, generator=gen)
     weight = torch.randn(total, 32, dtype=torch.float64, generator=gen) * (ids > 0)[:, None]
-    layers = _stack(seed=5)
+    layers = _stack(seed=5, indexer_fp8=indexer_fp8)
     x_ref = x.clone().requires_grad_()
     out_ref, topk_ref = _step_forward(layers, x_ref, pos, build_cp_step(ids))
     (out_ref * weight).sum().backward()
@@ -159,7 +159,7 @@ def _step_vs_single(rank: int, world: int, sharding: str = "contiguous") -> dict
         for layer in layers
         for n, p in layer.named_parameters(prefix=str(layer.layer_idx))
     }
-    layers = _stack(seed=5)
+    layers = _stack(seed=5, indexer_fp8=indexer_fp8)
     step = build_cp_step(ids, FakeMesh(world, rank, dist.group.WORLD) if world > 1 else None, sharding=sharding,
                          shard_chunk=2)  # fmt: skip
     if sharding == "balanced":
@@ -207,6 +207,13 @@ def test_layers_with_a_cp_step_on_two_ranks(gloo):
 @pytest.mark.parametrize("world", [2, 4])
 def test_layers_with_a_balanced_cp_step(gloo, world):
     for diffs in gloo(_step_vs_single, world, "balanced"):
+        _check_step_diffs(diffs)
+
+
+@pytest.mark.dist
+def test_layers_with_the_fp8_indexer_on_a_balanced_cp_step(gloo):
+    """Each rank's FP8 codes are its rows' and heads' own, whatever rows it owns: a balanced step equals one rank."""
+    for diffs in gloo(_step_vs_single, 2, "balanced", True):
         _check_step_diffs(diffs)
 
 
