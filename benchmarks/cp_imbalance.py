@@ -55,6 +55,15 @@ def head_tail_work(lens: list[int], world: int) -> list[int]:
     return work
 
 
+def query_segments(plan, lens: list[int], rank: int) -> int:
+    """Same-document query segments rank ``rank`` owns: its pieces cut at document boundaries (padding excluded)."""
+    bounds, acc = [], 0
+    for n in lens:
+        bounds.append((acc, acc + n))
+        acc += n
+    return sum(1 for a, b in plan.pieces[rank] for lo, hi in bounds if min(b, hi) > max(a, lo))
+
+
 def _imbalance(values) -> float:
     mean = sum(values) / len(values)
     return max(values) / mean if mean > 0 else 1.0
@@ -136,6 +145,7 @@ def run(
                         "work_max_over_mean": plan.imbalance,
                         "head_tail_max_over_mean": _imbalance(head_tail_work(lens, world)),
                         "calls_max": max(len(c) for c in calls),
+                        "segments_max": max(query_segments(plan, lens, r) for r in range(world)),
                         "kv_recv_allgather": plan.seq_len - plan.local_len,
                         "kv_recv_a2a_max": max(recv),
                         "plan_ms": plan_ms,
@@ -153,7 +163,8 @@ def run(
         "busiest rank over the mean (a CP group's step time follows its busiest rank). head-tail = every document "
         "cut into 2W near-equal pieces, rank r taking pieces r and 2W-1-r (torch's per-document layout, no minimum "
         "piece size). Balanced = plan_cp_shards(sharding='balanced', chunk=C), C per row. calls = varlen calls per "
-        "rank and attention layer. kv_recv = K/V tokens a rank receives per layer: all-gather S - L on every rank "
+        "rank and attention layer. segments = same-document query runs of a rank's rows (the sequences of its varlen "
+        "call), max over ranks. kv_recv = K/V tokens a rank receives per layer: all-gather S - L on every rank "
         "(both modes); all-to-all-v the needed keys it does not own (max over ranks). plan_ms = host time of the plan "
         "and every rank's pieces divided by W (each rank builds the plan and its own pieces once per step). "
         "Timing (CUDA only): each rank's varlen "
@@ -179,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         ("work_max_over_mean", "causal work max/mean"),
         ("head_tail_max_over_mean", "head-tail max/mean"),
         ("calls_max", "varlen calls/rank"),
+        ("segments_max", "query segments/rank (max)"),
         ("kv_recv_allgather", "K/V recv all-gather"),
         ("kv_recv_a2a_max", "K/V recv a2a (max)"),
         ("plan_ms", "plan ms/step"),

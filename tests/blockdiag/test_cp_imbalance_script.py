@@ -34,3 +34,6 @@ def test_rows_per_layout_world_and_chunk(tmp_path):
         assert r["kv_recv_a2a_max"] <= r["kv_recv_allgather"] == 8192 - 8192 // r["W"]
     one_doc_w4 = [r for r in rows if r["docs"].startswith("one document") and r["W"] == 4]
     assert one_doc_w4[0]["work_max_over_mean"] > 1.5 and one_doc_w4[1]["work_max_over_mean"] < 1.01
+    # one document: a contiguous rank holds one run of it, a balanced (head-tail) rank at most two
+    assert [r["segments_max"] for r in one_doc_w4] == [1, 2, 2]
+    assert all(r["segments_max"] >= 1 for r in rows)
