@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import machine_header, write_report  # noqa: E402
 from blockdiag_attention import HKV, HQ, LAYOUTS, D  # noqa: E402
 from longtrain.blockdiag_cp import plan_cp_shards, resolve_backend, runtime  # noqa: E402
+from longtrain.blockdiag_cp import sharding as sharding_module  # noqa: E402
 from longtrain.blockdiag_cp.meta import segment_rank  # noqa: E402
 from longtrain.blockdiag_cp.sharding import rank_pieces  # noqa: E402
 from longtrain.packing import doc_lengths, ids_from_lengths  # noqa: E402
@@ -116,7 +117,11 @@ def time_ranks(plan, ids: torch.Tensor, backend: str) -> list[float]:
 
 
 def run(
-    worlds: list[int], token_counts: list[int], time_tokens: list[int], chunks: tuple[int, ...] = (128,)
+    worlds: list[int],
+    token_counts: list[int],
+    time_tokens: list[int],
+    chunks: tuple[int, ...] = (128,),
+    whole_first: bool = False,
 ) -> tuple[list[dict], str]:
     cuda = torch.cuda.is_available()
     backend = resolve_backend("auto", torch.bfloat16, "cuda") if cuda else None
@@ -128,10 +133,15 @@ def run(
             for world in worlds:
                 pad = (-tokens) % (2 * world)
                 ids = ids_from_lengths(lens, pad)
-                for mode, chunk in [("contiguous", None)] + [("balanced", c) for c in chunks]:
+                modes = [("contiguous", None, False)] + [("balanced", c, False) for c in chunks]
+                modes += [("balanced", c, True) for c in chunks] if whole_first else []
+                for mode, chunk, first in modes:
                     t0 = time.perf_counter()
                     extra = {} if chunk is None else {"chunk": chunk}
-                    plan = plan_cp_shards(lens, world, sharding=mode, pad=pad, **extra)
+                    if first:  # the planner experiment (not a public option): sharding._balanced's whole_first
+                        plan = sharding_module._plan(lens, world, mode, chunk, pad, whole_first=True)
+                    else:
+                        plan = plan_cp_shards(lens, world, sharding=mode, pad=pad, **extra)
                     calls = [rank_calls(plan, ids, r, "cpu") for r in range(world)]
                     plan_ms = (time.perf_counter() - t0) * 1e3 / world  # (the plan + every rank's passes) / W
                     owned = [set(t.tolist()) for t in plan.token_index]
@@ -140,7 +150,7 @@ def run(
                         "tokens": tokens,
                         "docs": f"{name} ({len(lens)} docs)",
                         "W": world,
-                        "sharding": mode,
+                        "sharding": mode + (" (whole-first)" if first else ""),
                         "chunk": "-" if chunk is None else chunk,
                         "work_max_over_mean": plan.imbalance,
                         "head_tail_max_over_mean": _imbalance(head_tail_work(lens, world)),
@@ -162,7 +172,9 @@ def run(
         "Causal work = same-document (query, key) pairs with key <= query of a rank's queries; max/mean = the "
         "busiest rank over the mean (a CP group's step time follows its busiest rank). head-tail = every document "
         "cut into 2W near-equal pieces, rank r taking pieces r and 2W-1-r (torch's per-document layout, no minimum "
-        "piece size). Balanced = plan_cp_shards(sharding='balanced', chunk=C), C per row. calls = varlen calls per "
+        "piece size). Balanced = plan_cp_shards(sharding='balanced', chunk=C), C per row; balanced (whole-first) = the "
+        "planner experiment of --whole-first (documents whole where the rank stays under the mean work, not a public "
+        "option). calls = varlen calls per "
         "rank and attention layer. segments = same-document query runs of a rank's rows (the sequences of its varlen "
         "call), max over ranks. kv_recv = K/V tokens a rank receives per layer: all-gather S - L on every rank "
         "(both modes); all-to-all-v the needed keys it does not own (max over ranks). plan_ms = host time of the plan "
@@ -182,9 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", default=None)
     parser.add_argument("--name", default="cp_imbalance")
     parser.add_argument("--chunks", type=int, nargs="+", default=[128], help="balanced plans' smallest piece(s)")
+    parser.add_argument(
+        "--whole-first", action="store_true",
+        help="also the planner experiment that keeps documents whole where a rank stays under the mean work",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     header = machine_header()
-    rows, notes = run(args.worlds, args.tokens, args.time_tokens, tuple(args.chunks))
+    rows, notes = run(args.worlds, args.tokens, args.time_tokens, tuple(args.chunks), args.whole_first)
     columns = [
         "tokens", "docs", "W", "sharding", "chunk",
         ("work_max_over_mean", "causal work max/mean"),

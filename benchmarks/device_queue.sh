@@ -26,5 +26,7 @@ PYTHONPATH=$PWD/src timeout 60 compute-sanitizer --tool memcheck python3 benchma
 echo "memcheck: exit $? after $(since)"
 run dsa_indexer 150 benchmarks/dsa.py --indexer-case 16384,1doc --indexer-case 16384,docs --indexer-case 4096,1doc \
   --indexer-case 65536,1doc --out-dir "$Q"
+run cp_whole_first 150 benchmarks/cp_imbalance.py --worlds 4 8 --tokens 131072 --time-tokens 131072 --chunks 512 \
+  --whole-first --name cp_imbalance_whole_first --out-dir "$Q"
 tar czf "$OUT/queue.tgz" -C "$OUT" queue && rm -rf "$Q"
 echo "done after $(since)"

@@ -169,15 +169,18 @@ def plan_cp_shards(
     Returns:
         :class:`CPShardPlan`. Raises ``ValueError`` for invalid arguments.
     """
-    lens = _check(doc_lens, world_size, sharding, chunk, pad)
-    w = world_size
+    return _plan(_check(doc_lens, world_size, sharding, chunk, pad), world_size, sharding, chunk, pad)
+
+
+def _plan(lens: list[int], w: int, sharding: str, chunk: int, pad: int, whole_first: bool = False) -> CPShardPlan:
+    """:func:`plan_cp_shards` on checked arguments (``whole_first``: see :func:`_balanced`)."""
     pad += (-(sum(lens) + pad)) % w
     seq_len = sum(lens) + pad
     local = seq_len // w
     if sharding == SHARDING_CONTIGUOUS or w == 1:
         pieces = [[(r * local, (r + 1) * local)] if local else [] for r in range(w)]
     else:
-        pieces = _balanced(lens, pad, w, local, chunk)
+        pieces = _balanced(lens, pad, w, local, chunk, whole_first)
     pieces = tuple(tuple(_merge(p)) for p in pieces)
     work = tuple(causal_work_of(lens, p) for p in pieces)
     mode = SHARDING_CONTIGUOUS if w == 1 else sharding
@@ -198,7 +201,14 @@ def _tri(n: int) -> int:
     return n * (n + 1) // 2
 
 
-def _balanced(lens: list[int], pad: int, w: int, local: int, chunk: int) -> list[list[tuple[int, int]]]:
+def _balanced(
+    lens: list[int], pad: int, w: int, local: int, chunk: int, whole_first: bool = False
+) -> list[list[tuple[int, int]]]:
+    """The balanced plan's pieces per rank (module docstring). ``whole_first`` (an experiment, timed by
+    ``benchmarks/cp_imbalance.py --whole-first``; not a public option): every document, longest first, goes whole
+    to the least-loaded rank with room for it when that keeps the rank's causal work at most the mean; the others
+    are cut as the default plan cuts its shorter documents. Fewer, longer query segments and fewer all-to-all keys,
+    at a less even work split."""
     pieces: list[list[tuple[int, int]]] = [[] for _ in range(w)]
     tokens = [0] * w
     work = [0] * w
@@ -206,6 +216,7 @@ def _balanced(lens: list[int], pad: int, w: int, local: int, chunk: int) -> list
     for n in lens:
         starts.append(acc)
         acc += n
+    mean_work = sum(_tri(n) for n in lens) / w
 
     def head_tail(d: int, ranks: list[int]) -> None:
         """Document ``d`` over ``ranks`` (k of them): 2k pieces, ``ranks[i]`` takes pieces i and 2k-1-i; shares are
@@ -228,15 +239,27 @@ def _balanced(lens: list[int], pad: int, w: int, local: int, chunk: int) -> list
             tokens[r] += share[r]
             work[r] += causal_work_of([n], [(a - s, b - s) for a, b in pieces[r][-2:]])
 
+    def whole(d: int, r: int) -> None:
+        pieces[r].append((starts[d], starts[d] + lens[d]))
+        tokens[r] += lens[d]
+        work[r] += _tri(lens[d])
+
     # long documents: per-document head-tail over every rank (each rank's share costs the same)
-    for d, n in enumerate(lens):
-        if n >= 2 * w * chunk:
-            head_tail(d, list(range(w)))
-    # shorter documents, longest first: head-tail over the k = n // (2 chunk) least-loaded ranks with room for a
+    if not whole_first:
+        for d, n in enumerate(lens):
+            if n >= 2 * w * chunk:
+                head_tail(d, list(range(w)))
+    # the other documents, longest first: head-tail over the k = n // (2 chunk) least-loaded ranks with room for a
     # share (pieces of at least `chunk` tokens), whole onto the least-loaded rank with room when k < 2
-    for d in sorted((d for d, n in enumerate(lens) if 0 < n < 2 * w * chunk), key=lambda d: (-lens[d], d)):
+    rest = [d for d, n in enumerate(lens) if n > 0 and (whole_first or n < 2 * w * chunk)]
+    for d in sorted(rest, key=lambda d: (-lens[d], d)):
         n, s = lens[d], starts[d]
         by_work = sorted(range(w), key=lambda r: (work[r], r))
+        if whole_first:
+            fits = [r for r in by_work if local - tokens[r] >= n]
+            if fits and work[fits[0]] + _tri(n) <= mean_work:
+                whole(d, fits[0])
+                continue
         best = None
         for k in range(max(1, min(w, n // (2 * chunk))), 0, -1):
             ranks = [r for r in by_work if local - tokens[r] >= -(-n // k)][:k]
@@ -245,10 +268,7 @@ def _balanced(lens: list[int], pad: int, w: int, local: int, chunk: int) -> list
                 break
         if best is not None:
             if len(best) == 1:
-                r = best[0]
-                pieces[r].append((s, s + n))
-                tokens[r] += n
-                work[r] += _tri(n)
+                whole(d, best[0])
             else:
                 head_tail(d, sorted(best))
             continue
