@@ -139,7 +139,7 @@ def run(
                     t0 = time.perf_counter()
                     extra = {} if chunk is None else {"chunk": chunk}
                     if first:  # the planner experiment (not a public option): sharding._balanced's whole_first
-                        plan = sharding_module._plan(lens, world, mode, chunk, pad, whole_first=True)
+                        plan = sharding_module._plan(lens, world, mode, chunk, pad, whole_first=1.0)
                     else:
                         plan = plan_cp_shards(lens, world, sharding=mode, pad=pad, **extra)
                     calls = [rank_calls(plan, ids, r, "cpu") for r in range(world)]
@@ -173,8 +173,8 @@ def run(
         "busiest rank over the mean (a CP group's step time follows its busiest rank). head-tail = every document "
         "cut into 2W near-equal pieces, rank r taking pieces r and 2W-1-r (torch's per-document layout, no minimum "
         "piece size). Balanced = plan_cp_shards(sharding='balanced', chunk=C), C per row; balanced (whole-first) = the "
-        "planner experiment of --whole-first (documents whole where the rank stays under the mean work, not a public "
-        "option). calls = varlen calls per "
+        "planner experiment of --whole-first (documents whole while the rank's work stays at most the mean; not a "
+        "public option). calls = varlen calls per "
         "rank and attention layer. segments = same-document query runs of a rank's rows (the sequences of its varlen "
         "call), max over ranks. kv_recv = K/V tokens a rank receives per layer: all-gather S - L on every rank "
         "(both modes); all-to-all-v the needed keys it does not own (max over ranks). plan_ms = host time of the plan "

@@ -172,7 +172,9 @@ def plan_cp_shards(
     return _plan(_check(doc_lens, world_size, sharding, chunk, pad), world_size, sharding, chunk, pad)
 
 
-def _plan(lens: list[int], w: int, sharding: str, chunk: int, pad: int, whole_first: bool = False) -> CPShardPlan:
+def _plan(
+    lens: list[int], w: int, sharding: str, chunk: int, pad: int, whole_first: float | None = None
+) -> CPShardPlan:
     """:func:`plan_cp_shards` on checked arguments (``whole_first``: see :func:`_balanced`)."""
     pad += (-(sum(lens) + pad)) % w
     seq_len = sum(lens) + pad
@@ -202,13 +204,13 @@ def _tri(n: int) -> int:
 
 
 def _balanced(
-    lens: list[int], pad: int, w: int, local: int, chunk: int, whole_first: bool = False
+    lens: list[int], pad: int, w: int, local: int, chunk: int, whole_first: float | None = None
 ) -> list[list[tuple[int, int]]]:
     """The balanced plan's pieces per rank (module docstring). ``whole_first`` (an experiment, timed by
     ``benchmarks/cp_imbalance.py --whole-first``; not a public option): every document, longest first, goes whole
-    to the least-loaded rank with room for it when that keeps the rank's causal work at most the mean; the others
-    are cut as the default plan cuts its shorter documents. Fewer, longer query segments and fewer all-to-all keys,
-    at a less even work split."""
+    to the least-loaded rank with room for it when that keeps the rank's causal work at most ``whole_first`` times
+    the mean; the others are cut as the default plan cuts its shorter documents. Fewer, longer query segments and
+    fewer all-to-all keys, at a less even work split."""
     pieces: list[list[tuple[int, int]]] = [[] for _ in range(w)]
     tokens = [0] * w
     work = [0] * w
@@ -245,19 +247,19 @@ def _balanced(
         work[r] += _tri(lens[d])
 
     # long documents: per-document head-tail over every rank (each rank's share costs the same)
-    if not whole_first:
+    if whole_first is None:
         for d, n in enumerate(lens):
             if n >= 2 * w * chunk:
                 head_tail(d, list(range(w)))
     # the other documents, longest first: head-tail over the k = n // (2 chunk) least-loaded ranks with room for a
     # share (pieces of at least `chunk` tokens), whole onto the least-loaded rank with room when k < 2
-    rest = [d for d, n in enumerate(lens) if n > 0 and (whole_first or n < 2 * w * chunk)]
+    rest = [d for d, n in enumerate(lens) if n > 0 and (whole_first is not None or n < 2 * w * chunk)]
     for d in sorted(rest, key=lambda d: (-lens[d], d)):
         n, s = lens[d], starts[d]
         by_work = sorted(range(w), key=lambda r: (work[r], r))
-        if whole_first:
+        if whole_first is not None:
             fits = [r for r in by_work if local - tokens[r] >= n]
-            if fits and work[fits[0]] + _tri(n) <= mean_work:
+            if fits and work[fits[0]] + _tri(n) <= whole_first * mean_work:
                 whole(d, fits[0])
                 continue
         best = None
