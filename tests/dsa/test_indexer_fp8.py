@@ -283,3 +283,30 @@ def test_codes_kernel_equals_the_reference_operands_bit_for_bit(triton_interpret
             a, b = a.view(torch.uint8), b.view(torch.uint8)
         assert torch.equal(a, b)
     assert float(want[3][3]) == 1.0 and float(want[3][4]) == 2.0 and float(want[3][2]) == 1.0
+
+
+@pytest.mark.interpret
+# numpy (the interpreter) warns on the inf / NaN arithmetic of the subnormal branch, which the result never takes
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
+def test_non_finite_values_give_nan_codes_never_finite_ones(triton_interpret):
+    """A NaN or infinity in a query or key row becomes a NaN code (so that row's scores are NaN, as without FP8),
+    not a finite byte; the row's other values keep finite codes."""
+    from longtrain.dsa.triton.indexer_topk import indexer_fp8_operands_triton
+
+    x = torch.tensor([0.5, -2.0, 300.0, 448.0, 449.0, 1e-3, 0.0, -0.0] * 2)
+    y = torch.tensor([float("nan"), float("inf"), float("-inf"), 3.0e38, -1.0e-45] * 2)
+    out = torch.empty(y.shape, dtype=torch.uint8)
+    _convert[(1,)](y.contiguous(), out, y.numel(), BLOCK=16)
+    codes = out.view(torch.float8_e4m3fn).float()
+    assert torch.isnan(codes[:3]).all() and torch.isnan(codes[3])  # 3e38 is far beyond 448: NaN, not wrapped
+    assert codes[4] == 0.0  # a float32 subnormal rounds to (negative) zero
+    out_x = torch.empty(x.shape, dtype=torch.uint8)
+    _convert[(1,)](x.contiguous(), out_x, x.numel(), BLOCK=16)
+    assert torch.equal(out_x[:4], x[:4].to(torch.float8_e4m3fn).view(torch.uint8))
+    q = torch.randn(4, 2, 16)
+    q[1, 0, 3] = float("nan")
+    k = torch.randn(6, 16)
+    k[2, 5] = float("inf")
+    q8, k8, wf, ks = indexer_fp8_operands_triton(q, k, torch.rand(4, 2))
+    assert torch.isnan(q8[1, 0, 3].float()) and torch.isnan(k8[2, 5].float())
+    assert torch.isfinite(q8[0].float()).all() and torch.isfinite(k8[[0, 1, 3, 4, 5]].float()).all()

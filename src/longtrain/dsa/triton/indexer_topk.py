@@ -275,7 +275,8 @@ def indexer_topk_fwd_kernel_select(
 @triton.jit
 def _e4m3_bits(y):
     """The ``float8_e4m3fn`` bytes (uint8) of float32 ``y`` with ``|y| <= 448``, rounded to nearest even in integer
-    arithmetic (the same bytes as torch's conversion on every device, whatever a conversion instruction does)."""
+    arithmetic (the same bytes as torch's conversion on every device, whatever a conversion instruction does). A
+    non-finite ``y`` (or one beyond the format) gives NaN, never a wrapped finite byte."""
     bits = y.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
     mag = bits & 0x7FFFFFFF
@@ -286,6 +287,7 @@ def _e4m3_bits(y):
     t = tl.abs(y) * 512.0
     sub = ((t + 8388608.0) - 8388608.0).to(tl.int32)
     code = tl.where(mag >= (121 << 23), normal, sub)
+    code = tl.where((mag >= 0x7F800000) | (code > 0x7E), 0x7F, code)  # inf / NaN / out of range: NaN
     return (sign | code).to(tl.uint8)
 
 
