@@ -32,7 +32,7 @@ from longtrain.bench_suites.dsa import (  # noqa: E402
     causal_index_sets,
     doc_lengths,
     indexer_inputs,
-    selection_overlap,
+    selection_overlap_rows,
 )
 from longtrain.dsa import ops  # noqa: E402
 from longtrain.dsa.reference import indexer_fp8_operands  # noqa: E402
@@ -47,29 +47,16 @@ def measure(total: int, layout: str) -> dict:
     q8, k8, wf, ks = indexer_fp8_operands(iq, ik, iw)
     fp8 = ops._indexer_topk_torch(q8.float(), k8.float() * ks[:, None], wf, starts, causal, TOPK)
     wide = causal > TOPK
-    per_row = _per_row_overlap(fp8[wide], exact[wide])
+    per_row = selection_overlap_rows(fp8[wide], exact[wide])
     return dict(
         tokens=total,
         layout=layout,
         rows_wider_than_k=int(wide.sum()),
-        overlap=selection_overlap(fp8[wide], exact[wide]),
+        overlap=float(per_row.mean()),
         worst_row=float(per_row.min()),
         p01_row=float(per_row.quantile(0.01)),
         seconds=time.perf_counter() - t0,
     )
-
-
-def _per_row_overlap(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    out = []
-    for r0 in range(0, a.shape[0], 256):
-        aa, bb = a[r0 : r0 + 256].long(), b[r0 : r0 + 256].long()
-        n = int(max(aa.max(), bb.max())) + 2
-        mark = torch.zeros((aa.shape[0], n), dtype=torch.bool)
-        mark.scatter_(1, torch.where(aa >= 0, aa, n - 1), True)
-        mark[:, n - 1] = False
-        hit = torch.gather(mark, 1, torch.where(bb >= 0, bb, n - 1)) & (bb >= 0)
-        out.append(hit.sum(1) / (bb >= 0).sum(1).clamp_min(1))
-    return torch.cat(out).double()
 
 
 def main() -> None:

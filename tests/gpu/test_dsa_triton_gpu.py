@@ -286,20 +286,6 @@ def test_indexer_bf16_canonical_and_maximal(K):
     assert agree > 0.999, agree
 
 
-def _set_overlap(a, b, rows):
-    """Mean over ``rows`` of the share of ``b``'s selected keys that ``a`` selects too."""
-    total = 0.0
-    for r0 in range(0, int(rows.sum()), 256):
-        aa, bb = a[rows][r0 : r0 + 256].long(), b[rows][r0 : r0 + 256].long()
-        n = int(max(aa.max(), bb.max())) + 2
-        mark = torch.zeros((aa.shape[0], n), dtype=torch.bool, device=a.device)
-        mark.scatter_(1, torch.where(aa >= 0, aa, n - 1), True)
-        mark[:, n - 1] = False
-        hit = torch.gather(mark, 1, torch.where(bb >= 0, bb, n - 1)) & (bb >= 0)
-        total += float((hit.sum(1) / (bb >= 0).sum(1).clamp_min(1)).sum())
-    return total / float(rows.sum())
-
-
 @pytest.mark.parametrize("K", [2048, 512])
 def test_indexer_fp8_selects_a_maximal_set_of_the_fp8_scores(K):
     """``fp8=True`` on the FP8 tensor cores: a maximal set of the FP8 scores (the dequantized codes' scores in
@@ -310,6 +296,7 @@ def test_indexer_fp8_selects_a_maximal_set_of_the_fp8_scores(K):
     ``sum_h |w| sum_d |q k|``; a chosen and an unchosen score together by twice that: 2**-10 bounds it. A selection
     has no error to compare, so agreement is a set overlap over the rows with a choice to make (near-ties swap keys,
     which would shift every later slot of an ascending row)."""
+    from longtrain.bench_suites.dsa import selection_overlap
     from longtrain.dsa.reference import indexer_fp8_operands
     from longtrain.dsa.triton import indexer_topk_triton
 
@@ -320,6 +307,8 @@ def test_indexer_fp8_selects_a_maximal_set_of_the_fp8_scores(K):
     _assert_canonical_and_maximal(out, q8, k_deq, wf, starts, causal, K, slack=2.0**-10, of_abs_terms=True)
     wide = causal > K
     ref = indexer_topk_reference(q8.double(), k_deq, wf.double(), starts, causal, K)
-    assert _set_overlap(out, ref, wide) > 0.99
+    assert selection_overlap(out[wide], ref[wide]) > 0.99
     bf16 = indexer_topk_triton(q, k, w, starts, causal, K)
-    assert _set_overlap(out, bf16, wide) > 0.9  # what FP8 itself changes (0.98-0.99 on the CPU at these widths)
+    assert (
+        selection_overlap(out[wide], bf16[wide]) > 0.9
+    )  # what FP8 itself changes (0.98-0.99 on the CPU at these widths)

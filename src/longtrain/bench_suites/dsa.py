@@ -654,21 +654,23 @@ def torch_indexer_chunked(q, k, w, starts, causal, topk, chunk=2048):
     return out
 
 
-def selection_overlap(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Mean over rows of |a ∩ b| / |b| (valid entries only)."""
-    total, width = a.shape
+def selection_overlap_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per row, |a ∩ b| / |b| over the valid (``>= 0``) entries of two ``[T, K]`` selections (float64, ``[T]``)."""
     n = int(max(a.max().item(), b.max().item())) + 2
-    hits = 0.0
-    count = 0
-    for r0 in range(0, total, 1024):
+    rows = []
+    for r0 in range(0, a.shape[0], 1024):
         aa, bb = a[r0 : r0 + 1024].long(), b[r0 : r0 + 1024].long()
         ma = torch.zeros((aa.shape[0], n), dtype=torch.bool, device=a.device)
         ma.scatter_(1, torch.where(aa >= 0, aa, n - 1), True)
         ma[:, n - 1] = False
         inter = torch.gather(ma, 1, torch.where(bb >= 0, bb, n - 1)) & (bb >= 0)
-        hits += float((inter.sum(1) / (bb >= 0).sum(1).clamp_min(1)).sum())
-        count += aa.shape[0]
-    return hits / count
+        rows.append(inter.sum(1).double() / (bb >= 0).sum(1).clamp_min(1).double())
+    return torch.cat(rows)
+
+
+def selection_overlap(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Mean over rows of :func:`selection_overlap_rows`."""
+    return float(selection_overlap_rows(a, b).mean())
 
 
 def main() -> None:
