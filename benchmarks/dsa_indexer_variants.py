@@ -1,7 +1,7 @@
 """Where the fused indexer's time goes, and candidate structures of its scoring kernel (CUDA; an experiment).
 
-``python benchmarks/dsa_indexer_variants.py [--out-dir DIR] [--budget-s 380] [--atomics-probe]`` writes
-``dsa_indexer_variants_<date>.md``:
+``python benchmarks/dsa_indexer_variants.py [--out-dir DIR] [--budget-s 380] [--atomics-probe | --defaults-sweep]``
+writes ``dsa_indexer_variants_<date>.md``:
 
 - the split of the default indexer (T = 16384 one document and documents U[K, 4K], T = 4096): scores kernel alone
   (every row chunk, the selection skipped) and the selection as the rest; the same scores on FP8 codes
@@ -12,6 +12,9 @@
   loaded once as a tile), each checked to give the default's selection (``same``), and the tile shapes on FP8
   codes (the library's loop);
 - the selection kernel's settings (warps, block, sample, candidates) on the default scores;
+- ``--defaults-sweep``: per case (T = 16384 one document and documents, 4096, 65536), the whole indexer for each
+  (select_sample, select_cand) setting, checked against the whole-row select, and the scoring tiles on bf16 and FP8
+  codes: ``dsa_indexer_defaults_sweep_<date>.md``;
 - ``--atomics-probe``: fp32 scatter throughput into random rows, atomics against plain stores (what bounds the
   sparse MLA backward's dkv kernel), ``dsa_atomics_probe_<date>.md``.
 
@@ -235,6 +238,57 @@ def main(out_dir: Path, budget_s: float) -> None:
                  title="Fused indexer: scores / select split and scoring-kernel variants (H200)")  # fmt: skip
 
 
+_SWEEP_SELECTS = ((512, 4096), (1024, 4096), (256, 4096), (512, 2048), (1024, 8192), (2048, 8192))
+_SWEEP_TILES = ((64, 128, 8, 3), (64, 128, 4, 3), (64, 64, 4, 4), (128, 128, 8, 3))
+_SWEEP_CASES = ((16384, "1doc"), (16384, "docs"), (4096, "1doc"), (65536, "1doc"))
+
+
+def _sweep_case(total: int, layout: str, rows: list, device: str = "cuda") -> None:
+    """The settings the defaults are picked from, on one case: the whole indexer per (select_sample, select_cand),
+    each checked against the whole-row radix select, and the scoring kernel's tiles on bf16 and FP8 codes."""
+    dev = torch.device(device)
+    _, _, starts, causal = causal_index_sets(doc_lengths(total, layout, TOPK), TOPK, dev)
+    iq, ik, iw = indexer_inputs(total, dev)
+    flops = 2 * 32 * 128 * int(causal.to(torch.int64).sum())
+    q8, k8, w8, ks = it.indexer_fp8_operands_triton(iq, ik, iw)
+
+    def add(**r):
+        r.update(T=total, layout=layout)
+        print(r, flush=True)
+        rows.append(r)
+
+    whole_cfg = IndexerConfig(select_sample=0)
+    whole = run(iq, ik, iw, starts, causal, whole_cfg).clone()
+    add(what="scores + whole-row select", cfg="select_sample 0", ms=bench(lambda: run(iq, ik, iw, starts, causal,
+                                                                                  whole_cfg))[0])  # fmt: skip
+    for sample, cand in _SWEEP_SELECTS:
+        cfg = IndexerConfig(select_sample=sample, select_cand=cand)
+        try:
+            same = bool(torch.equal(run(iq, ik, iw, starts, causal, cfg), whole))
+            ms = bench(lambda cfg=cfg: run(iq, ik, iw, starts, causal, cfg))[0]
+            add(what="scores + select", cfg=f"sample {sample} cand {cand}", ms=ms, same=same)
+        except Exception as exc:  # a setting that does not compile is a row, not a crash
+            add(what="scores + select", cfg=f"sample {sample} cand {cand}", note=f"{type(exc).__name__}: {exc}"[:160])
+    for bm, bn, w, st in _SWEEP_TILES:
+        cfg = IndexerConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
+        name = f"{bm}x{bn} w{w} s{st}"
+        ms = bench(lambda cfg=cfg: run(iq, ik, iw, starts, causal, cfg, do_select=False))[0]
+        add(what="scores only", cfg=name, ms=ms, tflops=flops / ms / 1e9)
+        ms = bench(lambda cfg=cfg: run(q8, k8, w8, starts, causal, cfg, do_select=False, k_scale=ks))[0]
+        add(what="scores only, FP8 codes", cfg=name, ms=ms, tflops=flops / ms / 1e9)
+
+
+def defaults_sweep(out_dir: Path) -> None:
+    rows: list = []
+    for total, layout in _SWEEP_CASES:
+        _sweep_case(total, layout, rows)
+    write_report("dsa_indexer_defaults_sweep", rows, ["T", "layout", "what", "cfg", "ms", "tflops", "same", "note"],
+                 "Timing: triton.testing.do_bench median, L2 flushed. same = the selection equals the whole-row radix "
+                 "select's (select_sample 0). tflops = 2 H_I D_I per causal pair over the scores time. Reproduce: "
+                 "`python benchmarks/dsa_indexer_variants.py --defaults-sweep`.", out_dir=out_dir,
+                 title="Fused indexer: selection settings and scoring tiles per case (H200)")  # fmt: skip
+
+
 @triton.jit
 def scatter_k(
     src_ptr, rows_ptr, dst_ptr, D: tl.constexpr, BLOCK_K: tl.constexpr, VC: tl.constexpr, ATOMIC: tl.constexpr
@@ -286,8 +340,11 @@ if __name__ == "__main__":
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--budget-s", type=float, default=380.0, help="stop adding variants after this long")
     parser.add_argument("--atomics-probe", action="store_true")
+    parser.add_argument("--defaults-sweep", action="store_true", help="the settings the defaults are picked from")
     args = parser.parse_args()
     if args.atomics_probe:
         atomics_probe(args.out_dir)
+    elif args.defaults_sweep:
+        defaults_sweep(args.out_dir)
     else:
         main(args.out_dir, args.budget_s)

@@ -64,3 +64,23 @@ def test_a_case_runs_every_row_kind(triton_interpret, monkeypatch):
             "select variant (scores + select)"} <= kinds  # fmt: skip
     assert not [r for r in rows if "Error" in str(r.get("note", ""))], rows
     assert all(r["same"] for r in rows if r["what"] in ("scores variant", "select variant (scores + select)"))
+
+
+def test_the_defaults_sweep_runs_every_setting(triton_interpret, monkeypatch):
+    """``--defaults-sweep``'s case logic on a small CPU case (timing stubbed): every selection setting gives the
+    whole-row select's selection, every tile is timed on bf16 and FP8 codes, nothing fails."""
+    variants, *_ = _harness(monkeypatch, 3)
+    monkeypatch.setattr(variants, "bench", lambda fn, rep_ms=100: (fn(), (1.0, 1.0, 1.0))[1])
+    monkeypatch.setattr(variants, "_SWEEP_SELECTS", ((64, 256),))
+    monkeypatch.setattr(variants, "_SWEEP_TILES", ((64, 64, 4, 1),))
+    big_tiles = {**CFG.__dict__, "block_m": 64, "block_n": 64}  # fewer programs: the interpreter's time
+    monkeypatch.setattr(variants, "IndexerConfig", lambda **kw: IndexerConfig(**{**big_tiles, **kw}))
+    g = torch.Generator().manual_seed(4)
+    small = lambda t, dev: (torch.randn(t, 4, 32, generator=g), torch.randn(t, 32, generator=g),  # noqa: E731
+                            torch.randn(t, 4, generator=g))  # fmt: skip
+    monkeypatch.setattr(variants, "indexer_inputs", small)
+    rows = []
+    variants._sweep_case(270, "1doc", rows, device="cpu")  # rows of 257..270 keys take the sampled union
+    assert [r["what"] for r in rows] == ["scores + whole-row select", "scores + select", "scores only",
+                                         "scores only, FP8 codes"]  # fmt: skip
+    assert all(r["same"] for r in rows if r["what"] == "scores + select"), rows

@@ -197,7 +197,7 @@ def test_torch_route_bf16_on_cuda():
 
 @pytest.mark.parametrize("K", [2048, 512])
 def test_indexer_sampled_select_equals_whole_row(K):
-    """Rows wider than ``select_cand`` (2048 at 10K keys) take the sampled bracket; zero-weight rows tie throughout
+    """Rows wider than ``select_cand`` (4096 at 10K keys) take the sampled union; zero-weight rows tie throughout
     and take the whole-row fallback. Either way the selection is bit-identical to the whole-row radix select's."""
     import dataclasses
 

@@ -164,12 +164,10 @@ class IndexerConfig:
 
     def resolved_select(self, num_keys: int) -> tuple[int, int]:
         """``(select_sample, select_cand)`` for a key tensor of ``num_keys`` rows, ``None`` fields by a measured
-        table: ``(512, 2048)`` up to 32768 keys, ``(1024, 4096)`` above. On the H200 (one causal document, K = 2048,
-        ``benchmarks/results/dsa_indexer_select_2026-12-01.md``) the first was the fastest setting tried at 4K keys
-        and on 16K keys of documents U[K, 4K], and second on one 16K document (5.43 ms; sample 1024 with 2048
-        candidates 5.16, slower on the shorter rows); the second was the fastest at 64K, where 2048 candidates
-        overflow on the widest rows. 32K is not measured."""
-        auto_sample, auto_cand = (512, 2048) if num_keys <= 32768 else (1024, 4096)
+        table: ``(512, 4096)`` up to 32768 keys, ``(1024, 8192)`` above. The union a row's selection runs on holds
+        K plus the bracket's margin (about 4 sqrt(K (L - K) / sample) + 4 L / sample keys for a row of L keys):
+        3.1K keys at K = 2048 on a 16K row with a sample of 512, 4.6K on a 128K row with 1024."""
+        auto_sample, auto_cand = (512, 4096) if num_keys <= 32768 else (1024, 8192)
         sample = auto_sample if self.select_sample is None else self.select_sample
         cand = auto_cand if self.select_cand is None else self.select_cand
         return sample, cand

@@ -9,17 +9,19 @@ Query rows are processed in chunks. For a chunk:
    everything) and tiles without an eligible pair exit at once.
 2. ``indexer_topk_fwd_kernel_select`` (one program per row) finds the K-th largest key exactly by an 8-bit radix
    select, then emits, in ascending key order, every key above the threshold and the first ties at it (ties go to
-   the smaller index), followed by ``-1``. A row of at most ``select_cand`` keys is held whole in registers. A
-   wider one is bracketed first: a strided sample of ``select_sample`` keys, sorted, gives two keys ``lo <= hi``
-   whose ranks bracket the K-th largest with a margin of four standard deviations, one pass over the row counts
-   the keys above ``hi`` and compacts those in ``[lo, hi]`` into a ``select_cand`` buffer, and the radix select
-   runs on these candidates only, below the leading bits ``lo`` and ``hi`` share. When the bracket misses (fewer
-   than K keys at or above ``lo``, K or more above ``hi``) or holds more than ``select_cand`` keys, the radix
-   select reads the whole row in each of its 4 passes, as it does with ``select_sample=0``: the result is the
-   same exact selection either way. The histograms, the select's main cost, then cover a few thousand
-   candidates instead of the whole row four times.
+   the smaller index), followed by ``-1``. The work is done on a *union* held in registers: the columns of every
+   key ``>= lo``, in ascending order, whenever it has at least K and at most ``select_cand`` members (then it holds
+   the K largest keys). A row of at most ``select_cand`` keys is its own union (``lo`` = 0). For a wider row a
+   strided sample of ``select_sample`` keys, sorted, gives two keys ``lo <= hi`` whose ranks bracket the K-th
+   largest with a margin of four standard deviations, and one pass over the row compacts the union's columns into
+   a ``select_cand`` buffer. The radix select then runs on the union's keys in ``[lo, hi]`` only, below the leading
+   bits ``lo`` and ``hi`` share (keys above ``hi`` are selected for sure; if K or more lie above it, the bracket's
+   top missed and the radix runs on the whole union), and the selection is emitted from the union, so the row is
+   read once. When the union is too small (the bracket's bottom missed) or too large, or with
+   ``select_sample=0``, the radix select reads the whole row in each of its 4 passes and the emission reads it once
+   more: the result is the same exact selection either way.
 
-The scratch holds at most ``max(T_q * K, block_m * T_k)`` int32 (the size of the output, O(T_q K)), the candidate
+The scratch holds at most ``max(T_q * K, block_m * T_k)`` int32 (the size of the output, O(T_q K)), the union
 buffer ``select_cand`` int32 per row of a chunk.
 """
 
@@ -177,19 +179,20 @@ def indexer_topk_fwd_kernel_select(
         row = scratch_ptr + (r - row_begin).to(tl.int64) * scratch_stride
         bins = tl.arange(0, 256)
         umax = tl.full([], 0xFFFFFFFF, tl.uint32)
-        # Candidates: the keys in [lo, hi], a bracket known to hold the K-th largest key (`above` keys lie over it).
-        lo = tl.full([], 0, tl.uint32)
+        zero = tl.full([], 0, tl.uint32)
+        # The union: the columns (ascending) of every key >= lo, held in registers when it has at most CAND members
+        # and at least K (then it holds the K largest keys); keys above hi lie over the K-th largest for sure.
+        lo = zero
         hi = umax
-        above = tl.full([], 0, tl.int32)
         offs_c = tl.arange(0, CAND)
         cand_row = cand_ptr + tl.program_id(0).to(tl.int64) * CAND
         # (Names a constexpr branch defines do not outlive it: everything used below is defined here.)
-        use_cand = ln <= CAND * (SAMPLE > 0)  # a row this narrow is held whole (none without sampling)
-        n_c = tl.where(use_cand, ln, 0)
+        held = ln <= CAND * (SAMPLE > 0)  # a row this narrow is the union itself (none without sampling)
+        n_u = tl.where(held, ln, 0)
         if SAMPLE > 0:  # noqa: SIM102  (a constexpr test and a runtime one cannot share an `and` in Triton)
             if ln > CAND:
                 # Bracket the K-th largest by the ranks of a strided sample (its expected rank +- 4 standard
-                # deviations of a binomial count, +- 4), then count and compact the row's keys in it in one pass.
+                # deviations of a binomial count, +- 4), then compact the columns of the keys >= lo in one pass.
                 stride = ln // SAMPLE
                 offs_s = tl.arange(0, SAMPLE)
                 sample = tl.load(row + offs_s * stride + stride // 2)  # [SAMPLE] keys (uint32 order)
@@ -203,39 +206,49 @@ def indexer_topk_fwd_kernel_select(
                 hi_v = tl.max(tl.where(offs_s == SAMPLE - 1 - r_hi, sample, 0), 0)
                 lo_v = tl.max(tl.where(offs_s == SAMPLE - 1 - r_lo, sample, 0), 0)
                 hi = tl.where(r_hi < 0, umax, hi_v)
-                lo = tl.where(r_lo >= SAMPLE, tl.full([], 0, tl.uint32), lo_v)
-                # A bracket expected to hold more than CAND keys (very wide rows) is not compacted at all.
-                expected = (tl.minimum(r_lo, SAMPLE) - tl.maximum(r_hi, 0)) * stride
+                lo = tl.where(r_lo >= SAMPLE, zero, lo_v)
+                # A union expected to hold more than CAND keys (very wide rows) is not compacted at all.
+                expected = tl.minimum(r_lo, SAMPLE) * stride
                 for j0 in range(0, tl.where(expected <= CAND, ln, 0), BLOCK):
                     j = j0 + offs
-                    in_row = j < ln
-                    x = tl.load(row + j, mask=in_row, other=0).to(tl.uint32, bitcast=True)  # [BLOCK]
-                    is_c = (in_row & (x >= lo) & (x <= hi)).to(tl.int32)
-                    pos = n_c + tl.cumsum(is_c, 0) - is_c
-                    tl.store(cand_row + pos, x.to(tl.int32, bitcast=True), mask=(is_c > 0) & (pos < CAND))
-                    n_c += tl.sum(is_c, 0)
-                    above += tl.sum((in_row & (x > hi)).to(tl.int32), 0)
-                use_cand = (expected <= CAND) & (above < topk) & (n_c + above >= topk) & (n_c <= CAND)
-                tl.debug_barrier()  # the compacted candidates are read back by other threads of this program
-        if use_cand:
-            src = tl.where(ln <= CAND, row, cand_row)
-            valid = offs_c < n_c
-            y = tl.load(src + offs_c, mask=valid, other=0).to(tl.uint32, bitcast=True)  # [CAND]
-            # Every candidate shares the leading bits where lo and hi agree: start the radix below them.
+                    x = tl.load(row + j, mask=j < ln, other=0).to(tl.uint32, bitcast=True)  # [BLOCK]
+                    is_u = ((j < ln) & (x >= lo)).to(tl.int32)
+                    pos = n_u + tl.cumsum(is_u, 0) - is_u
+                    tl.store(cand_row + pos, j, mask=(is_u > 0) & (pos < CAND))
+                    n_u += tl.sum(is_u, 0)
+                held = (n_u >= topk) & (n_u <= CAND)
+                tl.debug_barrier()  # the compacted columns are read back by other threads of this program
+        if held:
+            valid = offs_c < n_u
+            n_compacted = tl.where(ln > CAND, n_u, 0)  # a row held whole has its columns in order: 0, 1, ...
+            cols = tl.load(cand_row + offs_c, mask=offs_c < n_compacted, other=0)  # [CAND] union columns
+            cols = tl.where(ln > CAND, cols, offs_c)
+            y = tl.load(row + cols, mask=valid, other=0).to(tl.uint32, bitcast=True)  # [CAND] their keys
+            above = tl.sum((valid & (y > hi)).to(tl.int32), 0)
+            hi = tl.where(above < topk, hi, umax)  # a bracket whose top missed: the union alone is still exact
+            above = tl.where(above < topk, above, 0)
+            # Every key in [lo, hi] shares the leading bits where lo and hi agree: start the radix below them.
             n_bits = _significant_bits(lo ^ hi)
-            keep = tl.where(n_bits >= 32, tl.full([], 0, tl.uint32), umax << n_bits.to(tl.uint32))
+            keep = tl.where(n_bits >= 32, zero, umax << n_bits.to(tl.uint32))
             prefix = lo & keep
             prefix_mask = keep
             remaining = topk - above
+            in_bracket = valid & (y <= hi)
             for p in tl.static_range(4):
                 shift = 24 - 8 * p
                 if shift < n_bits:
-                    match = valid & ((y & prefix_mask) == prefix)
+                    match = in_bracket & ((y & prefix_mask) == prefix)
                     digit = ((y >> shift) & 0xFF).to(tl.int32)
                     # Unmatched lanes are counted in bin 0 and taken out again (no masked histogram needed).
                     hist = tl.histogram(tl.where(match, digit, 0), 256)
                     hist -= tl.where(bins == 0, CAND - tl.sum(match.to(tl.int32), 0), 0)
                     prefix, prefix_mask, remaining = _radix_digit(hist, bins, remaining, prefix, prefix_mask, shift)
+            # prefix is the exact K-th largest key: emit the union's keys above it and the first `remaining` ties.
+            tie = (valid & (y == prefix)).to(tl.int32)
+            sel = (valid & (y > prefix)) | ((tie > 0) & (tl.cumsum(tie, 0) - tie < remaining))
+            sel = sel.to(tl.int32)
+            pos = tl.cumsum(sel, 0) - sel
+            tl.store(out_row + pos, st + cols, mask=(sel > 0) & (pos < topk))
         else:
             prefix = tl.full([], 0, tl.uint32)
             prefix_mask = tl.full([], 0, tl.uint32)
@@ -255,21 +268,21 @@ def indexer_topk_fwd_kernel_select(
                     n_seen += BLOCK
                 hist -= tl.where(bins == 0, n_seen - n_matched, 0)
                 prefix, prefix_mask, remaining = _radix_digit(hist, bins, remaining, prefix, prefix_mask, shift)
-        # prefix is now the exact K-th largest key; `remaining` ties at it are taken, lowest index first.
-        n_out = 0
-        n_tie = 0
-        for j0 in range(0, ln, BLOCK):
-            j = j0 + offs
-            in_row = j < ln
-            x = tl.load(row + j, mask=in_row, other=0).to(tl.uint32, bitcast=True)  # [BLOCK]
-            above_t = in_row & (x > prefix)
-            tie = (in_row & (x == prefix)).to(tl.int32)
-            tie_rank = n_tie + tl.cumsum(tie, 0) - tie
-            sel = (above_t | ((tie > 0) & (tie_rank < remaining))).to(tl.int32)
-            pos = n_out + tl.cumsum(sel, 0) - sel
-            tl.store(out_row + pos, st + j, mask=(sel > 0) & (pos < topk))
-            n_out += tl.sum(sel, 0)
-            n_tie += tl.sum(tie, 0)
+            # prefix is now the exact K-th largest key; `remaining` ties at it are taken, lowest index first.
+            n_out = 0
+            n_tie = 0
+            for j0 in range(0, ln, BLOCK):
+                j = j0 + offs
+                in_row = j < ln
+                x = tl.load(row + j, mask=in_row, other=0).to(tl.uint32, bitcast=True)  # [BLOCK]
+                above_t = in_row & (x > prefix)
+                tie = (in_row & (x == prefix)).to(tl.int32)
+                tie_rank = n_tie + tl.cumsum(tie, 0) - tie
+                sel = (above_t | ((tie > 0) & (tie_rank < remaining))).to(tl.int32)
+                pos = n_out + tl.cumsum(sel, 0) - sel
+                tl.store(out_row + pos, st + j, mask=(sel > 0) & (pos < topk))
+                n_out += tl.sum(sel, 0)
+                n_tie += tl.sum(tie, 0)
 
 
 @triton.jit
@@ -373,7 +386,7 @@ def indexer_topk_fwd(
         return out
     chunk = _chunk_rows(num_queries, num_keys, index_topk, cfg)
     scratch = torch.empty((chunk, max(num_keys, 1)), dtype=torch.int32, device=index_q.device)
-    # The selection's candidate buffer: select_cand int32 per row of a chunk (O(T_q K) like the output).
+    # The selection's union buffer: select_cand int32 per row of a chunk (O(T_q K) like the output).
     select_sample, select_cand = cfg.resolved_select(num_keys)
     cand = scratch
     if select_sample > 0 and num_keys > index_topk:
