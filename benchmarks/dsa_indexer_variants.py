@@ -238,7 +238,7 @@ def main(out_dir: Path, budget_s: float) -> None:
                  title="Fused indexer: scores / select split and scoring-kernel variants (H200)")  # fmt: skip
 
 
-_SWEEP_SELECTS = ((512, 4096), (1024, 4096), (256, 4096), (512, 2048), (1024, 8192), (2048, 8192))
+_SWEEP_SELECTS = ((512, 4096), (1024, 4096), (256, 4096), (1024, 8192))
 _SWEEP_TILES = ((64, 128, 8, 3), (64, 128, 4, 3), (64, 64, 4, 4), (128, 128, 8, 3))
 _SWEEP_CASES = ((16384, "1doc"), (16384, "docs"), (4096, "1doc"), (65536, "1doc"))
 
@@ -269,6 +269,11 @@ def _sweep_case(total: int, layout: str, rows: list, device: str = "cuda") -> No
             add(what="scores + select", cfg=f"sample {sample} cand {cand}", ms=ms, same=same)
         except Exception as exc:  # a setting that does not compile is a row, not a crash
             add(what="scores + select", cfg=f"sample {sample} cand {cand}", note=f"{type(exc).__name__}: {exc}"[:160])
+    for overlap in (True, False):  # the library's own chunk schedule, defaults otherwise
+        cfg = IndexerConfig(overlap_select=overlap)
+        same = bool(torch.equal(it.indexer_topk_fwd(iq, ik, iw, starts, causal, TOPK, cfg), whole))
+        ms = bench(lambda cfg=cfg: it.indexer_topk_fwd(iq, ik, iw, starts, causal, TOPK, cfg))[0]
+        add(what="indexer_topk_fwd (library schedule)", cfg=f"overlap_select {overlap}", ms=ms, same=same)
     for bm, bn, w, st in _SWEEP_TILES:
         cfg = IndexerConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
         name = f"{bm}x{bn} w{w} s{st}"

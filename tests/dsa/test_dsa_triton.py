@@ -331,6 +331,8 @@ def test_indexer_select_config_is_validated():
         IndexerConfig(num_stages=0)
     with pytest.raises(ValueError, match="scratch_elements"):
         IndexerConfig(scratch_elements=0)
+    with pytest.raises(TypeError, match="overlap_select"):
+        IndexerConfig(overlap_select=1)
     with pytest.raises(ValueError, match="select_sample"):
         IndexerConfig(select_sample=100)
     with pytest.raises(ValueError, match="at most select_cand"):
@@ -339,7 +341,7 @@ def test_indexer_select_config_is_validated():
         IndexerConfig(select_cand=128)
     assert IndexerConfig(select_sample=0).select_sample == 0
     auto = IndexerConfig()
-    assert (auto.resolved_select(32768), auto.resolved_select(32769)) == ((512, 4096), (1024, 8192))
+    assert (auto.resolved_select(32768), auto.resolved_select(32769)) == ((512, 4096), (1024, 4096))
     assert IndexerConfig(select_cand=512, select_sample=256).resolved_select(10**6) == (256, 512)
     assert IndexerConfig(select_sample=0).resolved_select(10) == (0, 4096)
     with pytest.raises(ValueError, match="at most select_cand"):
@@ -422,7 +424,7 @@ def test_warmup_compiles_each_default_selection_setting(triton_interpret, monkey
         (*IndexerConfig().resolved_select(1), False),
         (*IndexerConfig().resolved_select(1 << 40), False),
     ]
-    assert seen[:2] == [(512, 4096, False), (1024, 8192, False)]
+    assert seen[:2] == [(512, 4096, False), (1024, 4096, False)]
     # The FP8 scores are another variant of the scoring kernel: warmed too where they run (the interpreter here).
     assert seen[2][2] is True and info["index_fp8"] is True
 

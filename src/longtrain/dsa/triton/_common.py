@@ -120,8 +120,9 @@ class IndexerConfig:
     """Query rows per scoring program."""
     block_n: int = 128
     """Keys per scoring program."""
-    num_warps: int = 8
-    """Warps per scoring program."""
+    num_warps: int = 4
+    """Warps per scoring program (4 was faster than 8 on every case of
+    ``benchmarks/results/dsa_indexer_defaults_sweep_f61a860_2026-12-01.md``, bf16 and FP8)."""
     num_stages: int = 3
     """Pipelining depth of the per-head query loads in the scoring kernel."""
     select_block: int = 2048
@@ -137,6 +138,9 @@ class IndexerConfig:
     falls back to the whole-row radix select (still exact). ``None``: see :meth:`resolved_select`."""
     scratch_elements: int | None = None
     """Cap on the int32 score scratch (rows x key width); ``None`` = ``max(T_q * K, block_m * T_k)``."""
+    overlap_select: bool = True
+    """On CUDA, with more than one row chunk: select each chunk on a second stream while the next chunk's scores
+    run (two scratches of half the cap each, so the same memory); the selection is the same either way."""
 
     def __post_init__(self) -> None:
         _check_pow2("block_m", self.block_m, 16, 256)
@@ -150,6 +154,8 @@ class IndexerConfig:
             _check_pow2("select_cand", self.select_cand, 256, 16384)
         if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 6:
             raise ValueError(f"num_stages must be an int in [1, 6], got {self.num_stages!r}")
+        if not isinstance(self.overlap_select, bool):
+            raise TypeError(f"overlap_select must be a bool, got {type(self.overlap_select).__name__}")
         if self.scratch_elements is not None and (
             not isinstance(self.scratch_elements, int) or self.scratch_elements < 1
         ):
@@ -164,10 +170,12 @@ class IndexerConfig:
 
     def resolved_select(self, num_keys: int) -> tuple[int, int]:
         """``(select_sample, select_cand)`` for a key tensor of ``num_keys`` rows, ``None`` fields by a measured
-        table: ``(512, 4096)`` up to 32768 keys, ``(1024, 8192)`` above. The union a row's selection runs on holds
-        K plus the bracket's margin (about 4 sqrt(K (L - K) / sample) + 4 L / sample keys for a row of L keys):
-        3.1K keys at K = 2048 on a 16K row with a sample of 512, 4.6K on a 128K row with 1024."""
-        auto_sample, auto_cand = (512, 4096) if num_keys <= 32768 else (1024, 8192)
+        table: ``(512, 4096)`` up to 32768 keys, ``(1024, 4096)`` above (the fastest settings tried at 4K and 16K
+        keys, and at 64K, in ``benchmarks/results/dsa_indexer_defaults_sweep_f61a860_2026-12-01.md``; 32K is not
+        measured). The union a row's selection runs on holds K plus the bracket's margin, about
+        ``4 sqrt(K (L - K) / sample) + 4 L / sample`` keys for a row of L keys: 3.1K at K = 2048 on a 16K row with a
+        sample of 512, 3.7K on a 64K row with 1024; a union over ``select_cand`` falls back to the whole-row select."""
+        auto_sample, auto_cand = (512, 4096) if num_keys <= 32768 else (1024, 4096)
         sample = auto_sample if self.select_sample is None else self.select_sample
         cand = auto_cand if self.select_cand is None else self.select_cand
         return sample, cand
