@@ -238,8 +238,11 @@ def main(out_dir: Path, budget_s: float) -> None:
                  title="Fused indexer: scores / select split and scoring-kernel variants (H200)")  # fmt: skip
 
 
-_SWEEP_SELECTS = ((512, 4096), (1024, 4096), (256, 4096), (1024, 8192))
-_SWEEP_TILES = ((64, 128, 8, 3), (64, 128, 4, 3), (64, 64, 4, 4), (128, 128, 8, 3))
+# (select_sample, select_cand, select_warps, select_block) and (block_m, block_n, num_warps, num_stages, mode).
+_SWEEP_SELECTS = ((512, 4096, 8, 2048), (512, 4096, 4, 2048), (512, 4096, 16, 2048), (512, 4096, 8, 4096),
+                  (512, 4096, 8, 1024), (1024, 4096, 8, 2048), (1024, 4096, 4, 2048), (256, 4096, 8, 2048))  # fmt: skip
+_SWEEP_TILES = ((64, 128, 8, 3, 0), (64, 128, 4, 3, 0), (64, 128, 4, 3, 1), (64, 128, 4, 3, 2), (64, 128, 4, 4, 0),
+                (64, 128, 4, 2, 0), (128, 128, 8, 3, 1), (64, 64, 4, 4, 0))  # fmt: skip
 _SWEEP_CASES = ((16384, "1doc"), (16384, "docs"), (4096, "1doc"), (65536, "1doc"))
 
 
@@ -261,36 +264,38 @@ def _sweep_case(total: int, layout: str, rows: list, device: str = "cuda") -> No
     whole = run(iq, ik, iw, starts, causal, whole_cfg).clone()
     add(what="scores + whole-row select", cfg="select_sample 0", ms=bench(lambda: run(iq, ik, iw, starts, causal,
                                                                                   whole_cfg))[0])  # fmt: skip
-    for sample, cand in _SWEEP_SELECTS:
-        cfg = IndexerConfig(select_sample=sample, select_cand=cand)
+    for sample, cand, warps, block in _SWEEP_SELECTS:
+        cfg = IndexerConfig(select_sample=sample, select_cand=cand, select_warps=warps, select_block=block)
+        name = f"sample {sample} cand {cand} warps {warps} block {block}"
         try:
             same = bool(torch.equal(run(iq, ik, iw, starts, causal, cfg), whole))
             ms = bench(lambda cfg=cfg: run(iq, ik, iw, starts, causal, cfg))[0]
-            add(what="scores + select", cfg=f"sample {sample} cand {cand}", ms=ms, same=same)
+            add(what="scores + select", cfg=name, ms=ms, same=same)
         except Exception as exc:  # a setting that does not compile is a row, not a crash
-            add(what="scores + select", cfg=f"sample {sample} cand {cand}", note=f"{type(exc).__name__}: {exc}"[:160])
-    for overlap in (True, False):  # the library's own chunk schedule, defaults otherwise
-        cfg = IndexerConfig(overlap_select=overlap)
-        same = bool(torch.equal(it.indexer_topk_fwd(iq, ik, iw, starts, causal, TOPK, cfg), whole))
-        ms = bench(lambda cfg=cfg: it.indexer_topk_fwd(iq, ik, iw, starts, causal, TOPK, cfg))[0]
-        add(what="indexer_topk_fwd (library schedule)", cfg=f"overlap_select {overlap}", ms=ms, same=same)
-    for bm, bn, w, st in _SWEEP_TILES:
+            add(what="scores + select", cfg=name, note=f"{type(exc).__name__}: {exc}"[:160])
+    for bm, bn, w, st, mode in _SWEEP_TILES:
         cfg = IndexerConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
         name = f"{bm}x{bn} w{w} s{st}"
-        ms = bench(lambda cfg=cfg: run(iq, ik, iw, starts, causal, cfg, do_select=False))[0]
-        add(what="scores only", cfg=name, ms=ms, tflops=flops / ms / 1e9)
-        ms = bench(lambda cfg=cfg: run(q8, k8, w8, starts, causal, cfg, do_select=False, k_scale=ks))[0]
-        add(what="scores only, FP8 codes", cfg=name, ms=ms, tflops=flops / ms / 1e9)
+        lib = None if mode == 0 else mode  # mode 0: the library kernel itself
+        same = bool(torch.equal(run(iq, ik, iw, starts, causal, cfg, mode=lib), whole))
+        ms = bench(lambda cfg=cfg, lib=lib: run(iq, ik, iw, starts, causal, cfg, mode=lib, do_select=False))[0]
+        add(what="scores only", cfg=name, mode=mode, ms=ms, tflops=flops / ms / 1e9, same=same)
+        if mode == 0:
+            ms = bench(lambda cfg=cfg: run(q8, k8, w8, starts, causal, cfg, do_select=False, k_scale=ks))[0]
+            add(what="scores only, FP8 codes", cfg=name, mode=mode, ms=ms, tflops=flops / ms / 1e9)
 
 
 def defaults_sweep(out_dir: Path) -> None:
     rows: list = []
     for total, layout in _SWEEP_CASES:
         _sweep_case(total, layout, rows)
-    write_report("dsa_indexer_defaults_sweep", rows, ["T", "layout", "what", "cfg", "ms", "tflops", "same", "note"],
+    write_report("dsa_indexer_defaults_sweep", rows, ["T", "layout", "what", "cfg", "mode", "ms", "tflops", "same",
+                                                      "note"],
                  "Timing: triton.testing.do_bench median, L2 flushed. same = the selection equals the whole-row radix "
-                 "select's (select_sample 0). tflops = 2 H_I D_I per causal pair over the scores time. Reproduce: "
-                 "`python benchmarks/dsa_indexer_variants.py --defaults-sweep`.", out_dir=out_dir,
+                 "select's (select_sample 0). mode: the scoring kernel's head loop (0 = the library's, 1 = two heads "
+                 "per step, 2 = software pipelined, as in the variants report). tflops = 2 H_I D_I per causal pair "
+                 "over the scores time. Reproduce: `python benchmarks/dsa_indexer_variants.py --defaults-sweep`.",
+                 out_dir=out_dir,
                  title="Fused indexer: selection settings and scoring tiles per case (H200)")  # fmt: skip
 
 

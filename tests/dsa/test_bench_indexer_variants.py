@@ -71,8 +71,8 @@ def test_the_defaults_sweep_runs_every_setting(triton_interpret, monkeypatch):
     whole-row select's selection, every tile is timed on bf16 and FP8 codes, nothing fails."""
     variants, *_ = _harness(monkeypatch, 3)
     monkeypatch.setattr(variants, "bench", lambda fn, rep_ms=100: (fn(), (1.0, 1.0, 1.0))[1])
-    monkeypatch.setattr(variants, "_SWEEP_SELECTS", ((64, 256),))
-    monkeypatch.setattr(variants, "_SWEEP_TILES", ((64, 64, 4, 1),))
+    monkeypatch.setattr(variants, "_SWEEP_SELECTS", ((64, 256, 4, 256),))
+    monkeypatch.setattr(variants, "_SWEEP_TILES", ((64, 64, 4, 1, 0), (64, 64, 4, 1, 1)))
     big_tiles = {**CFG.__dict__, "block_m": 64, "block_n": 64}  # fewer programs: the interpreter's time
     monkeypatch.setattr(variants, "IndexerConfig", lambda **kw: IndexerConfig(**{**big_tiles, **kw}))
     g = torch.Generator().manual_seed(4)
@@ -81,6 +81,6 @@ def test_the_defaults_sweep_runs_every_setting(triton_interpret, monkeypatch):
     monkeypatch.setattr(variants, "indexer_inputs", small)
     rows = []
     variants._sweep_case(270, "1doc", rows, device="cpu")  # rows of 257..270 keys take the sampled union
-    assert [r["what"] for r in rows] == ["scores + whole-row select", "scores + select"] + [
-        "indexer_topk_fwd (library schedule)"] * 2 + ["scores only", "scores only, FP8 codes"]  # fmt: skip
+    assert [r["what"] for r in rows] == ["scores + whole-row select", "scores + select", "scores only",
+                                         "scores only, FP8 codes", "scores only"]  # fmt: skip
     assert all(r["same"] for r in rows if "same" in r), rows

@@ -331,8 +331,6 @@ def test_indexer_select_config_is_validated():
         IndexerConfig(num_stages=0)
     with pytest.raises(ValueError, match="scratch_elements"):
         IndexerConfig(scratch_elements=0)
-    with pytest.raises(TypeError, match="overlap_select"):
-        IndexerConfig(overlap_select=1)
     with pytest.raises(ValueError, match="select_sample"):
         IndexerConfig(select_sample=100)
     with pytest.raises(ValueError, match="at most select_cand"):

@@ -220,34 +220,6 @@ def test_indexer_sampled_select_equals_whole_row(K):
     assert torch.equal(out[9000:9100], torch.arange(K, dtype=torch.int32, device=dev).expand(100, K))
 
 
-def test_indexer_overlapped_chunks_equal_the_sequential_schedule():
-    """With several row chunks the selections run on a side stream beside the next chunk's scores: the same
-    selection as one stream, also when the caller works on a stream of its own and reads the output at once."""
-    import dataclasses
-
-    from longtrain.dsa.triton import IndexerConfig
-    from longtrain.dsa.triton.indexer_topk import indexer_topk_fwd
-
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(11)
-    T, H_I, D_I, K = 6000, 32, 128, 512
-    starts = torch.zeros(T, dtype=torch.int32, device=dev)
-    causal = torch.arange(1, T + 1, dtype=torch.int32, device=dev)
-    q = torch.randn((T, H_I, D_I), generator=gen, device=dev).to(torch.bfloat16)
-    k = torch.randn((T, D_I), generator=gen, device=dev).to(torch.bfloat16)
-    w = torch.randn((T, H_I), generator=gen, device=dev) * (H_I * D_I) ** -0.5
-    cfg = IndexerConfig(scratch_elements=640 * T)  # 10 chunks of 640 rows, or 20 of 320 overlapped
-    one_stream = indexer_topk_fwd(q, k, w, starts, causal, K, dataclasses.replace(cfg, overlap_select=False))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        overlapped = indexer_topk_fwd(q, k, w, starts, causal, K, cfg)
-        last_rows = overlapped[-8:].clone()  # read in the caller's stream order, before any host sync
-    torch.cuda.current_stream().wait_stream(stream)
-    assert torch.equal(overlapped, one_stream)
-    assert torch.equal(last_rows, one_stream[-8:])
-
-
 def _indexer_layout(dev):
     """Two causal documents (3000 and 1090 tokens) and 6 padding rows: ``(starts, causal_lengths)``."""
     docs = (3000, 1090)

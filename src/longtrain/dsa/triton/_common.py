@@ -138,9 +138,6 @@ class IndexerConfig:
     falls back to the whole-row radix select (still exact). ``None``: see :meth:`resolved_select`."""
     scratch_elements: int | None = None
     """Cap on the int32 score scratch (rows x key width); ``None`` = ``max(T_q * K, block_m * T_k)``."""
-    overlap_select: bool = True
-    """On CUDA, with more than one row chunk: select each chunk on a second stream while the next chunk's scores
-    run (two scratches of half the cap each, so the same memory); the selection is the same either way."""
 
     def __post_init__(self) -> None:
         _check_pow2("block_m", self.block_m, 16, 256)
@@ -154,8 +151,6 @@ class IndexerConfig:
             _check_pow2("select_cand", self.select_cand, 256, 16384)
         if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 6:
             raise ValueError(f"num_stages must be an int in [1, 6], got {self.num_stages!r}")
-        if not isinstance(self.overlap_select, bool):
-            raise TypeError(f"overlap_select must be a bool, got {type(self.overlap_select).__name__}")
         if self.scratch_elements is not None and (
             not isinstance(self.scratch_elements, int) or self.scratch_elements < 1
         ):

@@ -365,21 +365,10 @@ def indexer_fp8_operands_triton(
     return q8, k8, weights, k_scale
 
 
-def _chunk_rows(num_queries: int, num_keys: int, topk: int, cfg: IndexerConfig, buffers: int = 1) -> int:
+def _chunk_rows(num_queries: int, num_keys: int, topk: int, cfg: IndexerConfig) -> int:
     budget = cfg.scratch_elements if cfg.scratch_elements is not None else max(num_queries * topk, 1)
-    rows = max(cfg.block_m, (budget // buffers // max(1, num_keys)) // cfg.block_m * cfg.block_m)
+    rows = max(cfg.block_m, (budget // max(1, num_keys)) // cfg.block_m * cfg.block_m)
     return min(rows, triton.cdiv(num_queries, cfg.block_m) * cfg.block_m)
-
-
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The second stream the selections of an overlapped schedule run on (one per device, made once)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return _SIDE_STREAMS[index]
 
 
 def indexer_topk_fwd(
@@ -396,9 +385,6 @@ def indexer_topk_fwd(
 
     ``k_scale``: ``[T_k]`` float32 key-row scales of FP8 (E4M3) ``index_q`` / ``index_k`` codes
     (:func:`~longtrain.dsa.reference.indexer_fp8_operands`; the query scales are already in ``head_weights``).
-    With ``cfg.overlap_select`` on CUDA and more than one chunk, chunk ``i``'s selection runs on a side stream while
-    chunk ``i + 1``'s scores run on the caller's, over two scratches of half the cap (the caller's stream waits for
-    the last selection before this returns, so the output is ready in its stream order).
     """
     num_queries, num_heads, head_dim = index_q.shape
     num_keys = index_k.shape[0]
@@ -406,62 +392,29 @@ def indexer_topk_fwd(
     if num_queries == 0:
         return out
     chunk = _chunk_rows(num_queries, num_keys, index_topk, cfg)
-    buffers = 1
-    if cfg.overlap_select and index_q.is_cuda and num_keys > index_topk and chunk < num_queries:
-        buffers = 2
-        chunk = _chunk_rows(num_queries, num_keys, index_topk, cfg, buffers)
-    scratches = [torch.empty((chunk, max(num_keys, 1)), dtype=torch.int32, device=index_q.device)]
-    if buffers == 2:
-        scratches.append(torch.empty_like(scratches[0]))
-    # The selection's union buffer: select_cand int32 per row of a chunk (O(T_q K) like the output); one is enough,
-    # since every selection runs on one stream.
+    scratch = torch.empty((chunk, max(num_keys, 1)), dtype=torch.int32, device=index_q.device)
+    # The selection's union buffer: select_cand int32 per row of a chunk (O(T_q K) like the output).
     select_sample, select_cand = cfg.resolved_select(num_keys)
-    cand = scratches[0]
+    cand = scratch
     if select_sample > 0 and num_keys > index_topk:
         cand = torch.empty((chunk, select_cand), dtype=torch.int32, device=index_q.device)
     n_kb = triton.cdiv(max(num_keys, 1), cfg.block_n)
 
-    def scores(row0: int, row1: int, buf: int) -> None:
-        grid = (triton.cdiv(row1 - row0, cfg.block_m) * n_kb,)
-        indexer_topk_fwd_kernel_scores[grid](
-            index_q, index_k, head_weights, k_scale if k_scale is not None else head_weights, starts,
-            causal_lengths, scratches[buf], row0, row1, num_keys, index_topk, scratches[buf].stride(0),
-            H_I=num_heads, D_I=head_dim, BLOCK_D=next_pow2(head_dim), DOT_PREC=dot_precision(index_q.dtype),
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, K_SCALE=k_scale is not None,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )  # fmt: skip
-
-    def select(row0: int, row1: int, buf: int) -> None:
+    for row0 in range(0, num_queries, chunk):
+        row1 = min(num_queries, row0 + chunk)
+        if num_keys > index_topk:
+            grid = (triton.cdiv(row1 - row0, cfg.block_m) * n_kb,)
+            indexer_topk_fwd_kernel_scores[grid](
+                index_q, index_k, head_weights, k_scale if k_scale is not None else head_weights, starts,
+                causal_lengths, scratch, row0, row1, num_keys, index_topk, scratch.stride(0),
+                H_I=num_heads, D_I=head_dim, BLOCK_D=next_pow2(head_dim), DOT_PREC=dot_precision(index_q.dtype),
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, K_SCALE=k_scale is not None,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )  # fmt: skip
         indexer_topk_fwd_kernel_select[(row1 - row0,)](
-            scratches[buf], starts, causal_lengths, out, cand, row0, num_keys, index_topk,
-            scratches[buf].stride(0), BLOCK=cfg.select_block, SAMPLE=select_sample, CAND=select_cand,
-            num_warps=cfg.select_warps,
+            scratch, starts, causal_lengths, out, cand, row0, num_keys, index_topk, scratch.stride(0),
+            BLOCK=cfg.select_block, SAMPLE=select_sample, CAND=select_cand, num_warps=cfg.select_warps,
         )  # fmt: skip
-
-    chunks = [(row0, min(num_queries, row0 + chunk)) for row0 in range(0, num_queries, chunk)]
-    if buffers == 1:
-        for row0, row1 in chunks:
-            if num_keys > index_topk:
-                scores(row0, row1, 0)
-            select(row0, row1, 0)
-        return out
-    main = torch.cuda.current_stream(index_q.device)
-    side = _side_stream(index_q.device)
-    side.wait_stream(main)  # the inputs and the output were made in the caller's stream order
-    freed: list[torch.cuda.Event | None] = [None, None]
-    for i, (row0, row1) in enumerate(chunks):
-        buf = i % 2
-        if freed[buf] is not None:
-            main.wait_event(freed[buf])  # the selection that last read this scratch is done
-        scores(row0, row1, buf)
-        scored = torch.cuda.Event()
-        scored.record(main)
-        side.wait_event(scored)
-        with torch.cuda.stream(side):
-            select(row0, row1, buf)
-        freed[buf] = torch.cuda.Event()
-        freed[buf].record(side)
-    main.wait_stream(side)  # the output, and the scratches' reuse by the caller's allocations, after every select
     return out
 
 
