@@ -339,7 +339,8 @@ def test_indexer_select_config_is_validated():
         IndexerConfig(select_cand=128)
     assert IndexerConfig(select_sample=0).select_sample == 0
     auto = IndexerConfig()
-    assert (auto.resolved_select(32768), auto.resolved_select(32769)) == ((512, 4096), (1024, 4096))
+    assert [auto.resolved_select(n) for n in (1, 4096, 4097, 32768, 32769)] == [(0, 4096), (0, 4096), (512, 4096),
+                                                                                (512, 4096), (1024, 4096)]  # fmt: skip
     assert IndexerConfig(select_cand=512, select_sample=256).resolved_select(10**6) == (256, 512)
     assert IndexerConfig(select_sample=0).resolved_select(10) == (0, 4096)
     with pytest.raises(ValueError, match="at most select_cand"):
@@ -405,7 +406,7 @@ def test_warmup_runs_every_kernel(triton_interpret):
 
 def test_warmup_compiles_each_default_selection_setting(triton_interpret, monkeypatch):
     """The selection kernel compiles once per (sample, candidates) pair its defaults pick by key count: the warm-up
-    runs both, so a step with more than 32K keys does not compile at step 1."""
+    runs each (SELECT_BY_KEYS), so a step with another key count does not compile at step 1."""
     from longtrain.dsa.triton import indexer_topk, warmup
 
     seen = []
@@ -418,13 +419,14 @@ def test_warmup_compiles_each_default_selection_setting(triton_interpret, monkey
     monkeypatch.setattr(indexer_topk, "indexer_topk_triton", spy)
     info = warmup(num_heads=2, d_qk=48, d_v=32, topk=8, index_heads=2, index_dim=16, dtype=torch.float32,
                   device="cpu", num_tokens=20)  # fmt: skip
-    assert seen[:2] == [
+    assert seen[:3] == [
         (*IndexerConfig().resolved_select(1), False),
+        (*IndexerConfig().resolved_select(8192), False),
         (*IndexerConfig().resolved_select(1 << 40), False),
     ]
-    assert seen[:2] == [(512, 4096, False), (1024, 4096, False)]
+    assert seen[:3] == [(0, 4096, False), (512, 4096, False), (1024, 4096, False)]
     # The FP8 scores are another variant of the scoring kernel: warmed too where they run (the interpreter here).
-    assert seen[2][2] is True and info["index_fp8"] is True
+    assert seen[3][2] is True and info["index_fp8"] is True
 
 
 def test_availability_reasons(monkeypatch):

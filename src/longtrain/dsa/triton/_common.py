@@ -12,6 +12,7 @@ __all__ = [
     "TRITON_DTYPES",
     "IndexerConfig",
     "KernelConfig",
+    "SELECT_BY_KEYS",
     "SparseMLAConfig",
     "Unfit",
     "availability",
@@ -112,6 +113,18 @@ class SparseMLAConfig:
         return self.bwd, self.bwd_dq or self.bwd, self.bwd_dkv or self.bwd
 
 
+SELECT_BY_KEYS: tuple[tuple[int | None, int, int], ...] = ((4096, 0, 4096), (32768, 512, 4096), (None, 1024, 4096))
+"""``(most key rows, select_sample, select_cand)``: the selection's defaults by the key tensor's rows, first match
+(``None``: any number). Measured on the H200 at K = 2048, in the reports
+``benchmarks/results/dsa_indexer_overlap_sweep_fdf0b98_2026-12-01.md`` and
+``benchmarks/results/dsa_indexer_defaults_sweep_f61a860_2026-12-01.md``: at 4K keys the whole-row select (0.330 ms)
+beat the sampled union (0.352); on one 16K document sample 512 (4.61 ms) beat 1024 (4.85), 256 (4.84) and the
+whole-row select (5.67); at 64K sample 1024 (64.7 ms) beat 512 (86.0) and 8192 candidates (77.6). 32K is not
+measured. The union a row's selection runs on holds K plus the bracket's margin, about
+``4 sqrt(K (L - K) / sample) + 4 L / sample`` keys for a row of L keys: 3.1K at K = 2048 on a 16K row with a sample
+of 512, 3.7K on a 64K row with 1024; a union over ``select_cand`` falls back to the whole-row select."""
+
+
 @dataclass(kw_only=True)
 class IndexerConfig:
     """Launch configuration of the fused indexer top-k (scoring and selection kernels)."""
@@ -155,7 +168,8 @@ class IndexerConfig:
             not isinstance(self.scratch_elements, int) or self.scratch_elements < 1
         ):
             raise ValueError(f"scratch_elements must be a positive int or None, got {self.scratch_elements!r}")
-        for num_keys in (1, 1 << 40):
+        for bound, _, _ in SELECT_BY_KEYS:
+            num_keys = 1 << 40 if bound is None else bound
             sample, cand = self.resolved_select(num_keys)
             if sample > cand:
                 raise ValueError(
@@ -164,13 +178,9 @@ class IndexerConfig:
                 )
 
     def resolved_select(self, num_keys: int) -> tuple[int, int]:
-        """``(select_sample, select_cand)`` for a key tensor of ``num_keys`` rows, ``None`` fields by a measured
-        table: ``(512, 4096)`` up to 32768 keys, ``(1024, 4096)`` above (the fastest settings tried at 4K and 16K
-        keys, and at 64K, in ``benchmarks/results/dsa_indexer_defaults_sweep_f61a860_2026-12-01.md``; 32K is not
-        measured). The union a row's selection runs on holds K plus the bracket's margin, about
-        ``4 sqrt(K (L - K) / sample) + 4 L / sample`` keys for a row of L keys: 3.1K at K = 2048 on a 16K row with a
-        sample of 512, 3.7K on a 64K row with 1024; a union over ``select_cand`` falls back to the whole-row select."""
-        auto_sample, auto_cand = (512, 4096) if num_keys <= 32768 else (1024, 4096)
+        """``(select_sample, select_cand)`` for a key tensor of ``num_keys`` rows, ``None`` fields from the first row
+        of :data:`SELECT_BY_KEYS` that covers ``num_keys``."""
+        auto_sample, auto_cand = next((smp, c) for most, smp, c in SELECT_BY_KEYS if most is None or num_keys <= most)
         sample = auto_sample if self.select_sample is None else self.select_sample
         cand = auto_cand if self.select_cand is None else self.select_cand
         return sample, cand

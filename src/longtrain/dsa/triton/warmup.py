@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from longtrain.dsa.triton._common import indexer_fp8_unfit, require_available
+from longtrain.dsa.triton._common import SELECT_BY_KEYS, indexer_fp8_unfit, require_available
 
 __all__ = ["causal_topk_indices", "warmup"]
 
@@ -81,8 +81,7 @@ def warmup(
     # A K below the row lengths makes the scoring and radix-select kernels run, not only the fast path; the
     # selection compiles once per (sample, candidates) setting its defaults pick by key count: warm each of them.
     base = indexer_topk.default_config()
-    for num_keys in (1, 1 << 40):
-        sample, cand = base.resolved_select(num_keys)
+    for _, sample, cand in SELECT_BY_KEYS:
         cfg = dataclasses.replace(base, select_sample=sample, select_cand=cand)
         selected = indexer_topk.indexer_topk_triton(
             iq, ik, weights, starts, lengths, max(1, min(topk, num_tokens // 2)), config=cfg
