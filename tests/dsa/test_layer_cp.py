@@ -256,6 +256,39 @@ def _disagreeing_step(rank: int, world: int, sharding: str):
     return "no error", dict(counts)
 
 
+def _disagreeing_knob(rank: int, world: int):
+    """Rank 1's DSA layers score the FP8 indexer, rank 0's bf16: the same step otherwise. Every rank raises the same
+    CPMismatchError naming the knob before any collective (they would select different keys)."""
+    from longtrain.blockdiag_cp import CPMismatchError, build_cp_step
+    from tests.blockdiag._cp_model import FakeMesh, count_collectives
+
+    ids = torch.tensor([1] * 5 + [2] * 7 + [3] * 1 + [0] * 3)
+    step = build_cp_step(ids, FakeMesh(world, rank, dist.group.WORLD))
+    full, _ = _stack(seed=1, indexer_fp8=rank == 1)
+    x = torch.randn(step.local_len, 32, dtype=torch.float64)
+    try:
+        with count_collectives() as counts:
+            full(x, torch.arange(step.local_len), cp_step=step)
+    except CPMismatchError as exc:
+        return str(exc), dict(counts)
+    return "no error", dict(counts)
+
+
+@pytest.mark.dist
+def test_ranks_with_other_dsa_knobs_raise_before_the_gather(gloo):
+    results = gloo(_disagreeing_knob, 2, timeout=60)
+    assert all("DSA indexer fp8" in msg for msg, _ in results), results
+    assert len({msg for msg, _ in results}) == 1 and all(counts == {} for _, counts in results)
+
+
+def test_rank_knobs_name_every_setting_that_changes_the_selection():
+    full, shared = _stack(seed=0, indexer_fp8=True)
+    knobs = dict(full.rank_knobs())
+    expected = {"DSA backend": "torch", "DSA indexer fp8": True, "DSA top-k": 3, "DSA indexer heads x dim": (2, 16)}
+    assert knobs == expected
+    assert shared.rank_knobs() == full.rank_knobs()
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("sharding", ["contiguous", "balanced"])
 def test_disagreeing_ranks_raise_before_the_gather(gloo, sharding):

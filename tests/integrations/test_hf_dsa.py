@@ -232,6 +232,26 @@ def _disagree_worker(rank, world):
     return "no error", ""
 
 
+def _disagree_knob_worker(rank, world):
+    ours, _ = _models("glm")
+    if rank == 1:  # the same model and row, its indexer on FP8 codes on this rank only
+        hf.apply_dsa(ours, backend="torch", indexer_fp8=True)
+    ids, pos, labels = _row()
+    ctx, kwargs, _ = hf.hf_cp_batch({"input_ids": ids, "position_ids": pos, "labels": labels}, dist.group.WORLD)
+    try:
+        with ctx():
+            ours(**kwargs)
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    return "no error", ""
+
+
+def test_ranks_with_other_dsa_knobs_raise_the_same_error(gloo):
+    results = gloo(_disagree_knob_worker, 2, timeout=180)
+    assert all(kind == "CPMismatchError" for kind, _ in results), results
+    assert len({msg for _, msg in results}) == 1 and "DSA indexer fp8" in results[0][1]
+
+
 def test_disagreeing_ranks_raise_the_same_error(gloo):
     results = gloo(_disagree_worker, 2, timeout=180)
     assert all(kind == "CPMismatchError" for kind, _ in results), results

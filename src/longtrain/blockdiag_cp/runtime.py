@@ -373,17 +373,31 @@ def _attend_or_dense(q, k_full, v_full, step: CPStep, backend: str, scale, dropo
     return out
 
 
-def check_ranks_agree(step: CPStep, q: torch.Tensor, k: torch.Tensor) -> None:
-    """Once per step, before its first size-dependent collective: every rank compares what decides the step's
-    collectives (:mod:`.consensus`); a difference is the same :class:`~.consensus.CPMismatchError` on every rank.
+def check_ranks_agree(
+    step: CPStep,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    kind: str = "attention",
+    knobs: tuple[tuple[str, object], ...] = (),
+) -> None:
+    """Once per step and ``kind``, before its first size-dependent collective: every rank compares what decides the
+    step's collectives and results (:mod:`.consensus`); a difference is the same :class:`~.consensus.CPMismatchError`
+    on every rank.
 
-    ``q: [L, Hq, D]`` / ``k: [L, Hkv, D]`` of the first attention that runs on the step (block-diagonal or DSA);
-    later calls on the same step, and one-rank steps, return at once."""
-    if step.world_size == 1 or "ranks_agree" in step.cache:
+    ``q: [L, Hq, D]`` / ``k: [L, Hkv, D]`` of the first attention of that ``kind`` that runs on the step;
+    ``knobs``: ``(name, value)`` pairs of that attention's own settings that every rank must share (a DSA layer's
+    backend, FP8 indexer, top-k, indexer heads: ranks that differ there would select differently and agree with no
+    single-GPU run). Block-diagonal attention is ``kind="attention"``, DSA layers ``kind="dsa"``: a model with both
+    pays one exchange per kind and step. Later calls of the same kind on the step, and one-rank steps, return at
+    once."""
+    cache_key = f"ranks_agree:{kind}"
+    if step.world_size == 1 or cache_key in step.cache:
         return
     payload = ";".join(
         f"{name}={value}"
         for name, value in (
+            ("attention kind", kind),
             ("document layout (ids hash/length)", step.layout_hash),
             ("world size", step.world_size),
             ("local length", step.local_len),
@@ -393,6 +407,7 @@ def check_ranks_agree(step: CPStep, q: torch.Tensor, k: torch.Tensor) -> None:
             ("head dim", q.shape[2]),
             ("attention backend", step.attn_backend),
             ("kv_exchange", step.kv_exchange),
+            *knobs,
         )
     )
     payloads = consensus.exchange_fingerprints(step.group, step.rank, step.world_size, payload, state.step_timeout_s())
@@ -402,7 +417,7 @@ def check_ranks_agree(step: CPStep, q: torch.Tensor, k: torch.Tensor) -> None:
             f"{problem}: every CP rank must build its step from the same packed row and run the same attention "
             "(same ids, dtype, heads and knobs); no collective of the step was issued"
         )
-    step.cache["ranks_agree"] = True
+    step.cache[cache_key] = True
 
 
 def _cp_varlen_attention_impl(q, k, v, step, softmax_scale, dropout_p):

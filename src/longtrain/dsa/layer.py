@@ -376,6 +376,17 @@ class DSAAttention(nn.Module):
             dtype=self.q_a_proj.weight.dtype,
         )
 
+    def rank_knobs(self) -> tuple[tuple[str, object], ...]:
+        """The settings every CP rank of a step must share with this layer (compared once per step, before the first
+        gather; ranks that differ would select different keys and agree with no single-GPU run)."""
+        c = self.config
+        return (
+            ("DSA backend", c.backend),
+            ("DSA indexer fp8", c.indexer_fp8),
+            ("DSA top-k", c.index_topk),
+            ("DSA indexer heads x dim", (c.index_n_heads, c.index_head_dim)),
+        )
+
     @staticmethod
     def prepare_metadata(
         cu_seqlens: torch.Tensor,
@@ -546,7 +557,7 @@ class DSAAttention(nn.Module):
         if cp_step is not None:  # the ranks agree on the step before its first collective (once per step)
             from longtrain.blockdiag_cp.runtime import check_ranks_agree
 
-            check_ranks_agree(cp_step, q, latent[:, None, :])
+            check_ranks_agree(cp_step, q, latent[:, None, :], kind="dsa", knobs=self.rank_knobs())
         latent = gather_rows(latent, cp_group, parts.row_order)
         k_pe = gather_rows(k_pe, cp_group, parts.row_order)
 

@@ -171,7 +171,10 @@ def _dsa_forward(self, family, kernels, hidden_states, position_embeddings, atte
     q_nope = q_pass.transpose(1, 2).reshape(tokens, heads, nope)
     q_pe = q_rot.transpose(1, 2).reshape(tokens, heads, rope)
     if step is not None:  # the ranks agree on the step before its first collective (once per step)
-        check_ranks_agree(step, q_nope, latent.reshape(tokens, 1, lora))
+        index = (self.indexer.n_heads, self.indexer.head_dim) if self.indexer is not None else "shared (previous layer)"
+        knobs = (("DSA backend", kernels[0]), ("DSA indexer fp8", kernels[1]), ("DSA top-k", cfg.index_topk),
+                 ("DSA indexer heads x dim", index))  # fmt: skip
+        check_ranks_agree(step, q_nope, latent.reshape(tokens, 1, lora), kind="dsa", knobs=knobs)
     latent = gather_rows(latent.reshape(tokens, lora), group, parts.row_order)
     k_pe = gather_rows(k_rot.reshape(tokens, rope), group, parts.row_order)
 
