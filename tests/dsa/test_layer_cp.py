@@ -237,34 +237,18 @@ def test_balanced_step_refuses_external_metadata(gloo):
     assert all(gloo(_balanced_refusals, 2))
 
 
-def _disagreeing_step(rank: int, world: int, sharding: str):
-    """Rank 1 builds its step from other ids: every rank raises the same CPMismatchError before any collective."""
+def _disagreeing(rank: int, world: int, sharding: str = "contiguous", knob: bool = False):
+    """Rank 1 builds its step from other ids, or (``knob``) its DSA layer scores the FP8 indexer where rank 0's
+    scores bf16 (they would select different keys): every rank raises the same CPMismatchError before any
+    collective. Returns ``(message, collectives issued)``."""
     from longtrain.blockdiag_cp import CPMismatchError, build_cp_step
     from tests.blockdiag._cp_model import FakeMesh, count_collectives
 
     ids = torch.tensor([1] * 5 + [2] * 7 + [3] * 1 + [0] * 3)
-    if rank == 1:
+    if rank == 1 and not knob:
         ids[5] = 1  # document 1 one token longer on this rank only
     step = build_cp_step(ids, FakeMesh(world, rank, dist.group.WORLD), sharding=sharding, shard_chunk=2)
-    full, _ = _stack(seed=1)
-    x = torch.randn(step.local_len, 32, dtype=torch.float64)
-    try:
-        with count_collectives() as counts:
-            full(x, torch.arange(step.local_len), cp_step=step)
-    except CPMismatchError as exc:
-        return str(exc), dict(counts)
-    return "no error", dict(counts)
-
-
-def _disagreeing_knob(rank: int, world: int):
-    """Rank 1's DSA layers score the FP8 indexer, rank 0's bf16: the same step otherwise. Every rank raises the same
-    CPMismatchError naming the knob before any collective (they would select different keys)."""
-    from longtrain.blockdiag_cp import CPMismatchError, build_cp_step
-    from tests.blockdiag._cp_model import FakeMesh, count_collectives
-
-    ids = torch.tensor([1] * 5 + [2] * 7 + [3] * 1 + [0] * 3)
-    step = build_cp_step(ids, FakeMesh(world, rank, dist.group.WORLD))
-    full, _ = _stack(seed=1, indexer_fp8=rank == 1)
+    full, _ = _stack(seed=1, indexer_fp8=knob and rank == 1)
     x = torch.randn(step.local_len, 32, dtype=torch.float64)
     try:
         with count_collectives() as counts:
@@ -276,7 +260,7 @@ def _disagreeing_knob(rank: int, world: int):
 
 @pytest.mark.dist
 def test_ranks_with_other_dsa_knobs_raise_before_the_gather(gloo):
-    results = gloo(_disagreeing_knob, 2, timeout=60)
+    results = gloo(_disagreeing, 2, "contiguous", True, timeout=60)
     assert all("DSA indexer fp8" in msg for msg, _ in results), results
     assert len({msg for msg, _ in results}) == 1 and all(counts == {} for _, counts in results)
 
@@ -292,6 +276,6 @@ def test_rank_knobs_name_every_setting_that_changes_the_selection():
 @pytest.mark.dist
 @pytest.mark.parametrize("sharding", ["contiguous", "balanced"])
 def test_disagreeing_ranks_raise_before_the_gather(gloo, sharding):
-    results = gloo(_disagreeing_step, 2, sharding, timeout=60)
+    results = gloo(_disagreeing, 2, sharding, timeout=60)
     assert all("document layout" in msg for msg, _ in results), results
     assert len({msg for msg, _ in results}) == 1 and all(counts == {} for _, counts in results)
