@@ -74,13 +74,13 @@ class RouteRow(NamedTuple):
     """The report under ``benchmarks/results/`` the figure comes from, or why there is no figure."""
 
 
-#: What ``"auto"`` chooses from, per op and direction fastest first (a test keeps the measured rows in order).
 # The FP8 indexer's figure for `longtrain doctor` (its route follows the same table, without cudnn).
 _FP8_FIGURE = (
     "FP8 scores 1.89 ms against 2.69 ms in bf16 at T=16384 H_I=32 D_I=128, one document "
     "(dsa_indexer_overlap_sweep_fdf0b98_2026-12-01.md)"
 )
 
+#: What ``"auto"`` chooses from, per op and direction fastest first (a test keeps the measured rows in order).
 ROUTE_TABLE: tuple[RouteRow, ...] = (
     RouteRow(
         "sparse_mla", "fwd", "triton", "90", 337.9,
