@@ -144,11 +144,13 @@ class IndexerConfig:
     """Warps per selection program (one program per query row)."""
     select_sample: int | None = None
     """Scores a selection program samples from a row wider than ``select_cand`` to bracket its K-th largest score
-    (the exact radix select then runs on the bracketed candidates only); 0 = no sampling: the radix select reads
-    the whole row in every pass. ``None``: by the key tensor's rows, see :meth:`resolved_select`."""
+    (the exact radix select then runs on the union of the keys at or above the bracket's bottom only); 0 = no
+    sampling: the radix select reads the whole row in every pass. ``None``: by the key tensor's rows, see
+    :data:`SELECT_BY_KEYS`."""
     select_cand: int | None = None
-    """Candidates a selection program holds (rows at most this wide are held whole); a row whose bracket holds more
-    falls back to the whole-row radix select (still exact). ``None``: see :meth:`resolved_select`."""
+    """Keys a selection program holds in registers: a row at most this wide whole, a wider one's union (K plus the
+    bracket's margin, so it must exceed K to be of use); a union that holds more falls back to the whole-row radix
+    select (still exact). ``None``: see :data:`SELECT_BY_KEYS`."""
     scratch_elements: int | None = None
     """Cap on the int32 score scratch (rows x key width); ``None`` = ``max(T_q * K, block_m * T_k)``."""
 
