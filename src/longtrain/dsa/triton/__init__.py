@@ -16,9 +16,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from longtrain.dsa.triton._common import IndexerConfig, KernelConfig, SparseMLAConfig, availability
+from longtrain.dsa.triton._common import SELECT_BY_KEYS, IndexerConfig, KernelConfig, SparseMLAConfig, availability
 
 __all__ = [
+    "SELECT_BY_KEYS",
     "IndexerConfig",
     "KernelConfig",
     "SparseMLAConfig",
