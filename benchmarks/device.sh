@@ -3,6 +3,11 @@
 #
 #   bash benchmarks/device.sh stash                 # keep .whl-a/ (part one of the CuTe DSL libs wheel) in /tmp
 #   bash benchmarks/device.sh stash-hf              # keep .whl-hf/ (transformers and its deps) in /tmp/hfw
+#   bash benchmarks/device.sh stash-tl              # unpack .whl-tl/ (TileLang's site, 52 MB, and the example
+#                                                   # files of tile-ai/tilelang examples/deepseek_v32 in
+#                                                   # .whl-tl/examples/) into /tmp/tlsite and /tmp/tl_examples
+#                                                   # (TileLang pins apache-tvm-ffi < 0.1.13, the extras of
+#                                                   # `install` carry 0.1.15: time TileLang in a call without them)
 #   bash benchmarks/device.sh install               # install .whl-b/ + that part into /tmp/site (pip --target),
 #                                                   # and /tmp/hfw's wheels into /tmp/hfsite when stashed
 #   bash benchmarks/device.sh pytest ARGS...        # pytest with the installed extras, log under $OUT
@@ -18,6 +23,8 @@ export PYTHONUNBUFFERED=1
 env_setup() {
   export PYTHONPATH="$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages:$PWD/src:$PWD"
   if [ -d /tmp/hfsite ]; then export PYTHONPATH="$PYTHONPATH:/tmp/hfsite"; fi
+  if [ -d /tmp/tlsite/tlsite ]; then export PYTHONPATH="$PYTHONPATH:/tmp/tlsite/tlsite"; fi
+  if [ -d /tmp/tl_examples ]; then export LONGTRAIN_TILELANG_EXAMPLES=/tmp/tl_examples; fi
   export LONGTRAIN_COMMIT="${LONGTRAIN_COMMIT:-unknown}"
 }
 case "${1:-}" in
@@ -25,6 +32,10 @@ case "${1:-}" in
     mkdir -p /tmp/parts && cp .whl-a/cu13part_aa /tmp/parts/ && ls -la /tmp/parts ;;
   stash-hf)
     mkdir -p /tmp/hfw && cp .whl-hf/*.whl /tmp/hfw/ && ls /tmp/hfw | wc -l ;;
+  stash-tl)
+    mkdir -p /tmp/tlsite && tar xJf .whl-tl/tilelang_site.tar.xz -C /tmp/tlsite
+    if [ -d .whl-tl/examples ]; then rm -rf /tmp/tl_examples && cp -r .whl-tl/examples /tmp/tl_examples; fi
+    ls /tmp/tlsite/tlsite | head -3; ls /tmp/tl_examples 2>/dev/null | wc -l ;;
   install)
     if [ ! -f /tmp/parts/cu13part_aa ]; then echo "part one of the CuTe DSL wheel is gone (machine restarted)"; exit 3; fi
     cat /tmp/parts/cu13part_aa .whl-b/cu13part_ab > "/tmp/$CU13"
@@ -42,5 +53,5 @@ case "${1:-}" in
     shift; env_setup
     python3 "$@" ;;
   *)
-    echo "usage: $0 stash | install | pytest ARGS | python ARGS"; exit 2 ;;
+    echo "usage: $0 stash | stash-hf | stash-tl | install | pytest ARGS | python ARGS"; exit 2 ;;
 esac

@@ -13,8 +13,9 @@ prefix of its document (``1doc``: one document of T tokens, as in the TileLang a
 of U[K, 4K] tokens). FLOPs count valid slots only: fwd ``2·valid·H·(D_qk+D_v)``, bwd
 ``2·valid·H·(3·D_qk+2·D_v)``; indexer ``2·H_I·D_I`` per scored causal pair. Timing: ``triton.testing.do_bench``
 median (20th/80th percentiles), L2 flushed between repetitions. Baselines in the same run: the library's
-plain-torch paths (gather-based sparse MLA; materialised indexer scores + ``torch.topk`` on 2048-row chunks)
-and the cuDNN frontend backward where its package is installed.
+plain-torch paths (gather-based sparse MLA; materialised indexer scores + ``torch.topk`` on 2048-row chunks),
+the cuDNN frontend backward where its package is installed, and TileLang's DeepSeek-V3.2 sparse MLA kernels where
+they are carried (:mod:`longtrain.bench_suites.tilelang_baseline`; otherwise rows saying why not).
 """
 
 from __future__ import annotations
@@ -456,6 +457,10 @@ def _mla_case(add, total: int, heads: int, topk: int, layout: str) -> None:
         tflops=bwd_flops / ms[0] / 1e9, peak_mib=peak_mib(bwd))  # fmt: skip
     if heads == 64 and topk == TOPK and layout == "1doc":
         _cudnn_rows(add, q, kv, idx, length, dout, shape, fwd_flops + bwd_flops)
+    if total == 16384 and topk == TOPK and layout == "1doc":  # TileLang's kernels on the same inputs, where carried
+        from longtrain.bench_suites.tilelang_baseline import tilelang_rows
+
+        tilelang_rows(add, bench, q, kv, idx, out, dout, shape, fwd_flops, bwd_flops)
     if not (total == 4096 and heads == 64 and topk == TOPK):
         return
     ms = bench(lambda: run_bwd(q, kv, out, dout, lse, idx, length, deterministic=True), rep_ms=50)
