@@ -4,13 +4,7 @@ checked in tests/gpu/test_dsa_triton_gpu.py)."""
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -18,6 +12,7 @@ import torch
 
 from longtrain.dsa.reference import sparse_mla_reference
 from longtrain.dsa.triton import KernelConfig
+from tests.dsa._sm90_compile import compile_sm90, cuobjdump
 
 pytestmark = pytest.mark.interpret
 
@@ -134,56 +129,13 @@ def test_sm90_candidates_fit_shared_memory():
     assert not _sm90_fits(128, 2, 576, 2)
 
 
-_COMPILE_SM90 = """
-import json, re, subprocess, sys, tempfile
-from pathlib import Path
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
-from longtrain.dsa.triton.sparse_mla_fwd_sm90 import sparse_mla_fwd_sm90_kernel as kernel
-
-block_k, num_buf, d_qk, d_v = map(int, sys.argv[1:5])
-types = ["*bf16", "*bf16", "*i32", "*i32", "*fp32", "*bf16", "*fp32", "i32", "i32", "fp32"]
-sig = dict(zip(kernel.arg_names, types))
-consts = dict(H=64, D_V=d_v, D_R=d_qk - d_v, HAS_LEN=True, HAS_SINK=True, BLOCK_K=block_k, NUM_BUF=num_buf,
-              SPLIT_KEYS=True, num_warps=8)
-sig.update({name: "constexpr" for name in consts})
-attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(types) if t.startswith("*")}
-compiled = triton.compile(GluonASTSource(kernel, sig, constexprs=consts, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
-tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-    f.write(compiled.asm["cubin"])
-    f.flush()
-    usage = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
-m = re.search(r"REG:(\\d+) STACK:(\\d+) SHARED:\\d+ LOCAL:(\\d+)", usage)
-ptx = compiled.asm["ptx"]
-print(json.dumps(dict(shared=compiled.metadata.shared, regs=int(m[1]), stack=int(m[2]), local=int(m[3]),
-                      cp_async="cp.async.cg.shared.global" in ptx, wgmma="wgmma.mma_async" in ptx)))
-"""
-
-
-def _cuobjdump() -> Path | None:
-    if importlib.util.find_spec("triton") is None:
-        return None
-    import triton
-
-    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    return path if path.exists() else None
-
-
-@pytest.mark.skipif(_cuobjdump() is None, reason="needs triton with its bundled NVIDIA toolchain (ptxas, cuobjdump)")
+@pytest.mark.skipif(cuobjdump() is None, reason="needs triton with its bundled NVIDIA toolchain (ptxas, cuobjdump)")
 def test_sm90_kernel_compiles_for_hopper_without_spills():
-    """The GLM-5.2 default candidate, compiled for sm_90a on this CPU-only machine (in a fresh process: the
-    interpreter tests leave Triton's language patched): cp.async ring + wgmma, no spills to local memory,
-    shared memory within the 227 KiB an SM90 block can have."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2] / "src"),
-                                                      env.get("PYTHONPATH")]))  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", _COMPILE_SM90, "64", "2", "576", "512"], capture_output=True,
-                          text=True, env=env, timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    stats = json.loads(done.stdout.strip().splitlines()[-1])
+    """The GLM-5.2 default candidate, compiled for sm_90a on this CPU-only machine: cp.async ring + wgmma, no
+    spills to local memory, shared memory within the 227 KiB an SM90 block can have."""
+    types = ["*bf16", "*bf16", "*i32", "*i32", "*fp32", "*bf16", "*fp32", "i32", "i32", "fp32"]
+    consts = dict(H=64, D_V=512, D_R=64, HAS_LEN=True, HAS_SINK=True, BLOCK_K=64, NUM_BUF=2, SPLIT_KEYS=True)
+    stats = compile_sm90("longtrain.dsa.triton.sparse_mla_fwd_sm90", "sparse_mla_fwd_sm90_kernel", types, consts)
     assert stats["cp_async"] and stats["wgmma"], stats
     assert stats["shared"] <= 232448, stats
     assert stats["stack"] == 0 and stats["local"] == 0, stats

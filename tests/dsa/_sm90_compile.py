@@ -1,0 +1,59 @@
+"""Offline compilation of the Gluon SM90 kernels for sm_90a on a CPU-only machine, in a fresh process (the
+interpreter tests leave Triton's language patched): shared memory, registers, spills and the instructions used."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+_SCRIPT = """
+import importlib, json, re, subprocess, sys, tempfile
+from pathlib import Path
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+
+module, name, types, consts = json.loads(sys.argv[1])
+kernel = getattr(importlib.import_module(module), name)
+sig = dict(zip(kernel.arg_names, types))
+sig.update({key: "constexpr" for key in consts})
+consts["num_warps"] = 8
+sig["num_warps"] = "constexpr"
+attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(types) if t.startswith("*")}
+compiled = triton.compile(GluonASTSource(kernel, sig, constexprs=consts, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
+tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+    f.write(compiled.asm["cubin"])
+    f.flush()
+    usage = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
+m = re.search(r"REG:(\\d+) STACK:(\\d+) SHARED:\\d+ LOCAL:(\\d+)", usage)
+ptx = compiled.asm["ptx"]
+print(json.dumps(dict(shared=compiled.metadata.shared, regs=int(m[1]), stack=int(m[2]), local=int(m[3]),
+                      cp_async="cp.async.cg.shared.global" in ptx, wgmma="wgmma.mma_async" in ptx)))
+"""
+
+
+def cuobjdump() -> Path | None:
+    """Triton's bundled cuobjdump, or None without triton or its NVIDIA toolchain."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    import triton
+
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return path if path.exists() else None
+
+
+def compile_sm90(module: str, name: str, types: list[str], consts: dict) -> dict:
+    """Compile ``module.name`` (a Gluon kernel, 8 warps) for sm_90a; its resource usage and instruction flags."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2] / "src"),
+                                                      env.get("PYTHONPATH")]))  # fmt: skip
+    arg = json.dumps([module, name, types, consts])
+    done = subprocess.run([sys.executable, "-c", _SCRIPT, arg], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
