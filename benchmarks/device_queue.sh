@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# The H200 runs that benchmarks/README.md lists under "Not yet run on the H200", in one call of at most ~9 minutes,
-# run from the repository root on the GPU machine (with QUEUE_EXTRAS=1 after `bash benchmarks/device.sh stash`, the
-# extras are installed first). Each run has its own time limit; logs and reports go under
-# $OUT/queue, tarred into $OUT/queue.tgz at the end (one file comes back).
+# H200 runs in one call of at most ~9 minutes, run from the repository root on the GPU machine. Logs and reports go
+# under $OUT/queue, tarred into $OUT/queue.tgz at the end (one file comes back).
 #
-#   LONGTRAIN_COMMIT=$(git log -1 --format=%h) bash benchmarks/device_queue.sh
+#   LONGTRAIN_COMMIT=$(git log -1 --format=%h) bash benchmarks/device_queue.sh [indexer|mla]
+#
+# indexer (default): GPU tests of the indexer, compute-sanitizer memcheck, the defaults sweep of
+#   dsa_indexer_variants.py and dsa.py's indexer cases (with QUEUE_EXTRAS=1 after `bash benchmarks/device.sh stash`,
+#   the extras are installed first; none of these runs needs them).
+# mla: carrying .whl-tl (TileLang's site and example files, see device.sh stash-tl; without it TileLang's rows say
+#   why they are missing): GPU parity tests of the sparse MLA kernels, memcheck, and dsa.py at T = 16384 (H = 64 and
+#   128, K = 2048, one document) with TileLang's kernels side by side.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -12,20 +17,34 @@ Q=$OUT/queue
 mkdir -p "$Q"
 start=$(date +%s)
 since() { echo "$(( $(date +%s) - start )) s"; }
-if [ "${QUEUE_EXTRAS:-0}" = 1 ] && [ ! -d /tmp/site/cudnn ]; then  # none of the runs below needs the extras
-  bash benchmarks/device.sh install > "$Q/install.log" 2>&1 || echo "install failed (see install.log): runs without the extras"
-fi
 run() {  # run NAME SECONDS CMD...: one bounded step, its log under $Q
   local name=$1 limit=$2
   shift 2
   timeout "$limit" bash benchmarks/device.sh python "$@" > "$Q/$name.log" 2>&1
   echo "$name: exit $? after $(since)"
 }
-run gpu_dsa_tests 150 -m pytest -q -p no:cacheprovider tests/gpu/test_dsa_triton_gpu.py -k "indexer or torch_route"
-PYTHONPATH=$PWD/src timeout 60 compute-sanitizer --tool memcheck python3 benchmarks/dsa.py --memcheck > "$Q/memcheck.log" 2>&1
-echo "memcheck: exit $? after $(since)"
-run indexer_sweep 200 benchmarks/dsa_indexer_variants.py --defaults-sweep --out-dir "$Q"
-run dsa_indexer 150 benchmarks/dsa.py --indexer-case 16384,1doc --indexer-case 16384,docs --indexer-case 4096,1doc \
-  --indexer-case 65536,1doc --out-dir "$Q"
+memcheck() {  # memcheck SECONDS
+  PYTHONPATH=$PWD/src timeout "$1" compute-sanitizer --tool memcheck python3 benchmarks/dsa.py --memcheck \
+    > "$Q/memcheck.log" 2>&1
+  echo "memcheck: exit $? after $(since)"
+}
+case "${1:-indexer}" in
+  indexer)
+    if [ "${QUEUE_EXTRAS:-0}" = 1 ] && [ ! -d /tmp/site/cudnn ]; then
+      bash benchmarks/device.sh install > "$Q/install.log" 2>&1 || echo "install failed (see install.log)"
+    fi
+    run gpu_dsa_tests 150 -m pytest -q -p no:cacheprovider tests/gpu/test_dsa_triton_gpu.py -k "indexer or torch_route"
+    memcheck 60
+    run indexer_sweep 200 benchmarks/dsa_indexer_variants.py --defaults-sweep --out-dir "$Q"
+    run dsa_indexer 150 benchmarks/dsa.py --indexer-case 16384,1doc --indexer-case 16384,docs \
+      --indexer-case 4096,1doc --indexer-case 65536,1doc --out-dir "$Q" ;;
+  mla)
+    if [ -f .whl-tl/tilelang_site.tar.xz ]; then bash benchmarks/device.sh stash-tl > "$Q/stash_tl.log" 2>&1; fi
+    run gpu_mla_tests 200 -m pytest -q -p no:cacheprovider tests/gpu/test_dsa_triton_gpu.py -k "not indexer"
+    memcheck 120
+    run dsa_mla 330 benchmarks/dsa.py --case 16384,64,2048,1doc --case 16384,128,2048,1doc --out-dir "$Q" ;;
+  *)
+    echo "usage: $0 [indexer|mla]"; exit 2 ;;
+esac
 tar czf "$OUT/queue.tgz" -C "$OUT" queue && rm -rf "$Q"
 echo "done after $(since)"

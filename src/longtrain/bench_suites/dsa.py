@@ -403,12 +403,6 @@ def memcheck() -> None:
             for ln in (length, None):
                 o90, _ = sparse_mla_fwd(q.detach(), kv.detach().view(90, -1), idx, 0.1, D_V, ln, sink.detach(), c90)
                 assert bool(torch.isfinite(o90).all())
-        # The SM90 probabilities kernel of the backward, with and without lengths, with and without dkv.
-        o90, lse90 = sparse_mla_fwd(q.detach(), kv.detach().view(90, -1), idx, 0.1, D_V, length, None, None)
-        for bk in (64, 32):
-            for ln in (length, None):
-                c90 = (_kcfg((bk, 8, 2, 0, "sm90")), None, None)
-                run_bwd(q.detach(), kv.detach(), o90, torch.randn_like(o90), lse90, idx, ln, cfgs=c90)
     iq, ik, iw = indexer_inputs(90, dev)
     sel = indexer_topk_triton(iq, ik, iw, starts, causal, 16, config=IndexerConfig(block_m=64, block_n=128))
     # The sampled select (rows wider than select_cand) and its whole-row fallback (zero-weight rows tie throughout).
@@ -461,18 +455,6 @@ def _mla_case(add, total: int, heads: int, topk: int, layout: str) -> None:
     ms = bench(bwd)
     add(op="sparse_mla_bwd", impl="triton (ours)", shape=shape, ms=ms[0], p20=ms[1], p80=ms[2],
         tflops=bwd_flops / ms[0] / 1e9, peak_mib=peak_mib(bwd))  # fmt: skip
-    if _sm90_default(q, D_V) and total == 16384 and topk == TOPK and layout == "1doc":
-        # The probabilities kernel forced: the SM90 one (dO in registers / in shared memory), and the portable one at
-        # each of its autotuner's candidates.
-        from longtrain.dsa.triton.sparse_mla_bwd import _DS_CANDIDATES
-
-        for c in ((64, 8, 2, 0, "sm90"), (32, 8, 2, 0, "sm90")) + _DS_CANDIDATES:
-            cfgs = (_kcfg(c), None, None)
-            ms = bench(lambda cfgs=cfgs: run_bwd(q, kv, out, dout, lse, idx, length, cfgs=cfgs))
-            kind = "SM90 probabilities kernel" if len(c) > 3 else "portable probabilities kernel"
-            what = f"{kind} {c[0]} keys x {c[1]} warps x {c[2]} stages"
-            add(op="sparse_mla_bwd", impl=f"triton (ours, {what})", shape=shape, ms=ms[0], p20=ms[1], p80=ms[2],
-                tflops=bwd_flops / ms[0] / 1e9)  # fmt: skip
     if heads == 64 and topk == TOPK and layout == "1doc":
         _cudnn_rows(add, q, kv, idx, length, dout, shape, fwd_flops + bwd_flops)
     if total == 16384 and topk == TOPK and layout == "1doc":  # TileLang's kernels on the same inputs, where carried

@@ -1,0 +1,27 @@
+"""``benchmarks/dsa_bwd_variants.py``: its wider config lists are valid launch configs that include every candidate
+of the backward's autotuner (its timing needs CUDA)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def test_wider_lists_cover_the_autotuner_candidates(monkeypatch):
+    from longtrain.bench_suites.dsa import _kcfg
+    from longtrain.dsa.triton import sparse_mla_bwd as mb
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("dsa_bwd_variants", None)
+    import dsa_bwd_variants as variants
+
+    candidates = {"ds": mb._DS_CANDIDATES, "dq": mb._DQ_CANDIDATES, "dkv": mb._DKV_CANDIDATES}
+    assert set(variants.WIDER) == set(candidates) == set(variants.KERNELS)
+    for name, configs in variants.WIDER.items():
+        assert set(candidates[name]) <= set(configs), name
+        assert len(set(configs)) == len(configs), name
+        for c in configs:
+            cfg = _kcfg(c)
+            assert (cfg.block_k, cfg.num_warps, cfg.num_stages) == c
