@@ -1,5 +1,5 @@
-"""``benchmarks/dsa_bwd_variants.py``: its wider config lists are valid launch configs that include every candidate
-of the backward's autotuner (its timing needs CUDA)."""
+"""``benchmarks/dsa_bwd_variants.py``: its wider config lists are valid launch configs (the dkv kernel's with value
+column groups too) that include every candidate of the backward's autotuner (its timing needs CUDA)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def test_wider_lists_cover_the_autotuner_candidates(monkeypatch):
-    from longtrain.bench_suites.dsa import _kcfg
     from longtrain.dsa.triton import sparse_mla_bwd as mb
 
     monkeypatch.syspath_prepend(str(BENCH))
@@ -23,5 +22,5 @@ def test_wider_lists_cover_the_autotuner_candidates(monkeypatch):
         assert set(candidates[name]) <= set(configs), name
         assert len(set(configs)) == len(configs), name
         for c in configs:
-            cfg = _kcfg(c)
-            assert (cfg.block_k, cfg.num_warps, cfg.num_stages) == c
+            cfg = variants._cfg(c)
+            assert (cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.col_groups) == (*c[:3], c[3] if len(c) > 3 else 1)

@@ -75,6 +75,30 @@ def test_sparse_mla_matches_reference(triton_interpret, T, H, D, d_v, T_k, K, wi
     _check_against_reference(q, kv, idx, 0.37, d_v=d_v, topk_length=length, sink=sink)
 
 
+@pytest.mark.parametrize(
+    "D,d_v,col_groups,det",
+    [
+        (96, 64, 2, False),  # two value groups + the rope tail's own launch
+        (96, 64, 4, False),  # four groups of 16 columns
+        (80, 48, 2, True),  # d_v not a power of two (masked columns), deterministic scratch
+        (64, 64, 2, False),  # K = V: no rope tail, no second launch
+    ],
+    ids=["rope-2", "rope-4", "d48-det", "kv-equal"],
+)
+def test_sparse_mla_dkv_column_groups(triton_interpret, D, d_v, col_groups, det):
+    """The dkv kernel split over value-column groups gives the reference's dkv, as the single-program kernel does."""
+    from longtrain.dsa.triton import KernelConfig, SparseMLAConfig
+
+    q, kv, idx = _mla_inputs(5, 4, D, 13, 24, seed=D + col_groups)
+    g = torch.Generator().manual_seed(2)
+    idx[torch.rand(idx.shape, generator=g) < 0.2] = -1
+    idx[0, :6] = 3  # one key from many slots
+    length = torch.tensor([24, 5, 0, 17, 24])
+    dkv_cfg = KernelConfig(block_k=16, block_h=16, num_warps=4, num_stages=1, col_groups=col_groups)
+    cfg = SparseMLAConfig(fwd=_CFG, bwd=_CFG, bwd_dkv=dkv_cfg)
+    _check_against_reference(q, kv, idx, 0.3, d_v=d_v, topk_length=length, config=cfg, det=det)
+
+
 def test_sparse_mla_empty_rows_give_exact_zeros(triton_interpret):
     T, H, D, T_k, K = 5, 4, 48, 12, 20
     q, kv, idx = _mla_inputs(T, H, D, T_k, K, seed=3)
@@ -189,6 +213,8 @@ def test_kernel_config_validation():
         KernelConfig(num_stages=0)
     with pytest.raises(ValueError, match="layout"):
         KernelConfig(layout="rows")
+    with pytest.raises(ValueError, match="col_groups must be 1, 2 or 4, got 3"):
+        KernelConfig(col_groups=3)
     with pytest.raises(ValueError, match="select_block"):
         IndexerConfig(select_block=100)
     with pytest.raises(TypeError, match="fwd"):

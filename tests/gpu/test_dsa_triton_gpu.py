@@ -19,13 +19,17 @@ pytestmark = [
 
 
 def _configs(fwd=None):
-    """Forced configs: the portable forward (pipelined, 3 stages) or ``fwd = (impl, block_k, num_stages)``."""
+    """Forced configs: the portable forward (pipelined, 3 stages) or ``fwd = (impl, block_k, num_stages)``; the
+    backward kernels at 32 slots, 8 warps, 1 stage."""
     from longtrain.dsa.triton import KernelConfig, SparseMLAConfig
 
     impl, block_k, stages = fwd or ("triton", 32, 3)
+    # With the SM90 forward, the dkv kernel runs split over two value-column groups (its rope tail on its own).
+    groups = 2 if impl == "sm90" else 1
     return SparseMLAConfig(
         fwd=KernelConfig(impl=impl, block_k=block_k, num_warps=8, num_stages=stages),
         bwd=KernelConfig(block_k=32, num_warps=8, num_stages=1),
+        bwd_dkv=KernelConfig(block_k=32, num_warps=8, num_stages=1, col_groups=groups),
     )
 
 

@@ -394,6 +394,12 @@ def memcheck() -> None:
         out = sparse_mla_triton(q, kv, idx, D_QK**-0.5, d_v=D_V, topk_length=length, attn_sink=sink,
                                 deterministic=det, config=cfg)  # fmt: skip
         torch.autograd.grad(out, (q, kv, sink), torch.randn_like(out))
+    for groups in (2, 4):  # the dkv kernel split over value-column groups (and the rope tail's own launch)
+        c = mb._DKV_CANDIDATES[0]
+        cfg_g = dataclasses.replace(cfg, bwd_dkv=KernelConfig(block_k=c[0], block_h=64, num_warps=c[1],
+                                                                num_stages=c[2], col_groups=groups))  # fmt: skip
+        out = sparse_mla_triton(q, kv, idx, D_QK**-0.5, d_v=D_V, topk_length=length, attn_sink=sink, config=cfg_g)
+        torch.autograd.grad(out, (q, kv, sink), torch.randn_like(out))
     out, _ = sparse_mla_fwd(q.detach(), kv.detach().view(90, -1), idx, 0.1, D_V, None, None, cfg.fwd)
     from longtrain.dsa.triton.sparse_mla_fwd import _SM90_CANDIDATES, _sm90_default
 

@@ -65,6 +65,10 @@ class KernelConfig:
     layout: str = "heads"
     """Forward only: ``"heads"`` (logits ``[heads, keys]``), ``"keys"`` (logits ``[keys, heads]``, output
     accumulated transposed) or ``"keys_logits"`` (logits ``[keys, heads]``, output ``[heads, d_v]``)."""
+    col_groups: int = 1
+    """Backward dkv kernel only: programs per (row, head block), each owning ``d_v / col_groups`` value columns
+    (1, 2 or 4; more than 1 gives the rope tail a launch of its own). Autotuned runs use
+    ``sparse_mla_bwd.DKV_COL_GROUPS``."""
     impl: str = "triton"
     """Forward only: ``"triton"`` (the portable kernel: any SM80+ GPU and the CPU interpreter) or ``"sm90"``
     (the Hopper kernel: ``num_stages`` gathered tiles in flight through an explicit cp.async ring, wgmma; SM90,
@@ -77,6 +81,8 @@ class KernelConfig:
         _check_pow2("num_warps", self.num_warps, 1, 16)
         if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 6:
             raise ValueError(f"num_stages must be an int in [1, 6], got {self.num_stages!r}")
+        if self.col_groups not in (1, 2, 4):
+            raise ValueError(f"col_groups must be 1, 2 or 4, got {self.col_groups!r}")
         if self.layout not in ("heads", "keys", "keys_logits"):
             raise ValueError(f"layout must be one of 'heads', 'keys', 'keys_logits', got {self.layout!r}")
         if self.impl not in ("triton", "sm90"):

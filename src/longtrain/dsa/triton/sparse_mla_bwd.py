@@ -32,6 +32,7 @@ from longtrain.dsa.triton.sparse_mla_fwd import LOG2E, _row_col_mask, fwd_block_
 
 __all__ = [
     "DETERMINISTIC_SCRATCH_ELEMENTS",
+    "DKV_COL_GROUPS",
     "sparse_mla_bwd",
     "sparse_mla_bwd_kernel_dkv",
     "sparse_mla_bwd_kernel_dkv_reduce",
@@ -44,6 +45,9 @@ __all__ = [
 _DS_CANDIDATES = ((32, 8, 2), (64, 8, 1), (32, 4, 2))
 _DQ_CANDIDATES = ((64, 8, 2), (32, 8, 3), (128, 8, 1))
 _DKV_CANDIDATES = ((64, 8, 2), (64, 8, 3), (64, 4, 2))
+#: Programs per (row, head block) of the autotuned dkv kernel, each owning ``d_v / DKV_COL_GROUPS`` value columns
+#: (the rope tail then has a launch of its own). Read at each call.
+DKV_COL_GROUPS = 1
 # Bytes of the bf16 P / dS scratch (rows are processed in chunks that fit).
 _PDS_SCRATCH_BYTES = 1 << 29
 #: fp32 elements of the deterministic mode's per-slot contribution scratch (``[rows, K, D_qk]``): it sets the row
@@ -80,22 +84,22 @@ def sparse_mla_bwd_kernel_preprocess(
 
 
 @triton.jit
-def _load_chunk(base, row_mask, c: tl.constexpr, VC: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Columns ``[c * VC, (c + 1) * VC)`` of the rows at ``base`` (``row_mask``: ``[BLOCK_H]``)."""
-    offs = c * VC + tl.arange(0, VC)
-    if BLOCK_D == D:
-        return tl.load(base + offs[None, :], mask=row_mask[:, None], other=0.0)  # [BLOCK_H, VC]
+def _load_cols(base, row_mask, col0, W: tl.constexpr, D: tl.constexpr, FULL: tl.constexpr):
+    """Columns ``col0 + [0, W)`` of the rows at ``base`` (``row_mask``: ``[BLOCK_H]``; FULL: all columns < D)."""
+    offs = col0 + tl.arange(0, W)
+    if FULL:
+        return tl.load(base + offs[None, :], mask=row_mask[:, None], other=0.0)  # [BLOCK_H, W]
     else:
-        return tl.load(base + offs[None, :], mask=row_mask[:, None] & (offs < D)[None, :], other=0.0)  # [BLOCK_H, VC]
+        return tl.load(base + offs[None, :], mask=row_mask[:, None] & (offs < D)[None, :], other=0.0)  # [BLOCK_H, W]
 
 
 @triton.jit
-def _dkv_out(dkv_ptr, rows, valid, value, col0: tl.constexpr, W: tl.constexpr, D: tl.constexpr,
-             D_QK: tl.constexpr, DETERMINISTIC: tl.constexpr):  # fmt: skip
+def _dkv_out(dkv_ptr, rows, valid, value, col0, W: tl.constexpr, D: tl.constexpr, D_QK: tl.constexpr,
+             FULL: tl.constexpr, DETERMINISTIC: tl.constexpr):  # fmt: skip
     """Add (atomics) or store (deterministic scratch) a ``[BLOCK_K, W]`` dkv piece at columns ``col0 + [0, W)``."""
     offs = col0 + tl.arange(0, W)
     ptrs = dkv_ptr + rows[:, None] * D_QK + offs[None, :]
-    if col0 + W <= D:
+    if FULL:
         mask = valid[:, None]
     else:
         mask = valid[:, None] & (offs < D)[None, :]
@@ -228,13 +232,22 @@ def sparse_mla_bwd_kernel_dkv(
     row_offset, T_k, K_slots,
     H: tl.constexpr, D_V: tl.constexpr, D_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr, NUM_VC: tl.constexpr,
+    COL_GROUPS: tl.constexpr, PART: tl.constexpr,
     HAS_LEN: tl.constexpr, DETERMINISTIC: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):  # fmt: skip
+    """Program ``(g, row x head block)``. PART 0: value columns and rope tail (``COL_GROUPS = 1``); PART 1: value
+    columns ``[g * GW, (g + 1) * GW)`` only, ``GW = BLOCK_DV / COL_GROUPS``; PART 2: the rope tail only (grid
+    ``(1, ...)``). The value columns go in ``NUM_VC`` chunks of ``VC = GW / NUM_VC``."""
     D_QK: tl.constexpr = D_V + D_R
-    VC: tl.constexpr = BLOCK_DV // NUM_VC
+    GW: tl.constexpr = BLOCK_DV // COL_GROUPS
+    VC: tl.constexpr = GW // NUM_VC
+    FULL: tl.constexpr = BLOCK_DV == D_V
+    DO_V: tl.constexpr = PART != 2
+    DO_R: tl.constexpr = (PART != 1) & (D_R > 0)
     NUM_HB: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H
-    pid = tl.program_id(0)
+    c0 = tl.program_id(0) * GW
+    pid = tl.program_id(1)
     t_local = (pid // NUM_HB).to(tl.int64)
     t = row_offset + t_local
     offs_h = (pid % NUM_HB) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -242,18 +255,19 @@ def sparse_mla_bwd_kernel_dkv(
     offs_r = tl.arange(0, BLOCK_DR)
     q_rows = q_ptr + t * (H * D_QK) + offs_h[:, None] * D_QK
     do_rows = dout_ptr + t * (H * D_V) + offs_h[:, None] * D_V
-    # Q and dO stay resident, in up to four column chunks of the value width plus the rope tail.
-    q0 = _load_chunk(q_rows, mask_h, 0, VC, D_V, BLOCK_DV)  # [BLOCK_H, VC]
-    do0 = _load_chunk(do_rows, mask_h, 0, VC, D_V, BLOCK_DV)  # [BLOCK_H, VC]
-    if NUM_VC >= 2:
-        q1 = _load_chunk(q_rows, mask_h, 1, VC, D_V, BLOCK_DV)  # [BLOCK_H, VC]
-        do1 = _load_chunk(do_rows, mask_h, 1, VC, D_V, BLOCK_DV)  # [BLOCK_H, VC]
-    if NUM_VC >= 4:
-        q2 = _load_chunk(q_rows, mask_h, 2, VC, D_V, BLOCK_DV)  # [BLOCK_H, VC]
-        do2 = _load_chunk(do_rows, mask_h, 2, VC, D_V, BLOCK_DV)  # [BLOCK_H, VC]
-        q3 = _load_chunk(q_rows, mask_h, 3, VC, D_V, BLOCK_DV)  # [BLOCK_H, VC]
-        do3 = _load_chunk(do_rows, mask_h, 3, VC, D_V, BLOCK_DV)  # [BLOCK_H, VC]
-    if D_R > 0:
+    # Q and dO stay resident: this group's value columns in up to four chunks, and the rope tail.
+    if DO_V:
+        q0 = _load_cols(q_rows, mask_h, c0, VC, D_V, FULL)  # [BLOCK_H, VC]
+        do0 = _load_cols(do_rows, mask_h, c0, VC, D_V, FULL)  # [BLOCK_H, VC]
+        if NUM_VC >= 2:
+            q1 = _load_cols(q_rows, mask_h, c0 + VC, VC, D_V, FULL)  # [BLOCK_H, VC]
+            do1 = _load_cols(do_rows, mask_h, c0 + VC, VC, D_V, FULL)  # [BLOCK_H, VC]
+        if NUM_VC >= 4:
+            q2 = _load_cols(q_rows, mask_h, c0 + 2 * VC, VC, D_V, FULL)  # [BLOCK_H, VC]
+            do2 = _load_cols(do_rows, mask_h, c0 + 2 * VC, VC, D_V, FULL)  # [BLOCK_H, VC]
+            q3 = _load_cols(q_rows, mask_h, c0 + 3 * VC, VC, D_V, FULL)  # [BLOCK_H, VC]
+            do3 = _load_cols(do_rows, mask_h, c0 + 3 * VC, VC, D_V, FULL)  # [BLOCK_H, VC]
+    if DO_R:
         hr_mask = _row_col_mask(mask_h, offs_r, D_R, BLOCK_DR)
         q_r = tl.load(q_rows + D_V + offs_r[None, :], mask=hr_mask, other=0.0)  # [BLOCK_H, BLOCK_DR]
     n_slots = _row_slots(len_ptr, t, K_slots, HAS_LEN)
@@ -263,30 +277,31 @@ def sparse_mla_bwd_kernel_dkv(
         offs_k, in_len, valid, keys = _slot_block(idx_row, k0, n_slots, T_k, D_QK, BLOCK_K)
         tile = scratch_rows[:, None] + offs_k[None, :]
         tile_mask = mask_h[:, None] & in_len[None, :]
-        p_t = tl.trans(tl.load(p_ptr + tile, mask=tile_mask, other=0.0))  # [BLOCK_K, BLOCK_H]
         ds_t = tl.trans(tl.load(ds_ptr + tile, mask=tile_mask, other=0.0))  # [BLOCK_K, BLOCK_H]
         # dkv rows: the shared atomic target, or this row's slots in the deterministic scratch.
         if DETERMINISTIC:
             out_rows = t_local * K_slots + offs_k.to(tl.int64)
         else:
             out_rows = keys
-        piece = tl.dot(p_t, do0, input_precision=DOT_PREC)  # [BLOCK_K, VC]
-        piece = tl.dot(ds_t, q0, piece, input_precision=DOT_PREC)
-        _dkv_out(dkv_ptr, out_rows, valid, piece, 0, VC, D_V, D_QK, DETERMINISTIC)
-        if NUM_VC >= 2:
-            piece = tl.dot(p_t, do1, input_precision=DOT_PREC)
-            piece = tl.dot(ds_t, q1, piece, input_precision=DOT_PREC)
-            _dkv_out(dkv_ptr, out_rows, valid, piece, VC, VC, D_V, D_QK, DETERMINISTIC)
-        if NUM_VC >= 4:
-            piece = tl.dot(p_t, do2, input_precision=DOT_PREC)
-            piece = tl.dot(ds_t, q2, piece, input_precision=DOT_PREC)
-            _dkv_out(dkv_ptr, out_rows, valid, piece, 2 * VC, VC, D_V, D_QK, DETERMINISTIC)
-            piece = tl.dot(p_t, do3, input_precision=DOT_PREC)
-            piece = tl.dot(ds_t, q3, piece, input_precision=DOT_PREC)
-            _dkv_out(dkv_ptr, out_rows, valid, piece, 3 * VC, VC, D_V, D_QK, DETERMINISTIC)
-        if D_R > 0:
+        if DO_V:
+            p_t = tl.trans(tl.load(p_ptr + tile, mask=tile_mask, other=0.0))  # [BLOCK_K, BLOCK_H]
+            piece = tl.dot(p_t, do0, input_precision=DOT_PREC)  # [BLOCK_K, VC]
+            piece = tl.dot(ds_t, q0, piece, input_precision=DOT_PREC)
+            _dkv_out(dkv_ptr, out_rows, valid, piece, c0, VC, D_V, D_QK, FULL, DETERMINISTIC)
+            if NUM_VC >= 2:
+                piece = tl.dot(p_t, do1, input_precision=DOT_PREC)
+                piece = tl.dot(ds_t, q1, piece, input_precision=DOT_PREC)
+                _dkv_out(dkv_ptr, out_rows, valid, piece, c0 + VC, VC, D_V, D_QK, FULL, DETERMINISTIC)
+            if NUM_VC >= 4:
+                piece = tl.dot(p_t, do2, input_precision=DOT_PREC)
+                piece = tl.dot(ds_t, q2, piece, input_precision=DOT_PREC)
+                _dkv_out(dkv_ptr, out_rows, valid, piece, c0 + 2 * VC, VC, D_V, D_QK, FULL, DETERMINISTIC)
+                piece = tl.dot(p_t, do3, input_precision=DOT_PREC)
+                piece = tl.dot(ds_t, q3, piece, input_precision=DOT_PREC)
+                _dkv_out(dkv_ptr, out_rows, valid, piece, c0 + 3 * VC, VC, D_V, D_QK, FULL, DETERMINISTIC)
+        if DO_R:
             piece = tl.dot(ds_t, q_r, input_precision=DOT_PREC)  # [BLOCK_K, BLOCK_DR]
-            _dkv_out(dkv_ptr + D_V, out_rows, valid, piece, 0, BLOCK_DR, D_R, D_QK, DETERMINISTIC)
+            _dkv_out(dkv_ptr + D_V, out_rows, valid, piece, 0, BLOCK_DR, D_R, D_QK, BLOCK_DR == D_R, DETERMINISTIC)
 
 
 @triton.jit(do_not_specialize=["n_items"])
@@ -328,6 +343,13 @@ def _launch(name, kernel, candidates, grid, args, meta, config, reset=None) -> N
         kernel[grid](*args, **meta, BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages)
     else:
         _autotuned(name, kernel, candidates, reset)[grid](*args, **meta)
+
+
+def _dkv_col_groups(config: KernelConfig | None, block_dv: int) -> int:
+    """Programs per row of the dkv kernel's value columns: the config's ``col_groups`` (``DKV_COL_GROUPS`` when
+    autotuned), at most ``block_dv / 16`` (each group's chunks are at least 16 columns wide)."""
+    wanted = config.col_groups if config is not None else DKV_COL_GROUPS
+    return max(1, min(wanted, block_dv // 16))
 
 
 def _num_value_chunks(block_dv: int) -> int:
@@ -396,6 +418,7 @@ def sparse_mla_bwd(
         DOT_PREC=dot_precision(q.dtype),
     )
     len_arg = topk_length if topk_length is not None else idx
+    col_groups = _dkv_col_groups(cfg_dkv, block_dv)
 
     rows_per_chunk = max(1, _PDS_SCRATCH_BYTES // (2 * 2 * num_heads * k_slots))
     if compute_dkv and deterministic:
@@ -423,12 +446,15 @@ def sparse_mla_bwd(
         if not compute_dkv:
             continue
         target = contrib if deterministic else dkv_acc
-        _launch(
-            "dkv", sparse_mla_bwd_kernel_dkv, _DKV_CANDIDATES, grid,
-            (q, dout, *common, p_buf, ds_buf, target, row0, num_keys, k_slots),
-            dict(dims, NUM_VC=_num_value_chunks(block_dv), DETERMINISTIC=deterministic), cfg_dkv,
-            reset=None if deterministic else ["dkv_ptr"],
-        )  # fmt: skip
+        dkv_args = (q, dout, *common, p_buf, ds_buf, target, row0, num_keys, k_slots)
+        reset = None if deterministic else ["dkv_ptr"]
+        meta = dict(dims, NUM_VC=_num_value_chunks(block_dv // col_groups), COL_GROUPS=col_groups,
+                    PART=0 if col_groups == 1 else 1, DETERMINISTIC=deterministic)  # fmt: skip
+        _launch("dkv", sparse_mla_bwd_kernel_dkv, _DKV_CANDIDATES, (col_groups, rows * n_hb), dkv_args, meta, cfg_dkv,
+                reset)  # fmt: skip
+        if col_groups > 1 and d_r > 0:  # the rope tail: its own launch (the same tuned config)
+            meta = dict(meta, NUM_VC=1, COL_GROUPS=1, PART=2)
+            _launch("dkv", sparse_mla_bwd_kernel_dkv, _DKV_CANDIDATES, (1, rows * n_hb), dkv_args, meta, cfg_dkv, reset)
         if deterministic:
             _reduce_chunk(idx, topk_length, contrib, dkv_acc, row0, rows, num_keys, d_qk)
     dkv = dkv_acc.to(kv2d.dtype) if compute_dkv else None
