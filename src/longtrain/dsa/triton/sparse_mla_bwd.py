@@ -8,8 +8,10 @@ Per row chunk (the bf16 ``P`` / ``dS`` scratch is ``[rows, H, K]``):
   and ``dO V^T`` and stores ``P`` and ``dS = scale * P * (dO V^T - delta)`` in bf16.
 - ``sparse_mla_bwd_kernel_dq``: ``dq = dS K`` over the gathered slots (fp32 accumulators).
 - ``sparse_mla_bwd_kernel_dkv``: ``dkv[idx] += P^T dO + dS^T Q`` per slot block, already summed over the
-  block's heads, added with fp32 atomics in column chunks of at most 128; deterministic mode stores the
-  per-slot pieces instead and ``sparse_mla_bwd_kernel_dkv_reduce`` sums each key's pieces in a fixed order.
+  block's heads, added with fp32 atomics in column chunks of at most 128; ``DKV_COL_GROUPS`` programs per row
+  split the value columns (fewer resident Q / dO columns each: two programs per SM instead of one), the rope
+  tail then in a launch of its own; deterministic mode stores the per-slot pieces instead and
+  ``sparse_mla_bwd_kernel_dkv_reduce`` sums each key's pieces in a fixed order.
 
 Keeping the matmuls of a kernel independent of each other (no dot feeding another dot) lets the compiler
 split the head block's logits between warpgroups instead of computing them twice (one per warpgroup), the
@@ -46,8 +48,10 @@ _DS_CANDIDATES = ((32, 8, 2), (64, 8, 1), (32, 4, 2))
 _DQ_CANDIDATES = ((64, 8, 2), (32, 8, 3), (128, 8, 1))
 _DKV_CANDIDATES = ((64, 8, 2), (64, 8, 3), (64, 4, 2))
 #: Programs per (row, head block) of the autotuned dkv kernel, each owning ``d_v / DKV_COL_GROUPS`` value columns
-#: (the rope tail then has a launch of its own). Read at each call.
-DKV_COL_GROUPS = 1
+#: (the rope tail then has a launch of its own). 2 on the H200 at T = 16384, K = 2048: dkv 29.0 ms against 30.4
+#: with 1 and 33.4 with 4 at H = 64 (58.3 / 60.7 / 67.0 at H = 128), each at its best candidate
+#: (``benchmarks/results/dsa_bwd_variants_bdca98d_2026-12-01.md``). Read at each call.
+DKV_COL_GROUPS = 2
 # Bytes of the bf16 P / dS scratch (rows are processed in chunks that fit).
 _PDS_SCRATCH_BYTES = 1 << 29
 #: fp32 elements of the deterministic mode's per-slot contribution scratch (``[rows, K, D_qk]``): it sets the row
