@@ -76,8 +76,8 @@ class RouteRow(NamedTuple):
 
 # The FP8 indexer's figure for `longtrain doctor` (its route follows the same table, without cudnn).
 _FP8_FIGURE = (
-    "FP8 scores 1.89 ms against 2.69 ms in bf16 at T=16384 H_I=32 D_I=128, one document "
-    "(dsa_indexer_overlap_sweep_fdf0b98_2026-12-01.md)"
+    "3.94 ms against 4.61 ms in bf16 at T=16384 H_I=32 D_I=128 K=2048, one document; selection overlap with the "
+    "bf16 selection 0.978 (dsa_indexer_e2c603a_2026-12-01.md)"
 )
 
 #: What ``"auto"`` chooses from, per op and direction fastest first (a test keeps the measured rows in order).
@@ -105,9 +105,10 @@ ROUTE_TABLE: tuple[RouteRow, ...] = (
         "benchmarks/results/blockdiag_cudnn_bwd_probe_2026-11-29.md (section 4)",
     ),
     RouteRow(
-        "sparse_mla", "bwd", "triton", "90", 175.7,
-        "63.09 ms, 175.7 TFLOP/s; T=16384 H=64 K=2048, one document",
-        "benchmarks/results/dsa_2026-11-29.md",
+        "sparse_mla", "bwd", "triton", "90", 185.7,
+        "59.66 ms, 185.7 TFLOP/s (dkv kernel over two value-column programs per row); T=16384 H=64 K=2048, "
+        "one document",
+        "benchmarks/results/dsa_mla_996926c_2026-12-01.md",
     ),
     RouteRow(
         "sparse_mla", "bwd", "torch", "90", 1.299,
@@ -115,11 +116,10 @@ ROUTE_TABLE: tuple[RouteRow, ...] = (
         "benchmarks/results/dsa_2026-11-29.md",
     ),
     RouteRow(
-        "indexer_topk", "fwd", "triton", "90", 228.4,
-        "4.81 ms, 228.4 TFLOP/s of logits (fused scores + union radix select, 8-warp scoring); T=16384 H_I=32 "
-        "D_I=128 K=2048, one document. Today's 4-warp scoring: 4.60 ms "
-        "(dsa_indexer_overlap_sweep_fdf0b98_2026-12-01.md)",
-        "benchmarks/results/dsa_indexer_union_f61a860_2026-12-01.md",
+        "indexer_topk", "fwd", "triton", "90", 238.6,
+        "4.61 ms, 238.6 TFLOP/s of logits (fused scores + union radix select); T=16384 H_I=32 D_I=128 K=2048, "
+        "one document",
+        "benchmarks/results/dsa_indexer_e2c603a_2026-12-01.md",
     ),
     RouteRow(
         "indexer_topk", "fwd", "cudnn", "-", None,
