@@ -41,9 +41,12 @@ from longtrain.bench_suites.dsa import (  # noqa: E402
 )
 from longtrain.dsa.triton import KernelConfig  # noqa: E402
 
-# (block_k, num_warps, num_stages) per kernel: the autotuner's candidates and their neighbours.
+# (block_k, num_warps, num_stages[, col_groups[, block_h]]) per kernel: the autotuner's candidates and neighbours.
 WIDER = {
-    "ds": [(32, 4, 2), (32, 4, 3), (32, 4, 4), (16, 4, 2), (16, 4, 4), (64, 4, 2), (64, 8, 1), (32, 8, 2), (16, 8, 3)],
+    "ds": [(32, 4, 2), (32, 4, 3), (32, 4, 4), (16, 4, 2), (16, 4, 4), (64, 4, 2), (64, 8, 1), (32, 8, 2), (16, 8, 3),
+           # (..., 1, block_h): 32 heads per program (two programs per row, half the resident Q / dO each)
+           (32, 4, 2, 1, 32), (64, 4, 2, 1, 32), (32, 4, 3, 1, 32), (64, 8, 2, 1, 32), (32, 8, 2, 1, 32),
+           (16, 4, 2, 1, 32)],
     "dq": [(64, 8, 2), (32, 8, 3), (128, 8, 1), (32, 4, 2), (32, 4, 3), (64, 4, 2), (16, 4, 4), (64, 8, 3)],
     "dkv": [
         (64, 8, 2),
@@ -141,8 +144,9 @@ def reduce_probe(out_dir: Path) -> None:
 
 
 def _cfg(c: tuple) -> KernelConfig:
-    """``(block_k, num_warps, num_stages[, col_groups])`` as a launch config of 64 heads."""
-    return KernelConfig(block_k=c[0], block_h=64, num_warps=c[1], num_stages=c[2], col_groups=c[3] if len(c) > 3 else 1)
+    """``(block_k, num_warps, num_stages[, col_groups[, block_h]])`` as a launch config (64 heads per program)."""
+    groups, block_h = (c[3] if len(c) > 3 else 1), (c[4] if len(c) > 4 else 64)
+    return KernelConfig(block_k=c[0], block_h=block_h, num_warps=c[1], num_stages=c[2], col_groups=groups)
 
 
 def _picked(name: str) -> tuple[int, int, int]:

@@ -1,5 +1,6 @@
 """``benchmarks/dsa_bwd_variants.py``: its wider config lists are valid launch configs (the dkv kernel's with value
-column groups too) that include every candidate of the backward's autotuner (its timing needs CUDA)."""
+column groups, the probabilities kernel's with 32 heads per program) that include every candidate of the backward's
+autotuner (its timing needs CUDA)."""
 
 from __future__ import annotations
 
@@ -23,4 +24,5 @@ def test_wider_lists_cover_the_autotuner_candidates(monkeypatch):
         assert len(set(configs)) == len(configs), name
         for c in configs:
             cfg = variants._cfg(c)
-            assert (cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.col_groups) == (*c[:3], c[3] if len(c) > 3 else 1)
+            want = (*c[:3], c[3] if len(c) > 3 else 1, c[4] if len(c) > 4 else 64)
+            assert (cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.col_groups, cfg.block_h) == want

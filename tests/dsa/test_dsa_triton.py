@@ -99,6 +99,20 @@ def test_sparse_mla_dkv_column_groups(triton_interpret, D, d_v, col_groups, det)
     _check_against_reference(q, kv, idx, 0.3, d_v=d_v, topk_length=length, config=cfg, det=det)
 
 
+def test_sparse_mla_backward_kernels_with_their_own_head_blocks(triton_interpret):
+    """ds, dq and dkv each split the heads by their own config's block_h (here 16, 64 and 32 of 40 heads)."""
+    from longtrain.dsa.triton import KernelConfig, SparseMLAConfig
+
+    q, kv, idx = _mla_inputs(4, 40, 48, 11, 20, seed=4)
+    idx[1, :5] = -1
+
+    def cfg(block_h, groups=1):
+        return KernelConfig(block_k=16, block_h=block_h, num_warps=4, num_stages=1, col_groups=groups)
+
+    config = SparseMLAConfig(fwd=_CFG, bwd=cfg(16), bwd_dq=cfg(64), bwd_dkv=cfg(32, groups=2))
+    _check_against_reference(q, kv, idx, 0.3, d_v=32, topk_length=torch.tensor([20, 9, 0, 13]), config=config)
+
+
 def test_sparse_mla_empty_rows_give_exact_zeros(triton_interpret):
     T, H, D, T_k, K = 5, 4, 48, 12, 20
     q, kv, idx = _mla_inputs(T, H, D, T_k, K, seed=3)

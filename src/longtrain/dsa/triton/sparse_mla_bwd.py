@@ -35,6 +35,7 @@ from longtrain.dsa.triton.sparse_mla_fwd import LOG2E, _row_col_mask, fwd_block_
 __all__ = [
     "DETERMINISTIC_SCRATCH_ELEMENTS",
     "DKV_COL_GROUPS",
+    "DS_BLOCK_H",
     "sparse_mla_bwd",
     "sparse_mla_bwd_kernel_dkv",
     "sparse_mla_bwd_kernel_dkv_reduce",
@@ -47,6 +48,8 @@ __all__ = [
 _DS_CANDIDATES = ((32, 8, 2), (64, 8, 1), (32, 4, 2))
 _DQ_CANDIDATES = ((64, 8, 2), (32, 8, 3), (128, 8, 1))
 _DKV_CANDIDATES = ((64, 8, 2), (64, 8, 3), (64, 4, 2))
+#: Heads per program of the autotuned probabilities (ds) kernel. Read at each call.
+DS_BLOCK_H = 64
 #: Programs per (row, head block) of the autotuned dkv kernel, each owning ``d_v / DKV_COL_GROUPS`` value columns
 #: (the rope tail then has a launch of its own). 2 on the H200 at T = 16384, K = 2048: dkv 29.0 ms against 30.4
 #: with 1 and 33.4 with 4 at H = 64 (58.3 / 60.7 / 67.0 at H = 128), each at its best candidate
@@ -408,14 +411,14 @@ def sparse_mla_bwd(
     if interpreting():
         configs = tuple(c or KernelConfig(block_k=16, num_warps=4, num_stages=1) for c in configs)
     cfg_ds, cfg_dq, cfg_dkv = configs
-    block_h = fwd_block_h(num_heads, cfg_ds.block_h if cfg_ds is not None else 64)
-    n_hb = triton.cdiv(num_heads, block_h)
+    # Heads per program, per kernel: its config's block_h (autotuned: DS_BLOCK_H for ds, 64 for dq and dkv).
+    bh = [fwd_block_h(num_heads, c.block_h if c is not None else d) for c, d in zip(configs, (DS_BLOCK_H, 64, 64))]
+    n_hb = [triton.cdiv(num_heads, b) for b in bh]
     block_dv = next_pow2(d_v)
     dims = dict(
         H=num_heads,
         D_V=d_v,
         D_R=d_r,
-        BLOCK_H=block_h,
         BLOCK_DV=block_dv,
         BLOCK_DR=next_pow2(d_r) if d_r > 0 else 16,
         HAS_LEN=topk_length is not None,
@@ -435,30 +438,30 @@ def sparse_mla_bwd(
         contrib = torch.empty((rows_per_chunk * k_slots, d_qk), dtype=torch.float32, device=dev)
     for row0 in range(0, num_tokens, rows_per_chunk):
         rows = min(rows_per_chunk, num_tokens - row0)
-        grid = (rows * n_hb,)
         common = (idx, len_arg)
         _launch(
-            "ds", sparse_mla_bwd_kernel_ds, _DS_CANDIDATES, grid,
+            "ds", sparse_mla_bwd_kernel_ds, _DS_CANDIDATES, (rows * n_hb[0],),
             (q, kv2d, dout, *common, lse2, delta, p_buf, ds_buf, row0, num_keys, k_slots, softmax_scale,
              softmax_scale * LOG2E),
-            dict(dims, STORE_P=compute_dkv), cfg_ds,
+            dict(dims, BLOCK_H=bh[0], STORE_P=compute_dkv), cfg_ds,
         )  # fmt: skip
         _launch(
-            "dq", sparse_mla_bwd_kernel_dq, _DQ_CANDIDATES, grid,
-            (kv2d, *common, ds_buf, dq, row0, num_keys, k_slots), dims, cfg_dq,
+            "dq", sparse_mla_bwd_kernel_dq, _DQ_CANDIDATES, (rows * n_hb[1],),
+            (kv2d, *common, ds_buf, dq, row0, num_keys, k_slots), dict(dims, BLOCK_H=bh[1]), cfg_dq,
         )  # fmt: skip
         if not compute_dkv:
             continue
         target = contrib if deterministic else dkv_acc
         dkv_args = (q, dout, *common, p_buf, ds_buf, target, row0, num_keys, k_slots)
         reset = None if deterministic else ["dkv_ptr"]
-        meta = dict(dims, NUM_VC=_num_value_chunks(block_dv // col_groups), COL_GROUPS=col_groups,
+        meta = dict(dims, BLOCK_H=bh[2], NUM_VC=_num_value_chunks(block_dv // col_groups), COL_GROUPS=col_groups,
                     PART=0 if col_groups == 1 else 1, DETERMINISTIC=deterministic)  # fmt: skip
-        _launch("dkv", sparse_mla_bwd_kernel_dkv, _DKV_CANDIDATES, (col_groups, rows * n_hb), dkv_args, meta, cfg_dkv,
-                reset)  # fmt: skip
+        grid = (col_groups, rows * n_hb[2])
+        _launch("dkv", sparse_mla_bwd_kernel_dkv, _DKV_CANDIDATES, grid, dkv_args, meta, cfg_dkv, reset)
         if col_groups > 1 and d_r > 0:  # the rope tail: its own launch (the same tuned config)
             meta = dict(meta, NUM_VC=1, COL_GROUPS=1, PART=2)
-            _launch("dkv", sparse_mla_bwd_kernel_dkv, _DKV_CANDIDATES, (1, rows * n_hb), dkv_args, meta, cfg_dkv, reset)
+            grid = (1, rows * n_hb[2])
+            _launch("dkv", sparse_mla_bwd_kernel_dkv, _DKV_CANDIDATES, grid, dkv_args, meta, cfg_dkv, reset)
         if deterministic:
             _reduce_chunk(idx, topk_length, contrib, dkv_acc, row0, rows, num_keys, d_qk)
     dkv = dkv_acc.to(kv2d.dtype) if compute_dkv else None
