@@ -35,7 +35,6 @@ from longtrain.dsa.triton.sparse_mla_fwd import LOG2E, _row_col_mask, fwd_block_
 __all__ = [
     "DETERMINISTIC_SCRATCH_ELEMENTS",
     "DKV_COL_GROUPS",
-    "DS_BLOCK_H",
     "sparse_mla_bwd",
     "sparse_mla_bwd_kernel_dkv",
     "sparse_mla_bwd_kernel_dkv_reduce",
@@ -48,8 +47,6 @@ __all__ = [
 _DS_CANDIDATES = ((32, 8, 2), (64, 8, 1), (32, 4, 2))
 _DQ_CANDIDATES = ((64, 8, 2), (32, 8, 3), (128, 8, 1))
 _DKV_CANDIDATES = ((64, 8, 2), (64, 8, 3), (64, 4, 2))
-#: Heads per program of the autotuned probabilities (ds) kernel. Read at each call.
-DS_BLOCK_H = 64
 #: Programs per (row, head block) of the autotuned dkv kernel, each owning ``d_v / DKV_COL_GROUPS`` value columns
 #: (the rope tail then has a launch of its own). 2 on the H200 at T = 16384, K = 2048: dkv 29.0 ms against 30.4
 #: with 1 and 33.4 with 4 at H = 64 (58.3 / 60.7 / 67.0 at H = 128), each at its best candidate
@@ -411,8 +408,9 @@ def sparse_mla_bwd(
     if interpreting():
         configs = tuple(c or KernelConfig(block_k=16, num_warps=4, num_stages=1) for c in configs)
     cfg_ds, cfg_dq, cfg_dkv = configs
-    # Heads per program, per kernel: its config's block_h (autotuned: DS_BLOCK_H for ds, 64 for dq and dkv).
-    bh = [fwd_block_h(num_heads, c.block_h if c is not None else d) for c, d in zip(configs, (DS_BLOCK_H, 64, 64))]
+    # Heads per program, per kernel: its config's block_h (autotuned: 64; 32 for the probabilities kernel was 1.5x
+    # slower on the H200, benchmarks/results/dsa_bwd_variants_ds_dc1abc5_2026-12-01.md).
+    bh = [fwd_block_h(num_heads, c.block_h if c is not None else 64) for c in configs]
     n_hb = [triton.cdiv(num_heads, b) for b in bh]
     block_dv = next_pow2(d_v)
     dims = dict(
