@@ -43,10 +43,24 @@ from longtrain.dsa.triton import KernelConfig  # noqa: E402
 
 # (block_k, num_warps, num_stages[, col_groups[, block_h]]) per kernel: the autotuner's candidates and neighbours.
 WIDER = {
-    "ds": [(32, 4, 2), (32, 4, 3), (32, 4, 4), (16, 4, 2), (16, 4, 4), (64, 4, 2), (64, 8, 1), (32, 8, 2), (16, 8, 3),
-           # (..., 1, block_h): 32 heads per program (two programs per row, half the resident Q / dO each)
-           (32, 4, 2, 1, 32), (64, 4, 2, 1, 32), (32, 4, 3, 1, 32), (64, 8, 2, 1, 32), (32, 8, 2, 1, 32),
-           (16, 4, 2, 1, 32)],
+    "ds": [
+        (32, 4, 2),
+        (32, 4, 3),
+        (32, 4, 4),
+        (16, 4, 2),
+        (16, 4, 4),
+        (64, 4, 2),
+        (64, 8, 1),
+        (32, 8, 2),
+        (16, 8, 3),
+        # (..., 1, block_h): 32 heads per program (two programs per row, half the resident Q / dO each)
+        (32, 4, 2, 1, 32),
+        (64, 4, 2, 1, 32),
+        (32, 4, 3, 1, 32),
+        (64, 8, 2, 1, 32),
+        (32, 8, 2, 1, 32),
+        (16, 4, 2, 1, 32),
+    ],
     "dq": [(64, 8, 2), (32, 8, 3), (128, 8, 1), (32, 4, 2), (32, 4, 3), (64, 4, 2), (16, 4, 4), (64, 8, 3)],
     "dkv": [
         (64, 8, 2),

@@ -20,16 +20,19 @@ pytestmark = [
 
 def _configs(fwd=None):
     """Forced configs: the portable forward (pipelined, 3 stages) or ``fwd = (impl, block_k, num_stages)``; the
-    backward kernels at 32 slots, 8 warps, 1 stage."""
+    portable backward kernels at 32 slots, 8 warps, 1 stage."""
     from longtrain.dsa.triton import KernelConfig, SparseMLAConfig
 
     impl, block_k, stages = fwd or ("triton", 32, 3)
-    # With the SM90 forward, the dkv kernel runs split over two value-column groups (its rope tail on its own).
-    groups = 2 if impl == "sm90" else 1
+    # With the SM90 forward, the backward's probabilities kernel is the SM90 one too (the forward's block_k, two
+    # tiles in flight at 64, three at 32) and the dkv kernel runs split over two value-column groups.
+    sm90 = impl == "sm90"
+    portable = KernelConfig(block_k=32, num_warps=8, num_stages=1)
     return SparseMLAConfig(
         fwd=KernelConfig(impl=impl, block_k=block_k, num_warps=8, num_stages=stages),
-        bwd=KernelConfig(block_k=32, num_warps=8, num_stages=1),
-        bwd_dkv=KernelConfig(block_k=32, num_warps=8, num_stages=1, col_groups=groups),
+        bwd=KernelConfig(impl="sm90", block_k=block_k, num_stages=2 if block_k == 64 else 3) if sm90 else portable,
+        bwd_dq=portable,
+        bwd_dkv=KernelConfig(block_k=32, num_warps=8, num_stages=1, col_groups=2 if sm90 else 1),
     )
 
 
@@ -152,6 +155,25 @@ def test_forced_sm90_refuses_unsupported_shapes():
     q = torch.randn((8, 64, 576), device=dev, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="exceed the 227 KiB"):
         sparse_mla_triton(q, kv, idx, 0.1, config=KernelConfig(impl="sm90", block_k=64, num_stages=3))
+
+
+@_SM90
+def test_forced_sm90_backward_refuses_what_it_cannot_run():
+    from longtrain.dsa.triton import KernelConfig, SparseMLAConfig, sparse_mla_triton
+
+    dev = torch.device("cuda")
+    kv = torch.randn((8, 1, 576), device=dev, dtype=torch.bfloat16, requires_grad=True)
+    idx = torch.zeros((8, 64), device=dev, dtype=torch.int32)
+    cases = [
+        (16, KernelConfig(impl="sm90", num_stages=2), "at least 64 heads"),
+        (64, KernelConfig(impl="sm90", block_k=16, num_stages=2), "64 or 32 slots per step"),
+        (64, KernelConfig(impl="sm90", num_stages=3), "exceed the 227 KiB"),
+    ]
+    for heads, bwd, match in cases:
+        q = torch.randn((8, heads, 576), device=dev, dtype=torch.bfloat16, requires_grad=True)
+        out = sparse_mla_triton(q, kv, idx, 0.1, config=SparseMLAConfig(bwd=bwd, fwd=KernelConfig()))
+        with pytest.raises(RuntimeError, match=match):
+            out.sum().backward()
 
 
 def test_sparse_mla_deterministic_bitwise():

@@ -394,6 +394,14 @@ def memcheck() -> None:
         out = sparse_mla_triton(q, kv, idx, D_QK**-0.5, d_v=D_V, topk_length=length, attn_sink=sink,
                                 deterministic=det, config=cfg)  # fmt: skip
         torch.autograd.grad(out, (q, kv, sink), torch.randn_like(out))
+    from longtrain.dsa.triton.sparse_mla_fwd import _sm90_default
+
+    if _sm90_default(q, D_V):  # the SM90 probabilities kernel (forced), with and without lengths, at both widths
+        o90, lse90 = sparse_mla_fwd(q.detach(), kv.detach().view(90, -1), idx, 0.1, D_V, length, None, None)
+        for c in ((64, 8, 2, 0, "sm90"), (32, 8, 3, 0, "sm90")):
+            for ln in (length, None):
+                dout90 = torch.randn_like(o90)
+                run_bwd(q.detach(), kv.detach(), o90, dout90, lse90, idx, ln, cfgs=(_kcfg(c), None, None))
     for groups in (2, 4):  # the dkv kernel split over value-column groups (and the rope tail's own launch)
         c = mb._DKV_CANDIDATES[0]
         cfg_g = dataclasses.replace(cfg, bwd_dkv=KernelConfig(block_k=c[0], block_h=64, num_warps=c[1],
@@ -461,6 +469,17 @@ def _mla_case(add, total: int, heads: int, topk: int, layout: str) -> None:
     ms = bench(bwd)
     add(op="sparse_mla_bwd", impl="triton (ours)", shape=shape, ms=ms[0], p20=ms[1], p80=ms[2],
         tflops=bwd_flops / ms[0] / 1e9, peak_mib=peak_mib(bwd))  # fmt: skip
+    if _sm90_default(q, D_V) and total == 16384 and topk == TOPK and layout == "1doc":
+        # The SM90 probabilities kernel forced (stacked logits and dO V^T; dq / dkv autotuned).
+        for c in ((64, 8, 2, 0, "sm90"), (32, 8, 3, 0, "sm90")):
+            cfgs = (_kcfg(c), None, None)
+            try:
+                ms = bench(lambda cfgs=cfgs: run_bwd(q, kv, out, dout, lse, idx, length, cfgs=cfgs))
+                add(op="sparse_mla_bwd", impl=f"triton (ours, SM90 probabilities kernel {c[0]} keys x {c[2]} tiles)",
+                    shape=shape, ms=ms[0], p20=ms[1], p80=ms[2], tflops=bwd_flops / ms[0] / 1e9)  # fmt: skip
+            except Exception as exc:  # a variant that fails is a row, not a stop
+                add(op="sparse_mla_bwd", impl=f"triton (ours, SM90 probabilities kernel {c[0]} keys x {c[2]} tiles)",
+                    shape=shape, note=f"failed: {type(exc).__name__}: {exc}"[:200])  # fmt: skip
     if heads == 64 and topk == TOPK and layout == "1doc":
         _cudnn_rows(add, q, kv, idx, length, dout, shape, fwd_flops + bwd_flops)
     if total == 16384 and topk == TOPK and layout == "1doc":  # TileLang's kernels on the same inputs, where carried

@@ -70,10 +70,11 @@ class KernelConfig:
     (1, 2 or 4; more than 1 gives the rope tail a launch of its own). Autotuned runs use
     ``sparse_mla_bwd.DKV_COL_GROUPS``."""
     impl: str = "triton"
-    """Forward only: ``"triton"`` (the portable kernel: any SM80+ GPU and the CPU interpreter) or ``"sm90"``
-    (the Hopper kernel: ``num_stages`` gathered tiles in flight through an explicit cp.async ring, wgmma; SM90,
-    bf16/fp16, >= 64 heads, power-of-two ``d_v`` in [64, 512] and rope tail 0 or 16..128, ``num_warps=8``,
-    ``num_stages >= 2``, ``layout="heads"``). ``config=None`` picks ``"sm90"`` wherever it applies."""
+    """Forward and the backward's probabilities kernel: ``"triton"`` (the portable kernel: any SM80+ GPU and the CPU
+    interpreter) or ``"sm90"`` (a Hopper kernel: ``num_stages`` gathered tiles in flight through an explicit
+    cp.async ring, wgmma; SM90, bf16/fp16, >= 64 heads, power-of-two ``d_v`` in [64, 512] and rope tail 0 or
+    16..128, ``num_warps=8``, ``num_stages >= 2``, ``layout="heads"``; the backward's takes ``block_k`` 64 or 32).
+    ``config=None`` picks ``"sm90"`` for the forward wherever it applies, the portable kernel for the backward."""
 
     def __post_init__(self) -> None:
         _check_pow2("block_k", self.block_k, 16, 256)

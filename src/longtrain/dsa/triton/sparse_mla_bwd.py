@@ -17,10 +17,12 @@ Keeping the matmuls of a kernel independent of each other (no dot feeding anothe
 split the head block's logits between warpgroups instead of computing them twice (one per warpgroup), the
 price being the bf16 ``P`` / ``dS`` round trip through memory.
 
-Tried and removed: a Gluon (SM90) port of the probabilities kernel on the forward SM90 kernel's cp.async ring and
-wgmma (commit a54b47f): the backward took 69.3 ms against 63.6 with the portable kernel at T = 16384, H = 64,
-K = 2048 on the H200 (``benchmarks/results/dsa_bwd_sm90_probabilities_2026-12-01.md``): with the warpgroups
-splitting 64 slots, both of its matmuls are wgmma of N = 32.
+``KernelConfig(impl="sm90")`` for the probabilities kernel runs ``sparse_mla_bwd_sm90.py`` (Gluon: the logits and
+``dO V^T`` as one stacked wgmma of 128 rows), forced only: not yet timed on the H200. Tried and removed: a Gluon
+port of the probabilities kernel on the forward SM90 kernel's schedule (commit a54b47f): the backward took 69.3 ms
+against 63.6 with the portable kernel at T = 16384, H = 64, K = 2048 on the H200
+(``benchmarks/results/dsa_bwd_sm90_probabilities_2026-12-01.md``): with the warpgroups splitting 64 slots, both of
+its matmuls are wgmma of N = 32.
 """
 
 from __future__ import annotations
@@ -349,6 +351,33 @@ def _launch(name, kernel, candidates, grid, args, meta, config, reset=None) -> N
         _autotuned(name, kernel, candidates, reset)[grid](*args, **meta)
 
 
+def _ds_sm90_setting(q: torch.Tensor, d_v: int, config: KernelConfig | None) -> tuple[int, int] | None:
+    """``(block_k, num_buf)`` of the SM90 probabilities kernel for this call, or None for the portable kernel.
+
+    Only a forced ``KernelConfig(impl="sm90")`` takes it (``block_k`` 64 or 32, ``num_stages`` tiles), or raises
+    saying why it cannot run here; ``config=None`` and ``impl="triton"`` keep the portable kernel.
+    """
+    if config is None or config.impl != "sm90":
+        return None
+    from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sm90_ds_smem_bytes
+    from longtrain.dsa.triton.sparse_mla_fwd import _SM90_SMEM
+    from longtrain.dsa.triton.sparse_mla_fwd_sm90 import sm90_unsupported_reason
+
+    reason = "Gluon kernels do not run in Triton's interpreter (TRITON_INTERPRET=1)" if interpreting() else None
+    reason = reason or sm90_unsupported_reason(q, d_v)
+    if reason is None and config.block_k not in (32, 64):
+        reason = f"its probabilities kernel gathers 64 or 32 slots per step, got block_k={config.block_k}"
+    smem = sm90_ds_smem_bytes(config.block_k, config.num_stages, q.shape[2], d_v, q.element_size())
+    if reason is None and smem > _SM90_SMEM:
+        reason = (
+            f"{config.num_stages} tiles of {config.block_k} rows of D_qk={q.shape[2]} ({smem} bytes with the rest) "
+            "exceed the 227 KiB of shared memory; lower num_stages or block_k"
+        )
+    if reason is not None:
+        raise RuntimeError(f"backward KernelConfig(impl='sm90') cannot run here: {reason}; use impl='triton'")
+    return config.block_k, config.num_stages
+
+
 def _dkv_col_groups(config: KernelConfig | None, block_dv: int) -> int:
     """Programs per row of the dkv kernel's value columns: the config's ``col_groups`` (``DKV_COL_GROUPS`` when
     autotuned), at most ``block_dv / 16`` (each group's chunks are at least 16 columns wide)."""
@@ -405,6 +434,7 @@ def sparse_mla_bwd(
     )  # fmt: skip
     dsink = dsink_rows.sum(0) if attn_sink is not None else None
 
+    ds_sm90 = _ds_sm90_setting(q, d_v, configs[0])
     if interpreting():
         configs = tuple(c or KernelConfig(block_k=16, num_warps=4, num_stages=1) for c in configs)
     cfg_ds, cfg_dq, cfg_dkv = configs
@@ -437,12 +467,18 @@ def sparse_mla_bwd(
     for row0 in range(0, num_tokens, rows_per_chunk):
         rows = min(rows_per_chunk, num_tokens - row0)
         common = (idx, len_arg)
-        _launch(
-            "ds", sparse_mla_bwd_kernel_ds, _DS_CANDIDATES, (rows * n_hb[0],),
-            (q, kv2d, dout, *common, lse2, delta, p_buf, ds_buf, row0, num_keys, k_slots, softmax_scale,
-             softmax_scale * LOG2E),
-            dict(dims, BLOCK_H=bh[0], STORE_P=compute_dkv), cfg_ds,
-        )  # fmt: skip
+        ds_args = (q, kv2d, dout, *common, lse2, delta, p_buf, ds_buf, row0, num_keys, k_slots, softmax_scale,
+                   softmax_scale * LOG2E)  # fmt: skip
+        if ds_sm90 is not None:
+            from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sparse_mla_bwd_sm90_kernel_ds
+
+            sparse_mla_bwd_sm90_kernel_ds[(rows * triton.cdiv(num_heads, 64),)](
+                *ds_args, H=num_heads, D_V=d_v, D_R=d_r, HAS_LEN=topk_length is not None, STORE_P=compute_dkv,
+                BLOCK_K=ds_sm90[0], NUM_BUF=ds_sm90[1], num_warps=8,
+            )  # fmt: skip
+        else:
+            meta = dict(dims, BLOCK_H=bh[0], STORE_P=compute_dkv)
+            _launch("ds", sparse_mla_bwd_kernel_ds, _DS_CANDIDATES, (rows * n_hb[0],), ds_args, meta, cfg_ds)
         _launch(
             "dq", sparse_mla_bwd_kernel_dq, _DQ_CANDIDATES, (rows * n_hb[1],),
             (kv2d, *common, ds_buf, dq, row0, num_keys, k_slots), dict(dims, BLOCK_H=bh[1]), cfg_dq,

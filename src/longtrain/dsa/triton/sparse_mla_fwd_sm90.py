@@ -74,6 +74,39 @@ def _issue_tile(kv_ptr, idx_v, valid_v, idx_r, valid_r, v_buf, r_buf,
     cp.commit_group()
 
 
+@gluon.jit
+def _ring_start(kv_ptr, idx_row, n_slots, T_k, v_bufs, r_bufs, D_V: gl.constexpr, D_R: gl.constexpr,
+                BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, LV: gl.constexpr, LR: gl.constexpr):  # fmt: skip
+    """The ring's prologue: tiles 0 .. NUM_BUF-2 in flight; returns the indices (and validity) of tile NUM_BUF-1."""
+    rl_v: gl.constexpr = gl.SliceLayout(1, LV)
+    rl_r: gl.constexpr = gl.SliceLayout(1, LR)
+    for j in gl.static_range(NUM_BUF - 1):
+        iv, mv = _load_idx(idx_row, j * BLOCK_K, n_slots, T_k, BLOCK_K, rl_v)  # [BLOCK_K] x 2
+        ir, mr = _load_idx(idx_row, j * BLOCK_K, n_slots, T_k, BLOCK_K, rl_r)  # [BLOCK_K] x 2
+        _issue_tile(kv_ptr, iv, mv, ir, mr, v_bufs.index(j), r_bufs.index(j), D_V, D_R, LV, LR)
+    nxt_v, nxt_mv = _load_idx(idx_row, (NUM_BUF - 1) * BLOCK_K, n_slots, T_k, BLOCK_K, rl_v)  # [BLOCK_K] x 2
+    nxt_r, nxt_mr = _load_idx(idx_row, (NUM_BUF - 1) * BLOCK_K, n_slots, T_k, BLOCK_K, rl_r)  # [BLOCK_K] x 2
+    return nxt_v, nxt_mv, nxt_r, nxt_mr
+
+
+@gluon.jit
+def _ring_advance(kv_ptr, idx_row, n_slots, T_k, i, nxt_v, nxt_mv, nxt_r, nxt_mr, v_bufs, r_bufs,
+                  D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr,
+                  LV: gl.constexpr, LR: gl.constexpr):  # fmt: skip
+    """Top of step ``i``: wait until tile i has landed (this thread's copies, then everyone's: every warp has also
+    finished step i-1, so the buffer it read is free), issue tile i + NUM_BUF - 1 into it, and return the indices
+    of tile i + NUM_BUF."""
+    cp.wait_group(NUM_BUF - 2)
+    fence_async_shared()
+    _cta_barrier()
+    nb = (i + NUM_BUF - 1) % NUM_BUF
+    _issue_tile(kv_ptr, nxt_v, nxt_mv, nxt_r, nxt_mr, v_bufs.index(nb), r_bufs.index(nb), D_V, D_R, LV, LR)
+    k_next = (i + NUM_BUF) * BLOCK_K
+    nxt_v, nxt_mv = _load_idx(idx_row, k_next, n_slots, T_k, BLOCK_K, gl.SliceLayout(1, LV))  # [BLOCK_K] x 2
+    nxt_r, nxt_mr = _load_idx(idx_row, k_next, n_slots, T_k, BLOCK_K, gl.SliceLayout(1, LR))  # [BLOCK_K] x 2
+    return nxt_v, nxt_mv, nxt_r, nxt_mr
+
+
 @gluon.jit(do_not_specialize=["T_k", "K_slots"])
 def sparse_mla_fwd_sm90_kernel(
     q_ptr, kv_ptr, idx_ptr, len_ptr, sink_ptr, out_ptr, lse_ptr,
@@ -138,16 +171,10 @@ def sparse_mla_fwd_sm90_kernel(
     else:
         n_slots = K_slots
     idx_row = idx_ptr + t * K_slots
-    rl_v: gl.constexpr = gl.SliceLayout(1, LV)
-    rl_r: gl.constexpr = gl.SliceLayout(1, LR)
 
     # Prologue: tiles 0 .. NUM_BUF-2 in flight, indices of tile NUM_BUF-1 in registers.
-    for j in gl.static_range(NUM_BUF - 1):
-        iv, mv = _load_idx(idx_row, j * BLOCK_K, n_slots, T_k, BLOCK_K, rl_v)  # [BLOCK_K] x 2
-        ir, mr = _load_idx(idx_row, j * BLOCK_K, n_slots, T_k, BLOCK_K, rl_r)  # [BLOCK_K] x 2
-        _issue_tile(kv_ptr, iv, mv, ir, mr, v_bufs.index(j), r_bufs.index(j), D_V, D_R, LV, LR)
-    nxt_v, nxt_mv = _load_idx(idx_row, (NUM_BUF - 1) * BLOCK_K, n_slots, T_k, BLOCK_K, rl_v)  # [BLOCK_K] x 2
-    nxt_r, nxt_mr = _load_idx(idx_row, (NUM_BUF - 1) * BLOCK_K, n_slots, T_k, BLOCK_K, rl_r)  # [BLOCK_K] x 2
+    nxt_v, nxt_mv, nxt_r, nxt_mr = _ring_start(kv_ptr, idx_row, n_slots, T_k, v_bufs, r_bufs, D_V, D_R, BLOCK_K,
+                                               NUM_BUF, LV, LR)  # fmt: skip
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([BLOCK_H], gl.float32, layout=row_s)
@@ -156,16 +183,8 @@ def sparse_mla_fwd_sm90_kernel(
     n_tiles = gl.cdiv(n_slots, BLOCK_K)
     for i in range(n_tiles):
         buf = i % NUM_BUF
-        # Tile i has landed (this thread's copies, then everyone's); every warp has finished step i-1, so the
-        # buffer it read is free for tile i + NUM_BUF - 1.
-        cp.wait_group(NUM_BUF - 2)
-        fence_async_shared()
-        _cta_barrier()
-        nb = (i + NUM_BUF - 1) % NUM_BUF
-        _issue_tile(kv_ptr, nxt_v, nxt_mv, nxt_r, nxt_mr, v_bufs.index(nb), r_bufs.index(nb), D_V, D_R, LV, LR)
-        k_next = (i + NUM_BUF) * BLOCK_K
-        nxt_v, nxt_mv = _load_idx(idx_row, k_next, n_slots, T_k, BLOCK_K, rl_v)  # [BLOCK_K] x 2
-        nxt_r, nxt_mr = _load_idx(idx_row, k_next, n_slots, T_k, BLOCK_K, rl_r)  # [BLOCK_K] x 2
+        nxt_v, nxt_mv, nxt_r, nxt_mr = _ring_advance(kv_ptr, idx_row, n_slots, T_k, i, nxt_v, nxt_mv, nxt_r, nxt_mr,
+                                                     v_bufs, r_bufs, D_V, D_R, BLOCK_K, NUM_BUF, LV, LR)  # fmt: skip
 
         v_buf = v_bufs.index(buf)
         s = warpgroup_mma(q_v, v_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # [BLOCK_H, BLOCK_K]

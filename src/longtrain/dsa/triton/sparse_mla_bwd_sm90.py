@@ -1,0 +1,163 @@
+"""Sparse MLA backward probabilities kernel for Hopper (SM90) in Gluon: logits and ``dO V^T`` as one stacked wgmma.
+
+Same contract as :func:`longtrain.dsa.triton.sparse_mla_bwd.sparse_mla_bwd_kernel_ds` (one program per (query row,
+block of 64 heads); stores ``P = exp2(S * qk_scale - lse2)`` and ``dS = sm_scale * P * (dP - delta)`` in the input
+dtype, zeros on invalid slots). ``S = Q K^T`` (K-depth ``D_qk``) and ``dP = dO V^T`` (K-depth ``d_v``) share their
+B operand, the gathered latent rows, so the kernel computes both as one wgmma of ``M = 128`` stacked rows::
+
+    [ S  ]   [ Q_v  Q_r ]   [ K_v^T ]
+    [ dP ] = [ dO   0   ] x [ K_r^T ]      (128 x BLOCK_K, one warpgroup per 64 rows, N = BLOCK_K)
+
+with the latent A operand held in registers for the whole row and the rope one in shared memory (the rope
+columns of the ``dO`` rows are zeros: 6% of the FLOPs). Each warpgroup's wgmma is ``N = BLOCK_K`` wide, where
+splitting the keys between two warpgroups (the forward kernel's way) gave ``N = BLOCK_K / 2`` (a port in that
+style was slower than the portable kernel). The stacked rows are turned into P (top half) and ``dP - delta``
+(bottom half) in registers, meet through one shared-memory tile, and ``P`` / ``dS`` are stored from a blocked
+layout. The gathered rows stream through a ring of ``NUM_BUF`` tiles of ``BLOCK_K`` rows (``cp.async``, invalid
+slots zero-filled), the copy of tile ``i + NUM_BUF - 1`` issued at the top of step ``i``, as in
+:mod:`longtrain.dsa.triton.sparse_mla_fwd_sm90`. Compiled for sm_90a by Triton 3.6 it keeps 255 registers and
+spills 128 bytes per thread (``block_k = 64``), reloaded from local memory in the loop.
+
+Gluon kernels do not run in Triton's CPU interpreter: the backward uses this kernel only when forced
+(``KernelConfig(impl="sm90")`` for the probabilities kernel) on SM90 GPUs where the forward's SM90 kernel applies.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+from longtrain.dsa.triton.sparse_mla_fwd_sm90 import _cta_barrier, _gather_layout, _load_idx, _ring_advance, _ring_start
+
+__all__ = ["sm90_ds_smem_bytes", "sparse_mla_bwd_sm90_kernel_ds"]
+
+
+def sm90_ds_smem_bytes(block_k: int, num_buf: int, d_qk: int, d_v: int, itemsize: int) -> int:
+    """Shared memory of the kernel: the ring of gathered tiles, the stacked rope operand and the fp32 tile the two
+    halves meet in."""
+    return (num_buf * block_k * d_qk + 128 * (d_qk - d_v)) * itemsize + 128 * block_k * 4
+
+
+@gluon.jit
+def _stacked_rows(q_row, do_row, hb, H: gl.constexpr, D_QK: gl.constexpr, D_V: gl.constexpr, col0: gl.constexpr,
+                  W: gl.constexpr, layout: gl.constexpr):  # fmt: skip
+    """``[128, W]`` A operand: rows 0-63 the block's queries at columns ``col0 + [0, W)``, rows 64-127 its dO there
+    (zeros past ``D_V``, and for heads past ``H``)."""
+    m = gl.arange(0, 128, layout=gl.SliceLayout(1, layout))
+    c = col0 + gl.arange(0, W, layout=gl.SliceLayout(0, layout))
+    head = hb * 64 + (m % 64)
+    ok = head < H
+    is_q = m < 64
+    a = gl.load(q_row + head[:, None] * D_QK + c[None, :], mask=(ok & is_q)[:, None], other=0.0)  # [128, W]
+    in_v = c < D_V
+    b = gl.load(do_row + head[:, None] * D_V + c[None, :], mask=(ok & ~is_q)[:, None] & in_v[None, :], other=0.0)
+    return a + b  # [128, W]: one of the two is 0 at every element
+
+
+@gluon.jit(do_not_specialize=["row_offset", "T_k", "K_slots"])
+def sparse_mla_bwd_sm90_kernel_ds(
+    q_ptr, kv_ptr, dout_ptr, idx_ptr, len_ptr, lse2_ptr, delta_ptr, p_ptr, ds_ptr,
+    row_offset, T_k, K_slots, sm_scale, qk_scale,
+    H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
+    HAS_LEN: gl.constexpr, STORE_P: gl.constexpr,
+    BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    BLOCK_H: gl.constexpr = 64
+    D_QK: gl.constexpr = D_V + D_R
+    NUM_HB: gl.constexpr = (H + BLOCK_H - 1) // BLOCK_H
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    gl.static_assert(num_warps == 8, "two warpgroups, one per 64 stacked rows")
+
+    # Layouts: gathers, the stacked result [128, BLOCK_K] (8 warps along M), its A operands, and the blocked
+    # layout P / dS are combined and stored in.
+    LV: gl.constexpr = _gather_layout(D_V, num_warps)
+    LR: gl.constexpr = _gather_layout(D_R, num_warps)
+    c_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BLOCK_K, 16]
+    )
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=c_layout, k_width=2)
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (BLOCK_K // 4), BLOCK_K // 4], [num_warps, 1], [1, 0])
+
+    # Shared memory: the ring of gathered tiles and the fp32 tile where the halves meet.
+    kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, D_V], dtype)
+    v_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_K, D_V], kv_sl)
+    if D_R > 0:
+        kr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, D_R], dtype)
+        r_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_K, D_R], kr_sl)
+    else:
+        r_bufs = v_bufs
+    x_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    x_smem = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_H, BLOCK_K], x_sl)
+
+    pid = gl.program_id(0)
+    t_local = (pid // NUM_HB).to(gl.int64)
+    t = row_offset + t_local
+    hb = pid % NUM_HB
+
+    # The stacked A operands, in registers for the whole row: [Q_v; dO] and [Q_r; 0].
+    q_row = q_ptr + t * (H * D_QK)
+    do_row = dout_ptr + t * (H * D_V)
+    a_v = _stacked_rows(q_row, do_row, hb, H, D_QK, D_V, 0, D_V, a_layout)  # [128, D_V]
+    if D_R > 0:  # the rope part's A operand waits in shared memory (registers are the scarce resource here)
+        ar_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BLOCK_H, D_R], dtype)
+        a_r = gl.allocate_shared_memory(dtype, [2 * BLOCK_H, D_R], ar_sl)
+        a_r.store(_stacked_rows(q_row, do_row, hb, H, D_QK, D_V, D_V, D_R, LR))  # [128, D_R]
+        fence_async_shared()
+    else:
+        a_r = a_v
+
+    # Per stacked row: rows 0-63 turn logits into P with lse2, rows 64-127 dP into dP - delta.
+    m = gl.arange(0, 2 * BLOCK_H, layout=gl.SliceLayout(1, c_layout))
+    head_m = hb * BLOCK_H + (m % BLOCK_H)
+    is_s = m < BLOCK_H
+    # Rows without keys have lse2 = +inf: every probability below is exactly 0.
+    lse2 = gl.load(lse2_ptr + t * H + head_m, mask=head_m < H, other=float("inf"))  # [128]
+    delta = gl.load(delta_ptr + t * H + head_m, mask=head_m < H, other=0.0)  # [128]
+    shift = gl.where(is_s, lse2, delta)  # [128]
+    scale = gl.where(is_s, qk_scale, 1.0)  # [128]
+
+    offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, out_layout))
+    mask_h = offs_h < H
+    scratch_rows = (t_local * H + offs_h.to(gl.int64)) * K_slots  # [BLOCK_H]
+
+    if HAS_LEN:
+        n_slots = gl.minimum(gl.maximum(gl.load(len_ptr + t).to(gl.int32), 0), K_slots)  # scalar
+    else:
+        n_slots = K_slots
+    idx_row = idx_ptr + t * K_slots
+
+    # Prologue: tiles 0 .. NUM_BUF-2 in flight, indices of tile NUM_BUF-1 in registers.
+    nxt_v, nxt_mv, nxt_r, nxt_mr = _ring_start(kv_ptr, idx_row, n_slots, T_k, v_bufs, r_bufs, D_V, D_R, BLOCK_K,
+                                               NUM_BUF, LV, LR)  # fmt: skip
+
+    c_zero = gl.zeros([2 * BLOCK_H, BLOCK_K], gl.float32, layout=c_layout)
+    n_tiles = gl.cdiv(n_slots, BLOCK_K)
+    for i in range(n_tiles):
+        buf = i % NUM_BUF
+        # (Also: every warp has finished step i-1's reads of the meeting tile.)
+        nxt_v, nxt_mv, nxt_r, nxt_mr = _ring_advance(kv_ptr, idx_row, n_slots, T_k, i, nxt_v, nxt_mv, nxt_r, nxt_mr,
+                                                     v_bufs, r_bufs, D_V, D_R, BLOCK_K, NUM_BUF, LV, LR)  # fmt: skip
+
+        c = warpgroup_mma(a_v, v_bufs.index(buf).permute((1, 0)), c_zero, use_acc=False, is_async=True)
+        if D_R > 0:
+            c = warpgroup_mma(a_r, r_bufs.index(buf).permute((1, 0)), c, is_async=True)  # [128, BLOCK_K]
+        _, valid = _load_idx(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, gl.SliceLayout(0, c_layout))  # [BLOCK_K]
+        c = warpgroup_mma_wait(num_outstanding=0, deps=(c,))
+
+        # Top half: P (0 on invalid slots); bottom half: dP - delta.
+        x = c * scale[:, None] - shift[:, None]
+        x = gl.where(is_s[:, None], gl.where(valid[None, :], gl.exp2(x), 0.0), x)  # [128, BLOCK_K]
+        x_smem.store(x)
+        _cta_barrier()
+        p = x_smem.slice(0, BLOCK_H, dim=0).load(out_layout)  # [BLOCK_H, BLOCK_K]
+        d = x_smem.slice(BLOCK_H, BLOCK_H, dim=0).load(out_layout)  # [BLOCK_H, BLOCK_K]
+        ds = p * d * sm_scale  # [BLOCK_H, BLOCK_K]
+        offs_k = i * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, out_layout))
+        ptrs = scratch_rows[:, None] + offs_k[None, :]
+        mask = mask_h[:, None] & (offs_k < n_slots)[None, :]
+        gl.store(ds_ptr + ptrs, ds.to(ds_ptr.dtype.element_ty), mask=mask)
+        if STORE_P:
+            gl.store(p_ptr + ptrs, p.to(p_ptr.dtype.element_ty), mask=mask)
+    cp.wait_group(0)
