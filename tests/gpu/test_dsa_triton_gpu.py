@@ -186,13 +186,14 @@ def test_sparse_mla_deterministic_bitwise():
     kv = torch.randn((T_k, 1, D), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
     idx, length = _index_sets(T, T_k, K, gen, dev)
     dout = torch.randn((T, H, 512), generator=gen, device=dev).to(torch.bfloat16)
-    runs = []
-    for det in (True, True, False):
-        out = sparse_mla_triton(q, kv, idx, 0.07, d_v=512, topk_length=length, deterministic=det, config=_configs())
-        runs.append(torch.autograd.grad(out, (q, kv), dout))
-    assert torch.equal(runs[0][1], runs[1][1]) and torch.equal(runs[0][0], runs[1][0])
-    # Deterministic and atomic dkv sum the same fp32 terms in different orders, then round to bf16.
-    torch.testing.assert_close(runs[0][1].float(), runs[2][1].float(), rtol=2**-7, atol=2**-7)
+    for config in (_configs(), None):  # forced (one dkv column group) and the defaults (two groups, autotuned)
+        runs = []
+        for det in (True, True, False):
+            out = sparse_mla_triton(q, kv, idx, 0.07, d_v=512, topk_length=length, deterministic=det, config=config)
+            runs.append(torch.autograd.grad(out, (q, kv), dout))
+        assert torch.equal(runs[0][1], runs[1][1]) and torch.equal(runs[0][0], runs[1][0])
+        # Deterministic and atomic dkv sum the same fp32 terms in different orders, then round to bf16.
+        torch.testing.assert_close(runs[0][1].float(), runs[2][1].float(), rtol=2**-7, atol=2**-7)
 
 
 def test_torch_route_bf16_on_cuda():
