@@ -99,6 +99,39 @@ def test_sparse_mla_dkv_column_groups(triton_interpret, D, d_v, col_groups, det)
     _check_against_reference(q, kv, idx, 0.3, d_v=d_v, topk_length=length, config=cfg, det=det)
 
 
+@pytest.mark.parametrize(
+    "T,H,D,d_v,T_k,K,block_h,det",
+    [
+        (5, 4, 48, 32, 23, 40, 16, False),  # rope tail, heads padded to the block
+        (4, 3, 32, 32, 9, 16, 16, False),  # K = V: no rope part
+        (3, 20, 32, 16, 7, 24, 16, True),  # two head blocks (the second partial), deterministic dkv
+        (2, 8, 80, 48, 11, 20, 16, False),  # d_v not a power of two, fewer heads than the block
+    ],
+    ids=["rope", "kv-equal", "two-head-blocks-det", "d48"],
+)
+def test_sparse_mla_stacked_probabilities_kernel(triton_interpret, T, H, D, d_v, T_k, K, block_h, det):
+    """``layout="stacked"`` (logits and dO V^T as one matmul of stacked rows) gives the reference's gradients."""
+    from longtrain.dsa.triton import KernelConfig, SparseMLAConfig
+
+    q, kv, idx = _mla_inputs(T, H, D, T_k, K, seed=T * 10 + H)
+    g = torch.Generator().manual_seed(3)
+    idx[torch.rand(idx.shape, generator=g) < 0.2] = -1
+    length = torch.randint(0, K + 3, (T,), generator=g)
+    length[0] = 0  # a row without keys
+    sink = torch.randn(H, generator=g).requires_grad_(True)
+    stacked = KernelConfig(block_k=16, block_h=block_h, num_warps=4, num_stages=1, layout="stacked")
+    config = SparseMLAConfig(fwd=_CFG, bwd=stacked, bwd_dq=_CFG, bwd_dkv=_CFG)
+    _check_against_reference(q, kv, idx, 0.37, d_v=d_v, topk_length=length, sink=sink, config=config, det=det)
+
+
+def test_stacked_layout_is_the_backwards_only():
+    from longtrain.dsa.triton import KernelConfig, SparseMLAConfig
+
+    with pytest.raises(ValueError, match="layout='stacked' is the backward's probabilities kernel's"):
+        SparseMLAConfig(fwd=KernelConfig(layout="stacked"))
+    SparseMLAConfig(bwd=KernelConfig(layout="stacked"))
+
+
 def test_sparse_mla_backward_kernels_with_their_own_head_blocks(triton_interpret):
     """ds, dq and dkv each split the heads by their own config's block_h (here 16, 64 and 32 of 40 heads)."""
     from longtrain.dsa.triton import KernelConfig, SparseMLAConfig
@@ -151,6 +184,23 @@ def test_sparse_mla_deterministic_is_bitwise_reproducible(triton_interpret):
     length = torch.tensor([32, 7, 0, 20, 32, 1])
     _, grads_a = _check_against_reference(q, kv, idx, 0.3, d_v=32, topk_length=length, det=True)
     _, grads_b = _check_against_reference(q, kv, idx, 0.3, d_v=32, topk_length=length, det=True)
+    assert torch.equal(grads_a[1], grads_b[1])
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_sparse_mla_deterministic_with_several_head_blocks(triton_interpret, groups):
+    """Deterministic dkv with the heads split over programs (H = 40 in blocks of 16): every head block's per-slot
+    pieces are kept and summed, none overwrites another's (regression: before 2026-12-01 they shared one scratch row
+    per slot, so any H above the dkv kernel's block_h, e.g. H = 128 at the default 64, lost head blocks)."""
+    from longtrain.dsa.triton import KernelConfig, SparseMLAConfig
+
+    q, kv, idx = _mla_inputs(4, 40, 48, 9, 24, seed=12)
+    idx[:, 3:7] = 2  # many contributions to one key
+    cfg = KernelConfig(block_k=16, block_h=16, num_warps=4, num_stages=1, col_groups=groups)
+    config = SparseMLAConfig(fwd=_CFG, bwd=cfg)
+    length = torch.tensor([24, 7, 0, 20])
+    _, grads_a = _check_against_reference(q, kv, idx, 0.3, d_v=32, topk_length=length, config=config, det=True)
+    _, grads_b = _check_against_reference(q, kv, idx, 0.3, d_v=32, topk_length=length, config=config, det=True)
     assert torch.equal(grads_a[1], grads_b[1])
 
 

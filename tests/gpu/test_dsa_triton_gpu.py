@@ -18,21 +18,25 @@ pytestmark = [
 ]
 
 
-def _configs(fwd=None):
+def _configs(fwd=None, ds=None):
     """Forced configs: the portable forward (pipelined, 3 stages) or ``fwd = (impl, block_k, num_stages)``; the
-    portable backward kernels at 32 slots, 8 warps, 1 stage."""
+    portable backward kernels at 32 slots, 8 warps, 1 stage, except the probabilities kernel with ``ds="stacked"``
+    (the portable kernel's stacked layout: logits and dO V^T in one matmul) or ``ds="sm90"`` (the SM90 stacked
+    kernel, at the forward's block_k); with an SM90 forward the dkv kernel runs over two value-column groups."""
     from longtrain.dsa.triton import KernelConfig, SparseMLAConfig
 
     impl, block_k, stages = fwd or ("triton", 32, 3)
-    # With the SM90 forward, the backward's probabilities kernel is the SM90 one too (the forward's block_k, two
-    # tiles in flight at 64, three at 32) and the dkv kernel runs split over two value-column groups.
-    sm90 = impl == "sm90"
     portable = KernelConfig(block_k=32, num_warps=8, num_stages=1)
+    probabilities = {
+        None: portable,
+        "stacked": KernelConfig(block_k=32, num_warps=8, num_stages=1, layout="stacked"),
+        "sm90": KernelConfig(impl="sm90", block_k=block_k, num_stages=2 if block_k == 64 else 3),
+    }[ds]
     return SparseMLAConfig(
         fwd=KernelConfig(impl=impl, block_k=block_k, num_warps=8, num_stages=stages),
-        bwd=KernelConfig(impl="sm90", block_k=block_k, num_stages=2 if block_k == 64 else 3) if sm90 else portable,
+        bwd=probabilities,
         bwd_dq=portable,
-        bwd_dkv=KernelConfig(block_k=32, num_warps=8, num_stages=1, col_groups=2 if sm90 else 1),
+        bwd_dkv=KernelConfig(block_k=32, num_warps=8, num_stages=1, col_groups=2 if impl == "sm90" else 1),
     )
 
 
@@ -95,6 +99,11 @@ _SM90 = pytest.mark.skipif(
         pytest.param(96, 1024, 64, 512, 512, 512, True, ("sm90", 64, 2), torch.bfloat16, marks=_SM90),
         pytest.param(96, 2048, 64, 576, 512, 1024, True, ("sm90", 64, 2), torch.float16, marks=_SM90),
         pytest.param(64, 1024, 96, 576, 512, 300, False, ("sm90", 64, 2), torch.bfloat16, marks=_SM90),
+        (96, 2048, 128, 576, 512, 512, True, ("triton", 32, 3, "stacked"), torch.bfloat16),
+        (96, 1024, 16, 512, 512, 512, False, ("triton", 32, 3, "stacked"), torch.bfloat16),
+        pytest.param(160, 4096, 64, 576, 512, 2048, True, ("sm90", 64, 2, "sm90"), torch.bfloat16, marks=_SM90),
+        pytest.param(96, 2048, 128, 576, 512, 1024, False, ("sm90", 32, 3, "sm90"), torch.bfloat16, marks=_SM90),
+        pytest.param(64, 1024, 96, 576, 512, 300, False, ("sm90", 64, 2, "sm90"), torch.float16, marks=_SM90),
     ],
     ids=[
         "glm",
@@ -107,6 +116,11 @@ _SM90 = pytest.mark.skipif(
         "sm90-D512",
         "sm90-fp16",
         "sm90-H96-K300",
+        "stacked-H128-sink",
+        "stacked-H16-D512",
+        "sm90-ds-sink",
+        "sm90-ds-H128-32x3",
+        "sm90-ds-H96-fp16",
     ],  # fmt: skip
 )
 def test_sparse_mla_bf16(T, T_k, H, D, d_v, K, with_sink, forced, dtype):
@@ -120,7 +134,10 @@ def test_sparse_mla_bf16(T, T_k, H, D, d_v, K, with_sink, forced, dtype):
     idx[5, :7] = torch.tensor([-1, T_k, 2**30, 3, 3, 3, -5], dtype=torch.int32, device=dev)  # invalid + duplicates
     sink = torch.randn(H, generator=gen, device=dev).requires_grad_(True) if with_sink else None
     scale = 192**-0.5
-    config = None if forced is False else _configs(None if forced is True else forced)
+    if forced is False or forced is True:
+        config = None if forced is False else _configs()
+    else:
+        config = _configs(forced[:3], forced[3] if len(forced) > 3 else None)
     out = sparse_mla_triton(q, kv, idx, scale, d_v=d_v, topk_length=length, attn_sink=sink, config=config)
     dout = torch.randn(out.shape, generator=gen, device=dev).to(dtype)
     inputs = [q, kv] + ([sink] if with_sink else [])
@@ -174,6 +191,28 @@ def test_forced_sm90_backward_refuses_what_it_cannot_run():
         out = sparse_mla_triton(q, kv, idx, 0.1, config=SparseMLAConfig(bwd=bwd, fwd=KernelConfig()))
         with pytest.raises(RuntimeError, match=match):
             out.sum().backward()
+
+
+@pytest.mark.parametrize("config", [None, "forced"], ids=["defaults", "forced"])
+def test_sparse_mla_deterministic_at_128_heads_matches_the_atomic_sum(config):
+    """H = 128: two dkv head blocks at the default block_h (64). Their per-slot pieces must all be summed."""
+    from longtrain.dsa.triton import sparse_mla_triton
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(5)
+    T, T_k, H, D, K = 48, 512, 128, 576, 256
+    q = torch.randn((T, H, D), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
+    kv = torch.randn((T_k, 1, D), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
+    idx, length = _index_sets(T, T_k, K, gen, dev)
+    dout = torch.randn((T, H, 512), generator=gen, device=dev).to(torch.bfloat16)
+    cfg = None if config is None else _configs()
+    grads = []
+    for det in (True, False):
+        out = sparse_mla_triton(q, kv, idx, 0.07, d_v=512, topk_length=length, deterministic=det, config=cfg)
+        grads.append(torch.autograd.grad(out, (q, kv), dout))
+    # Deterministic and atomic dkv sum the same fp32 terms in different orders, then round to bf16.
+    torch.testing.assert_close(grads[0][1].float(), grads[1][1].float(), rtol=2**-7, atol=2**-7)
+    assert torch.equal(grads[0][0], grads[1][0])
 
 
 def test_sparse_mla_deterministic_bitwise():

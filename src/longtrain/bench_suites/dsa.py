@@ -226,7 +226,7 @@ def precompile(jobs: list[tuple], workers: int = 16) -> None:
 
 
 def _kcfg(t):
-    layout = ("heads", "keys", "keys_logits")[t[3]] if len(t) > 3 else "heads"
+    layout = ("heads", "keys", "keys_logits", "stacked")[t[3]] if len(t) > 3 else "heads"
     impl = t[4] if len(t) > 4 else "triton"
     return KernelConfig(block_k=t[0], block_h=64, num_warps=t[1], num_stages=t[2], layout=layout, impl=impl)
 
@@ -396,9 +396,9 @@ def memcheck() -> None:
         torch.autograd.grad(out, (q, kv, sink), torch.randn_like(out))
     from longtrain.dsa.triton.sparse_mla_fwd import _sm90_default
 
-    if _sm90_default(q, D_V):  # the SM90 probabilities kernel (forced), with and without lengths, at both widths
+    if _sm90_default(q, D_V):  # the stacked probabilities kernels (forced), with and without lengths
         o90, lse90 = sparse_mla_fwd(q.detach(), kv.detach().view(90, -1), idx, 0.1, D_V, length, None, None)
-        for c in ((64, 8, 2, 0, "sm90"), (32, 8, 3, 0, "sm90")):
+        for c in ((64, 8, 2, 0, "sm90"), (32, 8, 3, 0, "sm90"), (32, 8, 1, 3)):  # the last: portable, stacked
             for ln in (length, None):
                 dout90 = torch.randn_like(o90)
                 run_bwd(q.detach(), kv.detach(), o90, dout90, lse90, idx, ln, cfgs=(_kcfg(c), None, None))
@@ -470,16 +470,18 @@ def _mla_case(add, total: int, heads: int, topk: int, layout: str) -> None:
     add(op="sparse_mla_bwd", impl="triton (ours)", shape=shape, ms=ms[0], p20=ms[1], p80=ms[2],
         tflops=bwd_flops / ms[0] / 1e9, peak_mib=peak_mib(bwd))  # fmt: skip
     if _sm90_default(q, D_V) and total == 16384 and topk == TOPK and layout == "1doc":
-        # The SM90 probabilities kernel forced (stacked logits and dO V^T; dq / dkv autotuned).
-        for c in ((64, 8, 2, 0, "sm90"), (32, 8, 3, 0, "sm90")):
+        # The probabilities kernel with the logits and dO V^T stacked into one matmul, forced (dq / dkv autotuned):
+        # the SM90 Gluon kernel, and the portable one (layout="stacked").
+        for c in ((64, 8, 2, 0, "sm90"), (32, 8, 3, 0, "sm90"), (16, 8, 2, 3), (32, 8, 1, 3), (64, 8, 1, 3)):
             cfgs = (_kcfg(c), None, None)
+            kind = "SM90" if len(c) > 4 else "portable"
+            what = f"triton (ours, stacked {kind} probabilities kernel {c[0]} keys x {c[1]} warps x {c[2]} stages)"
             try:
                 ms = bench(lambda cfgs=cfgs: run_bwd(q, kv, out, dout, lse, idx, length, cfgs=cfgs))
-                add(op="sparse_mla_bwd", impl=f"triton (ours, SM90 probabilities kernel {c[0]} keys x {c[2]} tiles)",
-                    shape=shape, ms=ms[0], p20=ms[1], p80=ms[2], tflops=bwd_flops / ms[0] / 1e9)  # fmt: skip
+                add(op="sparse_mla_bwd", impl=what, shape=shape, ms=ms[0], p20=ms[1], p80=ms[2],
+                    tflops=bwd_flops / ms[0] / 1e9)  # fmt: skip
             except Exception as exc:  # a variant that fails is a row, not a stop
-                add(op="sparse_mla_bwd", impl=f"triton (ours, SM90 probabilities kernel {c[0]} keys x {c[2]} tiles)",
-                    shape=shape, note=f"failed: {type(exc).__name__}: {exc}"[:200])  # fmt: skip
+                add(op="sparse_mla_bwd", impl=what, shape=shape, note=f"failed: {type(exc).__name__}: {exc}"[:200])
     if heads == 64 and topk == TOPK and layout == "1doc":
         _cudnn_rows(add, q, kv, idx, length, dout, shape, fwd_flops + bwd_flops)
     if total == 16384 and topk == TOPK and layout == "1doc":  # TileLang's kernels on the same inputs, where carried

@@ -63,8 +63,10 @@ class KernelConfig:
     num_stages: int = 2
     """Software-pipelining depth of the gathered KV loads."""
     layout: str = "heads"
-    """Forward only: ``"heads"`` (logits ``[heads, keys]``), ``"keys"`` (logits ``[keys, heads]``, output
-    accumulated transposed) or ``"keys_logits"`` (logits ``[keys, heads]``, output ``[heads, d_v]``)."""
+    """Forward: ``"heads"`` (logits ``[heads, keys]``), ``"keys"`` (logits ``[keys, heads]``, output
+    accumulated transposed) or ``"keys_logits"`` (logits ``[keys, heads]``, output ``[heads, d_v]``). The
+    backward's portable probabilities kernel: ``"heads"``, or ``"stacked"`` (the logits and ``dO V^T`` as one
+    matmul of ``2 * block_h`` stacked rows; forced only, not yet timed on a GPU)."""
     col_groups: int = 1
     """Backward dkv kernel only: programs per (row, head block), each owning ``d_v / col_groups`` value columns
     (1, 2 or 4; more than 1 gives the rope tail a launch of its own). Autotuned runs use
@@ -84,8 +86,8 @@ class KernelConfig:
             raise ValueError(f"num_stages must be an int in [1, 6], got {self.num_stages!r}")
         if self.col_groups not in (1, 2, 4):
             raise ValueError(f"col_groups must be 1, 2 or 4, got {self.col_groups!r}")
-        if self.layout not in ("heads", "keys", "keys_logits"):
-            raise ValueError(f"layout must be one of 'heads', 'keys', 'keys_logits', got {self.layout!r}")
+        if self.layout not in ("heads", "keys", "keys_logits", "stacked"):
+            raise ValueError(f"layout must be one of 'heads', 'keys', 'keys_logits', 'stacked', got {self.layout!r}")
         if self.impl not in ("triton", "sm90"):
             raise ValueError(f"impl must be one of 'triton', 'sm90', got {self.impl!r}")
         if self.impl == "sm90" and (self.num_warps != 8 or self.num_stages < 2 or self.layout != "heads"):
@@ -114,6 +116,11 @@ class SparseMLAConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, KernelConfig):
                 raise TypeError(f"SparseMLAConfig.{name} must be a KernelConfig or None, got {type(value).__name__}")
+        if self.fwd is not None and self.fwd.layout == "stacked":
+            raise ValueError(
+                "SparseMLAConfig.fwd: layout='stacked' is the backward's probabilities kernel's (set it on bwd); "
+                "the forward takes 'heads', 'keys' or 'keys_logits'"
+            )
 
     def backward_configs(self) -> tuple[KernelConfig | None, KernelConfig | None, KernelConfig | None]:
         """Configs of the (probabilities, dq, dkv) backward kernels."""

@@ -42,6 +42,7 @@ __all__ = [
     "sparse_mla_bwd_kernel_dkv_reduce",
     "sparse_mla_bwd_kernel_dq",
     "sparse_mla_bwd_kernel_ds",
+    "sparse_mla_bwd_kernel_ds_stacked",
     "sparse_mla_bwd_kernel_preprocess",
 ]
 
@@ -56,8 +57,9 @@ _DKV_CANDIDATES = ((64, 8, 2), (64, 8, 3), (64, 4, 2))
 DKV_COL_GROUPS = 2
 # Bytes of the bf16 P / dS scratch (rows are processed in chunks that fit).
 _PDS_SCRATCH_BYTES = 1 << 29
-#: fp32 elements of the deterministic mode's per-slot contribution scratch (``[rows, K, D_qk]``): it sets the row
-#: chunk of a deterministic backward (113 rows at K = 2048, D_qk = 576). Read at each call.
+#: fp32 elements of the deterministic mode's per-slot contribution scratch (``[rows, K, dkv head blocks, D_qk]``): it
+#: sets the row chunk of a deterministic backward (113 rows at K = 2048, D_qk = 576, one head block). Read at each
+#: call.
 DETERMINISTIC_SCRATCH_ELEMENTS = 1 << 27
 
 
@@ -186,6 +188,70 @@ def sparse_mla_bwd_kernel_ds(
 
 
 @triton.jit(do_not_specialize=["row_offset", "T_k", "K_slots"])
+def sparse_mla_bwd_kernel_ds_stacked(
+    q_ptr, kv_ptr, dout_ptr, idx_ptr, len_ptr, lse2_ptr, delta_ptr, p_ptr, ds_ptr,
+    row_offset, T_k, K_slots, sm_scale, qk_scale,
+    H: tl.constexpr, D_V: tl.constexpr, D_R: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
+    HAS_LEN: tl.constexpr, STORE_P: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """``sparse_mla_bwd_kernel_ds`` with the logits and ``dO V^T`` as one dot of ``2 * BLOCK_H`` stacked rows,
+    ``[S; dP] = [Q_v Q_r; dO 0] [K_v K_r]^T`` (they share the gathered rows as B operand): one matmul per slot
+    block instead of two, each warpgroup its own 64 rows at 8 warps."""
+    D_QK: tl.constexpr = D_V + D_R
+    NUM_HB: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H
+    pid = tl.program_id(0)
+    t_local = (pid // NUM_HB).to(tl.int64)
+    t = row_offset + t_local
+    hb = pid % NUM_HB
+    offs_m = tl.arange(0, 2 * BLOCK_H)
+    head = hb * BLOCK_H + offs_m % BLOCK_H  # [2 * BLOCK_H]: rows 0..BLOCK_H-1 logits, the rest dO V^T
+    is_s = offs_m < BLOCK_H
+    ok = head < H
+    offs_v = tl.arange(0, BLOCK_DV)
+    offs_r = tl.arange(0, BLOCK_DR)
+    in_v = offs_v < D_V
+    q_rows = q_ptr + t * (H * D_QK) + head[:, None] * D_QK
+    do_rows = dout_ptr + t * (H * D_V) + head[:, None] * D_V
+    a_v = tl.load(q_rows + offs_v[None, :], mask=(ok & is_s)[:, None] & in_v[None, :], other=0.0)
+    a_v += tl.load(do_rows + offs_v[None, :], mask=(ok & ~is_s)[:, None] & in_v[None, :], other=0.0)  # [2BH, BDV]
+    if D_R > 0:
+        rmask = (ok & is_s)[:, None] & (offs_r < D_R)[None, :]
+        a_r = tl.load(q_rows + D_V + offs_r[None, :], mask=rmask, other=0.0)  # [2 * BLOCK_H, BLOCK_DR]
+    # Rows without keys have lse2 = +inf: every probability below is exactly 0.
+    lse2 = tl.load(lse2_ptr + t * H + head, mask=ok, other=float("inf"))  # [2 * BLOCK_H]
+    delta = tl.load(delta_ptr + t * H + head, mask=ok, other=0.0)  # [2 * BLOCK_H]
+    shift = tl.where(is_s, lse2, delta)
+    scale = tl.where(is_s, qk_scale, 1.0)
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    n_slots = _row_slots(len_ptr, t, K_slots, HAS_LEN)
+    idx_row = idx_ptr + t * K_slots
+    scratch_rows = (t_local * H + offs_h.to(tl.int64)) * K_slots
+    for k0 in range(0, n_slots, BLOCK_K):
+        offs_k, in_len, valid, keys = _slot_block(idx_row, k0, n_slots, T_k, D_QK, BLOCK_K)
+        kv_rows = kv_ptr + keys * D_QK
+        kvv_mask = _row_col_mask(valid, offs_v, D_V, BLOCK_DV)
+        kv_v = tl.load(kv_rows[:, None] + offs_v[None, :], mask=kvv_mask, other=0.0)  # [BLOCK_K, BLOCK_DV]
+        c = tl.dot(a_v, tl.trans(kv_v), input_precision=DOT_PREC)  # [2 * BLOCK_H, BLOCK_K]
+        if D_R > 0:
+            kvr_mask = _row_col_mask(valid, offs_r, D_R, BLOCK_DR)
+            kv_r = tl.load(kv_rows[:, None] + D_V + offs_r[None, :], mask=kvr_mask, other=0.0)  # [BLOCK_K, BLOCK_DR]
+            c = tl.dot(a_r, tl.trans(kv_r), c, input_precision=DOT_PREC)
+        # Top rows: P (0 on invalid slots); bottom rows: dP - delta. They meet per (head, slot) through a split.
+        x = c * scale[:, None] - shift[:, None]
+        x = tl.where(is_s[:, None], tl.where(valid[None, :], tl.math.exp2(x), 0.0), x)  # [2 * BLOCK_H, BLOCK_K]
+        p, d = tl.split(tl.permute(tl.reshape(x, [2, BLOCK_H, BLOCK_K]), (1, 2, 0)))  # [BLOCK_H, BLOCK_K] x 2
+        ds = p * d * sm_scale
+        ptrs = scratch_rows[:, None] + offs_k[None, :]
+        mask = mask_h[:, None] & in_len[None, :]
+        tl.store(ds_ptr + ptrs, ds.to(ds_ptr.dtype.element_ty), mask=mask)
+        if STORE_P:
+            tl.store(p_ptr + ptrs, p.to(p_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["row_offset", "T_k", "K_slots"])
 def sparse_mla_bwd_kernel_dq(
     kv_ptr, idx_ptr, len_ptr, ds_ptr, dq_ptr,
     row_offset, T_k, K_slots,
@@ -285,8 +351,8 @@ def sparse_mla_bwd_kernel_dkv(
         tile_mask = mask_h[:, None] & in_len[None, :]
         ds_t = tl.trans(tl.load(ds_ptr + tile, mask=tile_mask, other=0.0))  # [BLOCK_K, BLOCK_H]
         # dkv rows: the shared atomic target, or this row's slots in the deterministic scratch.
-        if DETERMINISTIC:
-            out_rows = t_local * K_slots + offs_k.to(tl.int64)
+        if DETERMINISTIC:  # one scratch row per (row, slot, head block): head blocks never overwrite each other
+            out_rows = (t_local * K_slots + offs_k.to(tl.int64)) * NUM_HB + pid % NUM_HB
         else:
             out_rows = keys
         if DO_V:
@@ -313,9 +379,10 @@ def sparse_mla_bwd_kernel_dkv(
 @triton.jit(do_not_specialize=["n_items"])
 def sparse_mla_bwd_kernel_dkv_reduce(
     contrib_ptr, sorted_keys_ptr, order_ptr, seg_end_ptr, dkv_ptr, n_items,
-    D_QK: tl.constexpr, BLOCK_D: tl.constexpr,
+    D_QK: tl.constexpr, BLOCK_D: tl.constexpr, NUM_HB: tl.constexpr,
 ):  # fmt: skip
-    """One program per sorted slot; the first slot of each key's run sums the run in order into ``dkv``."""
+    """One program per sorted slot; the first slot of each key's run sums the run in order into ``dkv`` (each slot's
+    ``NUM_HB`` head-block pieces in head-block order)."""
     i = tl.program_id(0)
     key = tl.load(sorted_keys_ptr + i)  # scalar
     prev = tl.load(sorted_keys_ptr + tl.maximum(i - 1, 0))  # scalar
@@ -326,8 +393,9 @@ def sparse_mla_bwd_kernel_dkv_reduce(
             cmask = offs < D_QK
             acc = tl.load(dkv_ptr + key.to(tl.int64) * D_QK + offs, mask=cmask, other=0.0)  # [BLOCK_D]
             for j in range(i, end):
-                src = tl.load(order_ptr + j)  # scalar
-                acc += tl.load(contrib_ptr + src * D_QK + offs, mask=cmask, other=0.0)  # [BLOCK_D]
+                src = tl.load(order_ptr + j).to(tl.int64) * NUM_HB  # scalar
+                for hb in tl.static_range(NUM_HB):
+                    acc += tl.load(contrib_ptr + (src + hb) * D_QK + offs, mask=cmask, other=0.0)  # [BLOCK_D]
             tl.store(dkv_ptr + key.to(tl.int64) * D_QK + offs, acc, mask=cmask)
 
 
@@ -457,13 +525,13 @@ def sparse_mla_bwd(
 
     rows_per_chunk = max(1, _PDS_SCRATCH_BYTES // (2 * 2 * num_heads * k_slots))
     if compute_dkv and deterministic:
-        rows_per_chunk = min(rows_per_chunk, max(1, DETERMINISTIC_SCRATCH_ELEMENTS // (k_slots * d_qk)))
+        rows_per_chunk = min(rows_per_chunk, max(1, DETERMINISTIC_SCRATCH_ELEMENTS // (k_slots * d_qk * n_hb[2])))
     rows_per_chunk = min(rows_per_chunk, num_tokens)
     ds_buf = torch.empty((rows_per_chunk, num_heads, k_slots), dtype=q.dtype, device=dev)
     p_buf = torch.empty_like(ds_buf) if compute_dkv else ds_buf
     contrib = None
     if compute_dkv and deterministic:
-        contrib = torch.empty((rows_per_chunk * k_slots, d_qk), dtype=torch.float32, device=dev)
+        contrib = torch.empty((rows_per_chunk * k_slots * n_hb[2], d_qk), dtype=torch.float32, device=dev)
     for row0 in range(0, num_tokens, rows_per_chunk):
         rows = min(rows_per_chunk, num_tokens - row0)
         common = (idx, len_arg)
@@ -478,7 +546,9 @@ def sparse_mla_bwd(
             )  # fmt: skip
         else:
             meta = dict(dims, BLOCK_H=bh[0], STORE_P=compute_dkv)
-            _launch("ds", sparse_mla_bwd_kernel_ds, _DS_CANDIDATES, (rows * n_hb[0],), ds_args, meta, cfg_ds)
+            stacked = cfg_ds is not None and cfg_ds.layout == "stacked"
+            kernel = sparse_mla_bwd_kernel_ds_stacked if stacked else sparse_mla_bwd_kernel_ds
+            _launch("ds", kernel, _DS_CANDIDATES, (rows * n_hb[0],), ds_args, meta, cfg_ds)
         _launch(
             "dq", sparse_mla_bwd_kernel_dq, _DQ_CANDIDATES, (rows * n_hb[1],),
             (kv2d, *common, ds_buf, dq, row0, num_keys, k_slots), dict(dims, BLOCK_H=bh[1]), cfg_dq,
@@ -497,12 +567,12 @@ def sparse_mla_bwd(
             grid = (1, rows * n_hb[2])
             _launch("dkv", sparse_mla_bwd_kernel_dkv, _DKV_CANDIDATES, grid, dkv_args, meta, cfg_dkv, reset)
         if deterministic:
-            _reduce_chunk(idx, topk_length, contrib, dkv_acc, row0, rows, num_keys, d_qk)
+            _reduce_chunk(idx, topk_length, contrib, dkv_acc, row0, rows, num_keys, d_qk, n_hb[2])
     dkv = dkv_acc.to(kv2d.dtype) if compute_dkv else None
     return dq, dkv, dsink
 
 
-def _reduce_chunk(idx, topk_length, contrib, dkv_acc, row0, rows, num_keys, d_qk) -> None:
+def _reduce_chunk(idx, topk_length, contrib, dkv_acc, row0, rows, num_keys, d_qk, num_hb) -> None:
     """Sum one row chunk's per-slot dkv pieces key by key, in a fixed order (no atomics)."""
     k_slots = idx.shape[1]
     chunk_idx = idx[row0 : row0 + rows].to(torch.int64)
@@ -518,5 +588,5 @@ def _reduce_chunk(idx, topk_length, contrib, dkv_acc, row0, rows, num_keys, d_qk
     n_items = sorted_keys.numel()
     sparse_mla_bwd_kernel_dkv_reduce[(n_items,)](
         contrib, sorted_keys, order, seg_end, dkv_acc, n_items,
-        D_QK=d_qk, BLOCK_D=min(1024, next_pow2(d_qk)), num_warps=4,
+        D_QK=d_qk, BLOCK_D=min(1024, next_pow2(d_qk)), NUM_HB=num_hb, num_warps=4,
     )  # fmt: skip
