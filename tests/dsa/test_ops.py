@@ -323,7 +323,9 @@ def _fake_triton(calls):
         calls.append(("indexer", starts.tolist(), causal_lengths.tolist(), index_topk))
         return ref.indexer_topk_reference(index_q, index_k, head_weights, starts, causal_lengths, index_topk)
 
-    def sparse_mla_triton_unchecked(q, kv, topk_indices, softmax_scale, d_v, topk_length=None, attn_sink=None):
+    def sparse_mla_triton_unchecked(
+        q, kv, topk_indices, softmax_scale, d_v, topk_length=None, attn_sink=None, deterministic=False
+    ):
         calls.append(("sparse", topk_indices.dtype, tuple(topk_indices.shape), softmax_scale, d_v))
         return ref.sparse_mla_reference(
             q, kv, topk_indices, softmax_scale, d_v=d_v, topk_length=topk_length, attn_sink=attn_sink

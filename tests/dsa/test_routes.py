@@ -271,3 +271,67 @@ def test_each_call_is_validated_once_through_the_triton_kernels(triton_interpret
     assert counts.get("check_float") == 2 and counts.get("_validate_sparse_mla") == 1, counts  # q, kv
     assert "_validate" not in counts, counts  # sparse_mla_triton's own checks
     assert counts.get("check_int") == 1, counts  # topk_indices
+
+
+# ---------------------------------------------------------------------------- torch.use_deterministic_algorithms
+
+
+@pytest.fixture
+def deterministic_mode():
+    """``deterministic_mode(warn_only=False)``: torch's deterministic algorithms on for the test, restored after."""
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+
+    def setup(warn_only=False):
+        torch.use_deterministic_algorithms(True, warn_only=warn_only)
+
+    yield setup
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def test_deterministic_calls_skip_the_cudnn_backward(machine):
+    machine(triton=True, cudnn=True)
+    plan = routes.auto_plan(glm_call(deterministic=True))
+    assert (plan.fwd, plan.bwd, plan.deterministic) == ("triton", "triton", True)
+    assert routes.auto_plan(glm_call())[:2] == ("triton", "cudnn")  # the flag is part of the decision
+    unfit = routes.route_unfit("cudnn", glm_call(deterministic=True), 9)
+    assert unfit is not None and unfit[0] is RuntimeError and "warn_only=True" in unfit[1]
+    machine(triton=False, cudnn=True)
+    assert routes.auto_plan(glm_call(deterministic=True))[:2] == ("torch", "torch")
+
+
+@pytest.mark.interpret
+def test_deterministic_mode_runs_the_triton_backward_in_a_fixed_order(triton_interpret, deterministic_mode,
+                                                                      monkeypatch):  # fmt: skip
+    """Under torch.use_deterministic_algorithms(True), backend="triton" / "auto" ask for the fixed-order dkv."""
+    pytest.importorskip("triton")
+    import longtrain.dsa.triton as backend
+
+    seen = []
+    real = backend.sparse_mla_triton_unchecked
+
+    def spy(*args):
+        seen.append(args[7])  # deterministic
+        return real(*args)
+
+    monkeypatch.setattr(backend, "sparse_mla_triton_unchecked", spy)
+    q = torch.randn(6, 16, 48, requires_grad=True)
+    kv = torch.randn(9, 1, 48, requires_grad=True)
+    idx = torch.randint(0, 9, (6, 8), dtype=torch.int32)
+    ops.sparse_mla_attention(q, kv, idx, 0.2, d_v=32, backend="triton").sum().backward()
+    deterministic_mode()
+    out = ops.sparse_mla_attention(q, kv, idx, 0.2, d_v=32, backend="triton")
+    grads = torch.autograd.grad(out.sum(), (q, kv))
+    again = torch.autograd.grad(ops.sparse_mla_attention(q, kv, idx, 0.2, d_v=32, backend="triton").sum(), (q, kv))
+    assert seen == [False, True, True]
+    assert all(torch.equal(a, b) for a, b in zip(grads, again))
+
+
+def test_deterministic_mode_refuses_the_named_cudnn_backend(fakes, machine, deterministic_mode):  # noqa: F811
+    machine(triton=True, cudnn=True)
+    q, kv, idx = _sparse_inputs()
+    deterministic_mode()
+    with pytest.raises(RuntimeError, match=r"backend='cudnn'.*does not promise bitwise-reproducible.*'triton'"):
+        ops.sparse_mla_attention(q, kv, idx, 0.05, backend="cudnn")
+    deterministic_mode(warn_only=True)
+    with pytest.warns(UserWarning, match="does not promise bitwise-reproducible"):
+        ops.sparse_mla_attention(q, kv, idx, 0.05, backend="cudnn")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -43,6 +44,7 @@ _TORCH_CHUNK_ELEMENTS = 1 << 25
 
 _TORCH_PLAN = routes.Plan("torch", "torch")
 _TRITON_PLAN = routes.Plan("triton", "triton")
+_TRITON_DETERMINISTIC_PLAN = routes.Plan("triton", "triton", deterministic=True)
 
 
 def _triton_module() -> Any:
@@ -319,14 +321,20 @@ def sparse_mla_attention(
 
 def _sparse_mla_plan(backend: str, q, kv, indices, d_v: int, attn_sink) -> routes.Plan:
     """The routes of one validated call: ``"auto"``'s table choice, or the named backend's (its errors raised)."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
     call = routes.CallShape(
-        "sparse_mla", q.device, q.dtype, q.shape[1], q.shape[2], indices.shape[1], d_v, attn_sink is not None
-    )
+        "sparse_mla", q.device, q.dtype, q.shape[1], q.shape[2], indices.shape[1], d_v, attn_sink is not None,
+        deterministic=deterministic,
+    )  # fmt: skip
     if backend == "auto":
         return routes.auto_plan(call)
     if backend == "triton":
         _require_triton(call)
-        return _TRITON_PLAN
+        return _TRITON_DETERMINISTIC_PLAN if deterministic else _TRITON_PLAN
+    if deterministic:
+        if not torch.is_deterministic_algorithms_warn_only_enabled():
+            raise RuntimeError(f"sparse_mla_attention(backend='cudnn'): {routes.CUDNN_NOT_DETERMINISTIC}")
+        warnings.warn(f"sparse_mla_attention(backend='cudnn'): {routes.CUDNN_NOT_DETERMINISTIC}", stacklevel=3)
     flash_mla = cudnn_dsa._has_flash_mla()
     if not cudnn_dsa._has_cudnn_dsa() or (not flash_mla and routes.triton_reason(call.device) is not None):
         cudnn_dsa._require_available()
@@ -358,8 +366,9 @@ def _sparse_mla_dispatch(plan, q, kv, indices, softmax_scale, d_v, topk_length, 
             q, kv, indices, float(softmax_scale), padded_heads, forward_fn=forward
         )
     if plan.bwd == "triton":
+        # Under torch.use_deterministic_algorithms(True) the dkv sum runs in a fixed order (bitwise reproducible).
         return _triton_module().sparse_mla_triton_unchecked(
-            q, kv, indices, float(softmax_scale), d_v, topk_length, attn_sink
+            q, kv, indices, float(softmax_scale), d_v, topk_length, attn_sink, plan.deterministic
         )
     return _SparseMLATorch.apply(q, kv, indices, float(softmax_scale), d_v, topk_length, attn_sink)
 

@@ -178,6 +178,9 @@ class CallShape(NamedTuple):
     """The indexer's ``head_weights`` dtype."""
     fp8: bool = False
     """The indexer scores FP8 codes of its inputs (``indexer_topk(..., fp8=True)``): triton (SM89+) or torch only."""
+    deterministic: bool = False
+    """Sparse MLA: ``torch.are_deterministic_algorithms_enabled()`` at the call. The backward must then be bitwise
+    reproducible: triton (its fixed-order dkv reduction) or torch, not cuDNN's."""
 
 
 class Plan(NamedTuple):
@@ -193,6 +196,8 @@ class Plan(NamedTuple):
     """The table row ``"auto"`` chose the backward by."""
     major: int | None = None
     """The device's SM major where a cuDNN route needs it (head padding)."""
+    deterministic: bool = False
+    """Sparse MLA: the backward must be bitwise reproducible (``torch.use_deterministic_algorithms(True)``)."""
 
 
 # --------------------------------------------------------------------------------------------- presence probes
@@ -278,6 +283,14 @@ def route_absent(route: str, device: torch.device) -> str | None:
     raise ValueError(f"unknown DSA route {route!r}; valid: triton, cudnn, flash_mla, torch")
 
 
+#: Why the cuDNN backward is not taken under ``torch.use_deterministic_algorithms(True)``.
+CUDNN_NOT_DETERMINISTIC = (
+    "torch.use_deterministic_algorithms(True) is set and cuDNN's DSA backward does not promise bitwise-reproducible "
+    "gradients; backend='triton' reduces dkv in a fixed order then (or 'torch'), or pass warn_only=True to "
+    "torch.use_deterministic_algorithms to run cuDNN's anyway"
+)
+
+
 def route_unfit(route: str, call: CallShape, major: int | None = None) -> tuple[type[Exception], str] | None:
     """Why ``route`` cannot take ``call`` (``(exception type, message)``; ``None``: it fits).
 
@@ -294,6 +307,8 @@ def route_unfit(route: str, call: CallShape, major: int | None = None) -> tuple[
         return unfit
     if call.fp8:
         return ValueError, f"fp8=True has no {route} route: the FP8 indexer runs on backend='triton' or 'torch'"
+    if route == "cudnn" and call.op == "sparse_mla" and call.deterministic:
+        return RuntimeError, CUDNN_NOT_DETERMINISTIC
     major = device_major(call.device) if major is None else major
     if call.op == "sparse_mla":
         return cudnn_dsa.value_unfit(call.d_v, call.has_sink) or cudnn_dsa.sparse_attention_unfit(
@@ -352,7 +367,7 @@ def _decide(call: CallShape) -> Plan:
                 continue
             for bwd in _ROWS[("sparse_mla", "bwd")]:
                 if fwd.route in FOLLOWS[bwd.route] and usable(bwd):
-                    return Plan(fwd.route, bwd.route, fwd, bwd, majors[0] if majors else None)
+                    return Plan(fwd.route, bwd.route, fwd, bwd, majors[0] if majors else None, call.deterministic)
     raise AssertionError("the torch rows are always usable")  # pragma: no cover
 
 
