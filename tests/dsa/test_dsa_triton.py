@@ -130,6 +130,19 @@ def test_stacked_layout_is_the_backwards_only():
     with pytest.raises(ValueError, match="layout='stacked' is the backward's probabilities kernel's"):
         SparseMLAConfig(fwd=KernelConfig(layout="stacked"))
     SparseMLAConfig(bwd=KernelConfig(layout="stacked"))
+    with pytest.raises(ValueError, match="bwd: layout='keys' is the forward's"):
+        SparseMLAConfig(bwd=KernelConfig(layout="keys"))
+    with pytest.raises(ValueError, match=r"bwd_dkv: the dkv kernel has one layout .* impl='sm90'"):
+        SparseMLAConfig(bwd_dkv=KernelConfig(impl="sm90"))
+    with pytest.raises(ValueError, match="bwd_dq: the dq kernel has one layout .* layout='stacked'"):
+        SparseMLAConfig(bwd_dq=KernelConfig(layout="stacked"))
+
+
+def test_a_bare_kernel_config_keeps_its_layout_for_the_forward(triton_interpret):
+    """A bare KernelConfig forces every kernel; its layout is the forward's, the backward runs the portable kernels."""
+    q, kv, idx = _mla_inputs(3, 4, 48, 10, 16, seed=21)
+    bare = KernelConfig(block_k=16, block_h=16, num_warps=4, num_stages=1, layout="keys")
+    _check_against_reference(q, kv, idx, 0.3, d_v=32, config=bare)
 
 
 def test_sparse_mla_backward_kernels_with_their_own_head_blocks(triton_interpret):

@@ -121,6 +121,18 @@ class SparseMLAConfig:
                 "SparseMLAConfig.fwd: layout='stacked' is the backward's probabilities kernel's (set it on bwd); "
                 "the forward takes 'heads', 'keys' or 'keys_logits'"
             )
+        if self.bwd is not None and self.bwd.layout not in ("heads", "stacked"):
+            raise ValueError(
+                f"SparseMLAConfig.bwd: layout={self.bwd.layout!r} is the forward's; the backward's probabilities "
+                "kernel takes 'heads' or 'stacked'"
+            )
+        for name in ("bwd_dq", "bwd_dkv"):
+            value = getattr(self, name)
+            if value is not None and (value.layout != "heads" or value.impl != "triton"):
+                raise ValueError(
+                    f"SparseMLAConfig.{name}: the {name[4:]} kernel has one layout and one implementation (layout="
+                    f"'heads', impl='triton'), got layout={value.layout!r}, impl={value.impl!r}"
+                )
 
     def backward_configs(self) -> tuple[KernelConfig | None, KernelConfig | None, KernelConfig | None]:
         """Configs of the (probabilities, dq, dkv) backward kernels."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -135,7 +136,9 @@ def sparse_mla_triton(
         topk_length: optional ``[T]`` int count of leading slots to use per row.
         attn_sink: optional ``[H]`` float per-head sink logit (``-inf`` = none), read in fp32.
         deterministic: reduce ``dkv`` in a fixed order (bitwise reproducible, slower) instead of atomics.
-        config: forced launch configuration(s); ``None`` = autotuned on first use per static shape.
+        config: forced launch configuration(s); ``None`` = autotuned on first use per static shape. A bare
+            ``KernelConfig`` forces every kernel (its ``layout`` and ``impl`` are the forward's: the backward runs
+            the portable kernels); ``SparseMLAConfig`` sets them one by one.
 
     Returns:
         ``out: [T, H, d_v]`` in q's dtype.
@@ -180,7 +183,8 @@ def sparse_mla_triton_unchecked(
     if config is None:
         config = _DEFAULT_CONFIG
     elif isinstance(config, KernelConfig):
-        config = SparseMLAConfig(fwd=config, bwd=config)
+        # One config for every kernel: its layout and impl are the forward's; the backward runs the portable kernels.
+        config = SparseMLAConfig(fwd=config, bwd=dataclasses.replace(config, layout="heads", impl="triton"))
     out, _ = SparseMLAFunction.apply(
         q.contiguous(), kv2d, idx, float(softmax_scale), d_v, length, sink, deterministic, config
     )
