@@ -5,13 +5,15 @@ Per row chunk (the bf16 ``P`` / ``dS`` scratch is ``[rows, H, K]``):
 - ``sparse_mla_bwd_kernel_preprocess``: ``delta = rowsum(out * dout)``, the sink-inclusive log-sum-exp
   (base 2) and each row's share of ``dsink``.
 - ``sparse_mla_bwd_kernel_ds``: per (row, head block) and ``BLOCK_K`` gathered slots, recomputes the logits
-  and ``dO V^T`` and stores ``P`` and ``dS = scale * P * (dO V^T - delta)`` in bf16.
+  and ``dO V^T`` and stores ``P`` and ``dS = scale * P * (dO V^T - delta)`` in bf16
+  (``sparse_mla_bwd_kernel_ds_stacked``, ``KernelConfig(layout="stacked")``: the same with both as one matmul of
+  stacked rows; forced only, not yet timed on a GPU).
 - ``sparse_mla_bwd_kernel_dq``: ``dq = dS K`` over the gathered slots (fp32 accumulators).
 - ``sparse_mla_bwd_kernel_dkv``: ``dkv[idx] += P^T dO + dS^T Q`` per slot block, already summed over the
   block's heads, added with fp32 atomics in column chunks of at most 128; ``DKV_COL_GROUPS`` programs per row
   split the value columns (fewer resident Q / dO columns each: two programs per SM instead of one), the rope
-  tail then in a launch of its own; deterministic mode stores the per-slot pieces instead and
-  ``sparse_mla_bwd_kernel_dkv_reduce`` sums each key's pieces in a fixed order.
+  tail then in a launch of its own; deterministic mode stores the per-slot pieces instead (one row per slot and
+  head block) and ``sparse_mla_bwd_kernel_dkv_reduce`` sums each key's pieces in a fixed order.
 
 Keeping the matmuls of a kernel independent of each other (no dot feeding another dot) lets the compiler
 split the head block's logits between warpgroups instead of computing them twice (one per warpgroup), the
