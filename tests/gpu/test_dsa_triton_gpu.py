@@ -193,18 +193,24 @@ def test_forced_sm90_backward_refuses_what_it_cannot_run():
             out.sum().backward()
 
 
+def _deterministic_case(T, H, seed):
+    """bf16 GLM-5.2 widths (D_qk 576, d_v 512), 512 keys, K = 256 ragged: ``(q, kv, idx, length, dout)``."""
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    T_k, D, K = 512, 576, 256
+    q = torch.randn((T, H, D), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
+    kv = torch.randn((T_k, 1, D), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
+    idx, length = _index_sets(T, T_k, K, gen, dev)
+    dout = torch.randn((T, H, 512), generator=gen, device=dev).to(torch.bfloat16)
+    return q, kv, idx, length, dout
+
+
 @pytest.mark.parametrize("config", [None, "forced"], ids=["defaults", "forced"])
 def test_sparse_mla_deterministic_at_128_heads_matches_the_atomic_sum(config):
     """H = 128: two dkv head blocks at the default block_h (64). Their per-slot pieces must all be summed."""
     from longtrain.dsa.triton import sparse_mla_triton
 
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(5)
-    T, T_k, H, D, K = 48, 512, 128, 576, 256
-    q = torch.randn((T, H, D), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
-    kv = torch.randn((T_k, 1, D), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
-    idx, length = _index_sets(T, T_k, K, gen, dev)
-    dout = torch.randn((T, H, 512), generator=gen, device=dev).to(torch.bfloat16)
+    q, kv, idx, length, dout = _deterministic_case(48, 128, seed=5)
     cfg = None if config is None else _configs()
     grads = []
     for det in (True, False):
@@ -218,13 +224,7 @@ def test_sparse_mla_deterministic_at_128_heads_matches_the_atomic_sum(config):
 def test_sparse_mla_deterministic_bitwise():
     from longtrain.dsa.triton import sparse_mla_triton
 
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(3)
-    T, T_k, H, D, K = 64, 512, 64, 576, 256
-    q = torch.randn((T, H, D), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
-    kv = torch.randn((T_k, 1, D), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
-    idx, length = _index_sets(T, T_k, K, gen, dev)
-    dout = torch.randn((T, H, 512), generator=gen, device=dev).to(torch.bfloat16)
+    q, kv, idx, length, dout = _deterministic_case(64, 64, seed=3)
     for config in (_configs(), None):  # forced (one dkv column group) and the defaults (two groups, autotuned)
         runs = []
         for det in (True, True, False):
