@@ -42,7 +42,10 @@ case "${1:-indexer}" in
     if [ -f .whl-tl/tilelang_site.tar.xz ]; then bash benchmarks/device.sh stash-tl > "$Q/stash_tl.log" 2>&1; fi
     run gpu_mla_tests 200 -m pytest -q -p no:cacheprovider tests/gpu/test_dsa_triton_gpu.py -k "not indexer"
     memcheck 120
-    run dsa_mla 330 benchmarks/dsa.py --case 16384,64,2048,1doc --case 16384,128,2048,1doc --out-dir "$Q" ;;
+    # MLA_EXTRA_CASES: more --case arguments for the same dsa.py run (e.g. "--case 4096,128,512,1doc").
+    # shellcheck disable=SC2086
+    run dsa_mla 450 benchmarks/dsa.py --case 16384,64,2048,1doc --case 16384,128,2048,1doc ${MLA_EXTRA_CASES:-} \
+      --out-dir "$Q" ;;
   *)
     echo "usage: $0 [indexer|mla]"; exit 2 ;;
 esac

@@ -33,37 +33,99 @@ def test_forced_sm90_backward_refuses_the_interpreter(triton_interpret):
 
 
 def test_default_backward_never_picks_sm90_off_gpu(triton_interpret):
-    from longtrain.dsa.triton.sparse_mla_bwd import _ds_sm90_setting
+    from longtrain.dsa.triton.sparse_mla_bwd import _sm90_backward
 
-    assert _ds_sm90_setting(torch.zeros(1, 64, 576, dtype=torch.bfloat16), 512, None) is None
+    q = torch.zeros(1, 64, 576, dtype=torch.bfloat16)
+    assert _sm90_backward(q, 512, None, deterministic=False, compute_dkv=True, dkv_forced=False) is None
+
+
+_FUSED = KernelConfig(impl="sm90", layout="fused", block_k=64, num_stages=1)
 
 
 @pytest.mark.parametrize(
-    "config,D,reason,expected",
+    "config,D,d_v,flags,reason,expected",
     [
-        (None, 576, None, None),  # the default is the portable kernel (the SM90 one is not yet timed)
-        (KernelConfig(), 576, None, None),  # impl="triton" forces the portable kernel
-        (KernelConfig(impl="sm90", block_k=32, num_stages=2), 576, None, (32, 2)),  # dO in shared memory
-        (KernelConfig(impl="sm90", block_k=64, num_stages=2), 512, None, (64, 2)),  # K = V, no rope tail
-        (KernelConfig(impl="sm90", block_k=16, num_stages=2), 576, None, "64 or 32 slots per step"),
-        (KernelConfig(impl="sm90", block_k=64, num_stages=3), 576, None, "exceed the 227 KiB"),
-        (KernelConfig(impl="sm90", block_k=32, num_stages=3), 576, None, (32, 3)),
-        (KernelConfig(impl="sm90", block_k=32, num_stages=6), 576, None, "exceed the 227 KiB"),
-        (KernelConfig(impl="sm90"), 576, "it needs at least 64 heads", "at least 64 heads.*use impl='triton'"),
+        (None, 576, 512, "", None, ("fused", 64, 1)),  # the default on SM90: probabilities and dkv in one kernel
+        (None, 576, 512, "det", None, ("ds", 64, 2)),  # deterministic: the stacked kernel, then fixed-order dkv
+        (None, 576, 512, "no-dkv", None, ("ds", 64, 2)),  # no dkv wanted
+        (None, 576, 512, "dkv-forced", None, ("ds", 64, 2)),  # a forced dkv config keeps the dkv kernel
+        (None, 128, 64, "", None, ("ds", 64, 2)),  # d_v < 128: the [dS; P] tile does not fit the value buffer
+        (None, 640, 512, "", None, None),  # a rope tail of 128: neither SM90 kernel fits shared memory
+        (None, 576, 512, "", "it needs at least 64 heads", None),  # off the SM90 rules: the portable kernel
+        (KernelConfig(), 576, 512, "", None, None),  # impl="triton" forces the portable kernel
+        (_FUSED, 576, 512, "", None, ("fused", 64, 1)),
+        (_FUSED, 576, 512, "no-dkv", None, ("ds", 64, 2)),
+        (_FUSED, 576, 512, "det", None, "deterministic=True needs the dkv kernel"),
+        (_FUSED, 128, 64, "", None, "needs d_v >= 128"),
+        (_FUSED, 576, 512, "", "it needs at least 64 heads", "layout='fused'.*at least 64 heads"),
+        (KernelConfig(impl="sm90", block_k=32, num_stages=2), 576, 512, "", None, ("ds", 32, 2)),
+        (KernelConfig(impl="sm90", block_k=64, num_stages=2), 512, 512, "", None, ("ds", 64, 2)),  # no rope tail
+        (KernelConfig(impl="sm90", block_k=16, num_stages=2), 576, 512, "", None, "64 or 32 slots per step"),
+        (KernelConfig(impl="sm90", block_k=64, num_stages=3), 576, 512, "", None, "exceed the 227 KiB"),
+        (KernelConfig(impl="sm90", block_k=32, num_stages=3), 576, 512, "", None, ("ds", 32, 3)),
+        (KernelConfig(impl="sm90", block_k=32, num_stages=6), 576, 512, "", None, "exceed the 227 KiB"),
+        (KernelConfig(impl="sm90"), 576, 512, "", "it needs at least 64 heads", "at least 64 heads.*use impl='triton'"),
     ],
-    ids=["default", "triton", "sm90-32", "sm90-D512", "bad-block", "64x3", "32x3", "32x6", "heads"],
+    ids=[
+        "default",
+        "default-det",
+        "default-no-dkv",
+        "default-dkv-forced",
+        "default-dv64",
+        "default-rope128",
+        "default-heads",
+        "triton",
+        "fused",
+        "fused-no-dkv",
+        "fused-det",
+        "fused-dv64",
+        "fused-heads",
+        "sm90-32",
+        "sm90-D512",
+        "bad-block",
+        "64x3",
+        "32x3",
+        "32x6",
+        "heads",
+    ],  # fmt: skip
 )
-def test_ds_sm90_setting(monkeypatch, config, D, reason, expected):
+def test_sm90_backward_plan(monkeypatch, config, D, d_v, flags, reason, expected):
     from longtrain.dsa.triton import sparse_mla_bwd as smb
     from longtrain.dsa.triton import sparse_mla_fwd_sm90 as sm90
 
     monkeypatch.setattr(smb, "interpreting", lambda: False)
     monkeypatch.setattr(sm90, "sm90_unsupported_reason", lambda q, d_v: reason)
+    kwargs = dict(deterministic=flags == "det", compute_dkv=flags != "no-dkv", dkv_forced=flags == "dkv-forced")
     if isinstance(expected, str):
         with pytest.raises(RuntimeError, match=expected):
-            smb._ds_sm90_setting(_fake_q(D=D), 512, config)
+            smb._sm90_backward(_fake_q(D=D), d_v, config, **kwargs)
     else:
-        assert smb._ds_sm90_setting(_fake_q(D=D), 512, config) == expected
+        assert smb._sm90_backward(_fake_q(D=D), d_v, config, **kwargs) == expected
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(layout="fused"), "needs impl='sm90'"),
+        (dict(impl="sm90", layout="fused"), "num_stages=1"),  # the default num_stages (2)
+        (dict(impl="sm90", layout="fused", block_k=32, num_stages=1), "block_k=64"),
+        (dict(impl="sm90", layout="stacked"), "layout='heads'"),
+    ],
+    ids=["portable", "stages", "block_k", "sm90-stacked"],
+)
+def test_fused_config_refusals(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        KernelConfig(**kwargs)
+
+
+def test_fused_backward_config_has_no_dkv_kernel():
+    with pytest.raises(ValueError, match="no dkv kernel for bwd_dkv"):
+        SparseMLAConfig(bwd=_FUSED, bwd_dkv=KernelConfig())
+    with pytest.raises(ValueError, match="backward's probabilities kernel's"):
+        SparseMLAConfig(fwd=_FUSED)
+    dq = KernelConfig(block_k=32)
+    assert SparseMLAConfig(bwd=_FUSED, bwd_dq=dq).backward_configs() == (_FUSED, dq, None)
+    assert SparseMLAConfig(bwd=_FUSED).backward_configs() == (_FUSED, None, None)
 
 
 def test_smem_budget_of_the_kernel():
@@ -72,6 +134,15 @@ def test_smem_budget_of_the_kernel():
 
     assert sm90_ds_smem_bytes(64, 2, 576, 512, 2) == 2 * 64 * 1152 + 128 * 64 * 2 + 128 * 64 * 4  # 192 KiB
     assert sm90_ds_smem_bytes(32, 3, 576, 512, 2) <= _SM90_SMEM < sm90_ds_smem_bytes(64, 3, 576, 512, 2)
+
+
+def test_smem_budget_of_the_fused_kernel():
+    from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sm90_ds_dkv_smem_bytes
+    from longtrain.dsa.triton.sparse_mla_fwd import _SM90_SMEM
+
+    # [Q; dO 0] (128 x 576) + one tile of 64 gathered rows = 216 KiB; a rope tail of 128 does not fit.
+    assert sm90_ds_dkv_smem_bytes(576, 512, 2) == (128 + 64) * 576 * 2 <= _SM90_SMEM
+    assert sm90_ds_dkv_smem_bytes(640, 512, 2) > _SM90_SMEM
 
 
 _TYPES = ["*bf16", "*bf16", "*bf16", "*i32", "*i32", "*fp32", "*fp32", "*bf16", "*bf16", "i32", "i32", "i32"]
@@ -88,3 +159,18 @@ def test_sm90_ds_kernel_compiles_for_hopper(block_k, num_buf, d_qk):
                          _TYPES + ["fp32", "fp32"], consts)  # fmt: skip
     assert stats["cp_async"] and stats["wgmma"], stats
     assert stats["shared"] == sm90_ds_smem_bytes(block_k, num_buf, d_qk, 512, 2), stats
+
+
+@pytest.mark.skipif(cuobjdump() is None, reason="needs triton with its bundled NVIDIA toolchain (ptxas, cuobjdump)")
+@pytest.mark.parametrize("H,d_qk", [(64, 576), (128, 512)], ids=["glm", "H128-D512"])
+def test_sm90_fused_kernel_compiles_for_hopper(H, d_qk):
+    """The fused probabilities + dkv kernel compiled for sm_90a: shared memory as budgeted (the [dS; P] tile
+    reuses the gathered tile's buffer, no compiler scratch), no register spills."""
+    from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sm90_ds_dkv_smem_bytes
+
+    types = _TYPES[:8] + ["*fp32"] + _TYPES[9:] + ["fp32", "fp32"]
+    consts = dict(H=H, D_V=512, D_R=d_qk - 512, HAS_LEN=True)
+    stats = compile_sm90("longtrain.dsa.triton.sparse_mla_bwd_sm90", "sparse_mla_bwd_sm90_kernel_ds_dkv", types, consts)
+    assert stats["cp_async"] and stats["wgmma"], stats
+    assert stats["shared"] == sm90_ds_dkv_smem_bytes(d_qk, 512, 2), stats
+    assert stats["local"] == 0, stats

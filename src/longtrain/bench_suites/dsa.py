@@ -225,6 +225,16 @@ def precompile(jobs: list[tuple], workers: int = 16) -> None:
     print(f"precompile: {len(jobs)} variants in {time.perf_counter() - t0:.1f}s", flush=True)
 
 
+def _fused_cfg() -> KernelConfig:
+    return KernelConfig(impl="sm90", layout="fused", block_k=64, num_stages=1)
+
+
+def _portable_ds() -> tuple:
+    from longtrain.dsa.triton import sparse_mla_bwd as mb
+
+    return mb._DS_CANDIDATES[0]
+
+
 def _kcfg(t):
     layout = ("heads", "keys", "keys_logits", "stacked")[t[3]] if len(t) > 3 else "heads"
     impl = t[4] if len(t) > 4 else "triton"
@@ -396,12 +406,13 @@ def memcheck() -> None:
         torch.autograd.grad(out, (q, kv, sink), torch.randn_like(out))
     from longtrain.dsa.triton.sparse_mla_fwd import _sm90_default
 
-    if _sm90_default(q, D_V):  # the stacked probabilities kernels (forced), with and without lengths
+    if _sm90_default(q, D_V):  # the SM90 and stacked probabilities kernels (forced), with and without lengths
         o90, lse90 = sparse_mla_fwd(q.detach(), kv.detach().view(90, -1), idx, 0.1, D_V, length, None, None)
-        for c in ((64, 8, 2, 0, "sm90"), (32, 8, 3, 0, "sm90"), (32, 8, 1, 3)):  # the last: portable, stacked
+        for c in ((64, 8, 2, 0, "sm90"), (32, 8, 3, 0, "sm90"), (32, 8, 1, 3), "fused"):  # (32, 8, 1, 3): portable
             for ln in (length, None):
                 dout90 = torch.randn_like(o90)
-                run_bwd(q.detach(), kv.detach(), o90, dout90, lse90, idx, ln, cfgs=(_kcfg(c), None, None))
+                cfg90 = _fused_cfg() if c == "fused" else _kcfg(c)
+                run_bwd(q.detach(), kv.detach(), o90, dout90, lse90, idx, ln, cfgs=(cfg90, None, None))
     for groups in (2, 4):  # the dkv kernel split over value-column groups (and the rope tail's own launch)
         c = mb._DKV_CANDIDATES[0]
         cfg_g = dataclasses.replace(cfg, bwd_dkv=KernelConfig(block_k=c[0], block_h=64, num_warps=c[1],
@@ -467,15 +478,23 @@ def _mla_case(add, total: int, heads: int, topk: int, layout: str) -> None:
             add(op="sparse_mla_fwd", impl=f"triton (ours, portable kernel, {what})", shape=shape, ms=ms[0],
                 p20=ms[1], p80=ms[2], tflops=fwd_flops / ms[0] / 1e9)  # fmt: skip
     ms = bench(bwd)
-    add(op="sparse_mla_bwd", impl="triton (ours)", shape=shape, ms=ms[0], p20=ms[1], p80=ms[2],
-        tflops=bwd_flops / ms[0] / 1e9, peak_mib=peak_mib(bwd))  # fmt: skip
-    if _sm90_default(q, D_V) and total == 16384 and topk == TOPK and layout == "1doc":
-        # The probabilities kernel with the logits and dO V^T stacked into one matmul, forced (dq / dkv autotuned):
-        # the SM90 Gluon kernel, and the portable one (layout="stacked").
-        for c in ((64, 8, 2, 0, "sm90"), (32, 8, 3, 0, "sm90"), (16, 8, 2, 3), (32, 8, 1, 3), (64, 8, 1, 3)):
-            cfgs = (_kcfg(c), None, None)
-            kind = "SM90" if len(c) > 4 else "portable"
-            what = f"triton (ours, stacked {kind} probabilities kernel {c[0]} keys x {c[1]} warps x {c[2]} stages)"
+    from longtrain.dsa.triton.sparse_mla_bwd import _sm90_backward
+
+    plan = _sm90_backward(q, D_V, None, deterministic=False, compute_dkv=True, dkv_forced=False)
+    kind = {None: "", "fused": ", SM90 fused probabilities + dkv kernel", "ds": ", SM90 probabilities kernel"}
+    add(op="sparse_mla_bwd", impl=f"triton (ours{kind[plan and plan[0]]})", shape=shape, ms=ms[0], p20=ms[1],
+        p80=ms[2], tflops=bwd_flops / ms[0] / 1e9, peak_mib=peak_mib(bwd))  # fmt: skip
+    if _sm90_default(q, D_V) and layout == "1doc":
+        # The other probabilities kernels on the same inputs, forced (dq / dkv autotuned): the SM90 stacked one
+        # (then the dkv kernel), the portable one, and the fused one.
+        variants = [(_kcfg((64, 8, 2, 0, "sm90")), "SM90 stacked probabilities kernel 64 keys x 2 tiles + dkv kernel"),
+                    (_kcfg(_portable_ds()), "portable probabilities kernel {} keys x {} warps x {} stages + dkv "
+                     "kernel".format(*_portable_ds()))]  # fmt: skip
+        if plan is None or plan[0] != "fused":
+            variants.append((_fused_cfg(), "SM90 fused probabilities + dkv kernel"))
+        for cfg, what in variants:
+            cfgs = (cfg, None, None)
+            what = f"triton (ours, {what})"
             try:
                 ms = bench(lambda cfgs=cfgs: run_bwd(q, kv, out, dout, lse, idx, length, cfgs=cfgs))
                 add(op="sparse_mla_bwd", impl=what, shape=shape, ms=ms[0], p20=ms[1], p80=ms[2],

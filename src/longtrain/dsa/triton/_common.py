@@ -66,7 +66,9 @@ class KernelConfig:
     """Forward: ``"heads"`` (logits ``[heads, keys]``), ``"keys"`` (logits ``[keys, heads]``, output
     accumulated transposed) or ``"keys_logits"`` (logits ``[keys, heads]``, output ``[heads, d_v]``). The
     backward's portable probabilities kernel: ``"heads"``, or ``"stacked"`` (the logits and ``dO V^T`` as one
-    matmul of ``2 * block_h`` stacked rows; forced only, not yet timed on a GPU)."""
+    matmul of ``2 * block_h`` stacked rows). The backward with ``impl="sm90"``: ``"heads"`` (the SM90 probabilities
+    kernel, logits and ``dO V^T`` stacked) or ``"fused"`` (the SM90 kernel that also computes dkv, in place of the
+    dkv kernel: ``block_k=64``, ``num_stages=1``)."""
     col_groups: int = 1
     """Backward dkv kernel only: programs per (row, head block), each owning ``d_v / col_groups`` value columns
     (1, 2 or 4; more than 1 gives the rope tail a launch of its own). Autotuned runs use
@@ -86,11 +88,26 @@ class KernelConfig:
             raise ValueError(f"num_stages must be an int in [1, 6], got {self.num_stages!r}")
         if self.col_groups not in (1, 2, 4):
             raise ValueError(f"col_groups must be 1, 2 or 4, got {self.col_groups!r}")
-        if self.layout not in ("heads", "keys", "keys_logits", "stacked"):
-            raise ValueError(f"layout must be one of 'heads', 'keys', 'keys_logits', 'stacked', got {self.layout!r}")
+        if self.layout not in ("heads", "keys", "keys_logits", "stacked", "fused"):
+            raise ValueError(
+                f"layout must be one of 'heads', 'keys', 'keys_logits', 'stacked', 'fused', got {self.layout!r}"
+            )
         if self.impl not in ("triton", "sm90"):
             raise ValueError(f"impl must be one of 'triton', 'sm90', got {self.impl!r}")
-        if self.impl == "sm90" and (self.num_warps != 8 or self.num_stages < 2 or self.layout != "heads"):
+        if self.layout == "fused" and (
+            self.impl != "sm90" or self.num_warps != 8 or self.block_k != 64 or self.num_stages != 1
+        ):
+            raise ValueError(
+                "layout='fused' is the SM90 backward kernel that computes the probabilities and dkv together (one "
+                "gathered tile of 64 slots, two warpgroups): it needs impl='sm90', num_warps=8, block_k=64 and "
+                f"num_stages=1, got impl={self.impl!r}, num_warps={self.num_warps}, block_k={self.block_k}, "
+                f"num_stages={self.num_stages}"
+            )
+        if (
+            self.impl == "sm90"
+            and self.layout != "fused"
+            and (self.num_warps != 8 or self.num_stages < 2 or self.layout != "heads")
+        ):
             raise ValueError(
                 "impl='sm90' runs two warpgroups over a ring of >= 2 tiles with [heads, keys] logits: it needs "
                 f"num_warps=8, num_stages >= 2 and layout='heads', got num_warps={self.num_warps}, "
@@ -116,15 +133,20 @@ class SparseMLAConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, KernelConfig):
                 raise TypeError(f"SparseMLAConfig.{name} must be a KernelConfig or None, got {type(value).__name__}")
-        if self.fwd is not None and self.fwd.layout == "stacked":
+        if self.fwd is not None and self.fwd.layout in ("stacked", "fused"):
             raise ValueError(
-                "SparseMLAConfig.fwd: layout='stacked' is the backward's probabilities kernel's (set it on bwd); "
-                "the forward takes 'heads', 'keys' or 'keys_logits'"
+                f"SparseMLAConfig.fwd: layout={self.fwd.layout!r} is the backward's probabilities kernel's (set it on "
+                "bwd); the forward takes 'heads', 'keys' or 'keys_logits'"
             )
-        if self.bwd is not None and self.bwd.layout not in ("heads", "stacked"):
+        if self.bwd is not None and self.bwd.layout not in ("heads", "stacked", "fused"):
             raise ValueError(
                 f"SparseMLAConfig.bwd: layout={self.bwd.layout!r} is the forward's; the backward's probabilities "
-                "kernel takes 'heads' or 'stacked'"
+                "kernel takes 'heads', 'stacked' or 'fused'"
+            )
+        if self.bwd is not None and self.bwd.layout == "fused" and self.bwd_dkv is not None:
+            raise ValueError(
+                "SparseMLAConfig: bwd=KernelConfig(layout='fused') computes dkv in the probabilities kernel, so there "
+                "is no dkv kernel for bwd_dkv to configure; drop bwd_dkv or use another bwd layout"
             )
         for name in ("bwd_dq", "bwd_dkv"):
             value = getattr(self, name)
@@ -136,6 +158,8 @@ class SparseMLAConfig:
 
     def backward_configs(self) -> tuple[KernelConfig | None, KernelConfig | None, KernelConfig | None]:
         """Configs of the (probabilities, dq, dkv) backward kernels."""
+        if self.bwd is not None and self.bwd.layout == "fused":  # dq: the portable kernel, autotuned unless given
+            return self.bwd, self.bwd_dq, None
         return self.bwd, self.bwd_dq or self.bwd, self.bwd_dkv or self.bwd
 
 

@@ -421,31 +421,66 @@ def _launch(name, kernel, candidates, grid, args, meta, config, reset=None) -> N
         _autotuned(name, kernel, candidates, reset)[grid](*args, **meta)
 
 
-def _ds_sm90_setting(q: torch.Tensor, d_v: int, config: KernelConfig | None) -> tuple[int, int] | None:
-    """``(block_k, num_buf)`` of the SM90 probabilities kernel for this call, or None for the portable kernel.
+def _sm90_backward(
+    q: torch.Tensor,
+    d_v: int,
+    config: KernelConfig | None,
+    *,
+    deterministic: bool,
+    compute_dkv: bool,
+    dkv_forced: bool,
+) -> tuple[str, int, int] | None:
+    """``(kernel, block_k, num_buf)`` of the SM90 probabilities kernel for this call, or None for the portable one.
 
-    Only a forced ``KernelConfig(impl="sm90")`` takes it (``block_k`` 64 or 32, ``num_stages`` tiles), or raises
-    saying why it cannot run here; ``config=None`` and ``impl="triton"`` keep the portable kernel.
+    ``kernel`` is ``"fused"`` (probabilities and dkv in one kernel, the dkv kernel skipped) or ``"ds"`` (the stacked
+    probabilities kernel). ``config=None`` takes the fused kernel on an SM90 GPU wherever it applies (dkv wanted, not
+    deterministic: it adds with atomics, no forced dkv config, shape within its support rules), else the stacked
+    probabilities kernel where that applies, else the portable kernel. A forced ``KernelConfig(impl="sm90")``
+    (``layout="fused"`` for the fused kernel) takes it or raises saying why it cannot run here; with no dkv wanted
+    the fused kernel's probabilities half runs (the stacked kernel, 64 slots x 2 tiles). ``impl="triton"`` keeps the
+    portable kernel.
     """
-    if config is None or config.impl != "sm90":
-        return None
-    from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sm90_ds_smem_bytes
+    from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sm90_ds_dkv_smem_bytes, sm90_ds_smem_bytes
     from longtrain.dsa.triton.sparse_mla_fwd import _SM90_SMEM
     from longtrain.dsa.triton.sparse_mla_fwd_sm90 import sm90_unsupported_reason
 
+    if config is not None and config.impl != "sm90":
+        return None
     reason = "Gluon kernels do not run in Triton's interpreter (TRITON_INTERPRET=1)" if interpreting() else None
     reason = reason or sm90_unsupported_reason(q, d_v)
+    d_qk, size = q.shape[2], q.element_size()
+    fused_reason = reason
+    if fused_reason is None and d_v < 128:
+        fused_reason = f"the fused kernel needs d_v >= 128, got d_v={d_v}"
+    fused_smem = sm90_ds_dkv_smem_bytes(d_qk, d_v, size)
+    if fused_reason is None and fused_smem > _SM90_SMEM:
+        fused_reason = f"the fused kernel's {fused_smem} bytes of shared memory at D_qk={d_qk} exceed 227 KiB"
+    if config is None:
+        if fused_reason is None and compute_dkv and not deterministic and not dkv_forced:
+            return "fused", 64, 1
+        if reason is None and sm90_ds_smem_bytes(64, 2, d_qk, d_v, size) <= _SM90_SMEM:
+            return "ds", 64, 2
+        return None
+    if config.layout == "fused":
+        if fused_reason is None and deterministic:
+            fused_reason = (
+                "the fused kernel adds dkv with atomics, deterministic=True needs the dkv kernel's fixed-order "
+                "reduction (use layout='heads')"
+            )
+        if fused_reason is not None:
+            raise RuntimeError(f"backward KernelConfig(impl='sm90', layout='fused') cannot run here: {fused_reason}")
+        return ("fused", 64, 1) if compute_dkv else ("ds", 64, 2)
     if reason is None and config.block_k not in (32, 64):
         reason = f"its probabilities kernel gathers 64 or 32 slots per step, got block_k={config.block_k}"
-    smem = sm90_ds_smem_bytes(config.block_k, config.num_stages, q.shape[2], d_v, q.element_size())
+    smem = sm90_ds_smem_bytes(config.block_k, config.num_stages, d_qk, d_v, size)
     if reason is None and smem > _SM90_SMEM:
         reason = (
-            f"{config.num_stages} tiles of {config.block_k} rows of D_qk={q.shape[2]} ({smem} bytes with the rest) "
+            f"{config.num_stages} tiles of {config.block_k} rows of D_qk={d_qk} ({smem} bytes with the rest) "
             "exceed the 227 KiB of shared memory; lower num_stages or block_k"
         )
     if reason is not None:
         raise RuntimeError(f"backward KernelConfig(impl='sm90') cannot run here: {reason}; use impl='triton'")
-    return config.block_k, config.num_stages
+    return "ds", config.block_k, config.num_stages
 
 
 def _dkv_col_groups(config: KernelConfig | None, block_dv: int) -> int:
@@ -504,7 +539,9 @@ def sparse_mla_bwd(
     )  # fmt: skip
     dsink = dsink_rows.sum(0) if attn_sink is not None else None
 
-    ds_sm90 = _ds_sm90_setting(q, d_v, configs[0])
+    ds_sm90 = _sm90_backward(q, d_v, configs[0], deterministic=deterministic, compute_dkv=compute_dkv,
+                             dkv_forced=configs[2] is not None)  # fmt: skip
+    fused = ds_sm90 is not None and ds_sm90[0] == "fused"
     if interpreting():
         configs = tuple(c or KernelConfig(block_k=16, num_warps=4, num_stages=1) for c in configs)
     cfg_ds, cfg_dq, cfg_dkv = configs
@@ -530,7 +567,7 @@ def sparse_mla_bwd(
         rows_per_chunk = min(rows_per_chunk, max(1, DETERMINISTIC_SCRATCH_ELEMENTS // (k_slots * d_qk * n_hb[2])))
     rows_per_chunk = min(rows_per_chunk, num_tokens)
     ds_buf = torch.empty((rows_per_chunk, num_heads, k_slots), dtype=q.dtype, device=dev)
-    p_buf = torch.empty_like(ds_buf) if compute_dkv else ds_buf
+    p_buf = torch.empty_like(ds_buf) if compute_dkv and not fused else ds_buf
     contrib = None
     if compute_dkv and deterministic:
         contrib = torch.empty((rows_per_chunk * k_slots * n_hb[2], d_qk), dtype=torch.float32, device=dev)
@@ -539,12 +576,19 @@ def sparse_mla_bwd(
         common = (idx, len_arg)
         ds_args = (q, kv2d, dout, *common, lse2, delta, p_buf, ds_buf, row0, num_keys, k_slots, softmax_scale,
                    softmax_scale * LOG2E)  # fmt: skip
-        if ds_sm90 is not None:
+        if fused:
+            from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sparse_mla_bwd_sm90_kernel_ds_dkv
+
+            sparse_mla_bwd_sm90_kernel_ds_dkv[(rows * triton.cdiv(num_heads, 64),)](
+                q, kv2d, dout, *common, lse2, delta, ds_buf, dkv_acc, row0, num_keys, k_slots, softmax_scale,
+                softmax_scale * LOG2E, H=num_heads, D_V=d_v, D_R=d_r, HAS_LEN=topk_length is not None, num_warps=8,
+            )  # fmt: skip
+        elif ds_sm90 is not None:
             from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sparse_mla_bwd_sm90_kernel_ds
 
             sparse_mla_bwd_sm90_kernel_ds[(rows * triton.cdiv(num_heads, 64),)](
                 *ds_args, H=num_heads, D_V=d_v, D_R=d_r, HAS_LEN=topk_length is not None, STORE_P=compute_dkv,
-                BLOCK_K=ds_sm90[0], NUM_BUF=ds_sm90[1], num_warps=8,
+                BLOCK_K=ds_sm90[1], NUM_BUF=ds_sm90[2], num_warps=8,
             )  # fmt: skip
         else:
             meta = dict(dims, BLOCK_H=bh[0], STORE_P=compute_dkv)
@@ -555,7 +599,7 @@ def sparse_mla_bwd(
             "dq", sparse_mla_bwd_kernel_dq, _DQ_CANDIDATES, (rows * n_hb[1],),
             (kv2d, *common, ds_buf, dq, row0, num_keys, k_slots), dict(dims, BLOCK_H=bh[1]), cfg_dq,
         )  # fmt: skip
-        if not compute_dkv:
+        if not compute_dkv or fused:
             continue
         target = contrib if deterministic else dkv_acc
         dkv_args = (q, dout, *common, p_buf, ds_buf, target, row0, num_keys, k_slots)

@@ -29,7 +29,16 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from longtrain.dsa.triton.sparse_mla_fwd_sm90 import _cta_barrier, _gather_layout, _load_idx, _ring_advance, _ring_start
+from longtrain.dsa.triton.sparse_mla_fwd_sm90 import (
+    _async_load,
+    _cta_barrier,
+    _gather_layout,
+    _half_n_mma_layout,
+    _issue_tile,
+    _load_idx,
+    _ring_advance,
+    _ring_start,
+)
 
 __all__ = ["sm90_ds_smem_bytes", "sparse_mla_bwd_sm90_kernel_ds"]
 
@@ -160,4 +169,194 @@ def sparse_mla_bwd_sm90_kernel_ds(
         gl.store(ds_ptr + ptrs, ds.to(ds_ptr.dtype.element_ty), mask=mask)
         if STORE_P:
             gl.store(p_ptr + ptrs, p.to(p_ptr.dtype.element_ty), mask=mask)
+    cp.wait_group(0)
+
+
+def sm90_ds_dkv_smem_bytes(d_qk: int, d_v: int, itemsize: int) -> int:
+    """Shared memory of :func:`sparse_mla_bwd_sm90_kernel_ds_dkv`: the stacked ``[Q; dO]`` operand (128 rows of
+    ``D_qk``) and one gathered tile of 64 rows (the ``[dS; P]`` tile lives in the tile's buffer)."""
+    return (2 * _STACK_H + _DKV_BLOCK_K) * d_qk * itemsize
+
+
+_STACK_H = 64
+_DKV_BLOCK_K = 64
+
+
+@gluon.jit
+def _alias_36(buf, dtype: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr, layout: gl.constexpr):
+    return buf._reinterpret(dtype, [ROWS, COLS], layout)
+
+
+@gluon.jit
+def _alias_39(buf, dtype: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr, layout: gl.constexpr):
+    return buf.reinterpret(dtype, [ROWS, COLS], layout)
+
+
+# A ``[ROWS, COLS]`` view of a shared-memory buffer's start: Triton 3.6 names it ``_reinterpret``, later releases
+# ``reinterpret``.
+_alias = _alias_39 if hasattr(gl.shared_memory_descriptor, "reinterpret") else _alias_36
+
+
+@gluon.jit
+def _interleaved_rows(m, hb):
+    """Head and kind of stacked row ``m``: rows ``16 b + j`` (``j < 8``) are the queries of head ``8 b + j``, rows
+    ``16 b + 8 + j`` its ``dO``: in a wgmma accumulator one thread holds rows ``r`` and ``r + 8`` of its warp's 16, so
+    every thread holds a head's logits and ``dO V^T`` side by side."""
+    j = m % 16
+    return hb * 64 + (m // 16) * 8 + j % 8, j < 8
+
+
+@gluon.jit(do_not_specialize=["row_offset", "T_k", "K_slots"])
+def sparse_mla_bwd_sm90_kernel_ds_dkv(
+    q_ptr, kv_ptr, dout_ptr, idx_ptr, len_ptr, lse2_ptr, delta_ptr, ds_ptr, dkv_ptr,
+    row_offset, T_k, K_slots, sm_scale, qk_scale,
+    H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    """Probabilities and dkv in one pass (the dq kernel then reads ``dS``), one program per (query row, block of 64
+    heads), 64 gathered slots per step:
+
+    1. ``[S; dP] = [Q; dO 0] K^T``: one wgmma of 128 stacked rows (interleaved per head, see ``_interleaved_rows``)
+       with both operands in shared memory;
+    2. in registers, each head's ``P`` and ``dS = sm_scale * P * (dP - delta)``; ``dS`` is stored for the dq kernel;
+    3. ``dkv[idx] += [dS; P]^T [Q; dO 0]``: the stacked operand is the B operand of a second wgmma (K = 128), fed
+       ``[dS; P]^T`` from registers (transposed through the gathered tile's buffer, which step 1 has finished with);
+       the value columns in two halves (the first half's fp32 atomics run under the second half's wgmma), then the
+       rope columns.
+
+    The next tile's gather is issued into the freed buffer before step 3, so it runs under the dkv matmuls and
+    atomics.
+    """
+    BLOCK_K: gl.constexpr = 64
+    D_QK: gl.constexpr = D_V + D_R
+    NUM_HB: gl.constexpr = (H + 63) // 64
+    HALF: gl.constexpr = D_V // 2
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    gl.static_assert(num_warps == 8, "two warpgroups")
+    gl.static_assert(D_V >= 128, "the [dS; P] tile lives in the gathered tile's value buffer")
+
+    LV: gl.constexpr = _gather_layout(D_V, num_warps)
+    LR: gl.constexpr = _gather_layout(D_R, num_warps)
+    # [S; dP]: [128, BLOCK_K], 8 warps along M. dkv pieces: [BLOCK_K, n], the warpgroups splitting n.
+    c_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BLOCK_K, 16]
+    )
+    dv_layout: gl.constexpr = _half_n_mma_layout(HALF)
+    a2_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv_layout, k_width=2)
+    row_c: gl.constexpr = gl.SliceLayout(1, c_layout)
+    col_c: gl.constexpr = gl.SliceLayout(0, c_layout)
+    row_d: gl.constexpr = gl.SliceLayout(1, dv_layout)
+
+    stack_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([128, D_V], dtype)
+    kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, D_V], dtype)
+    y_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([128, BLOCK_K], dtype)
+    a_v = gl.allocate_shared_memory(dtype, [128, D_V], stack_sl)
+    v_buf = gl.allocate_shared_memory(dtype, [BLOCK_K, D_V], kv_sl)
+    if D_R > 0:
+        stack_r_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([128, D_R], dtype)
+        kr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, D_R], dtype)
+        a_r = gl.allocate_shared_memory(dtype, [128, D_R], stack_r_sl)
+        r_buf = gl.allocate_shared_memory(dtype, [BLOCK_K, D_R], kr_sl)
+    else:
+        a_r = a_v
+        r_buf = v_buf
+    y_smem = _alias(v_buf, dtype, 128, BLOCK_K, y_sl)
+
+    pid = gl.program_id(0)
+    t_local = (pid // NUM_HB).to(gl.int64)
+    t = row_offset + t_local
+    hb = pid % NUM_HB
+
+    # The stacked operand (heads past H zero-filled), in the first copy group with tile 0.
+    q_row = q_ptr + t * (H * D_QK)
+    do_row = dout_ptr + t * (H * D_V)
+    # (Staged through registers: a cp.async from a per-row choice of two tensors is not vectorised by every Triton.)
+    head_v, is_q_v = _interleaved_rows(gl.arange(0, 128, layout=gl.SliceLayout(1, LV)), hb)
+    cv = gl.arange(0, D_V, layout=gl.SliceLayout(0, LV))
+    ok_v = head_v < H
+    stacked = gl.load(q_row + head_v[:, None] * D_QK + cv[None, :], mask=(ok_v & is_q_v)[:, None], other=0.0)
+    stacked += gl.load(do_row + head_v[:, None] * D_V + cv[None, :], mask=(ok_v & ~is_q_v)[:, None], other=0.0)
+    a_v.store(stacked)  # [128, D_V]
+    if D_R > 0:
+        head_r, is_q_r = _interleaved_rows(gl.arange(0, 128, layout=gl.SliceLayout(1, LR)), hb)
+        cr = gl.arange(0, D_R, layout=gl.SliceLayout(0, LR))
+        src_r = q_row + head_r * D_QK + D_V  # [128]
+        _async_load(a_r, src_r[:, None] + cr[None, :], mask=((head_r < H) & is_q_r)[:, None])  # [128, D_R]
+
+    if HAS_LEN:
+        n_slots = gl.minimum(gl.maximum(gl.load(len_ptr + t).to(gl.int32), 0), K_slots)  # scalar
+    else:
+        n_slots = K_slots
+    idx_row = idx_ptr + t * K_slots
+
+    # Per stacked row: query rows turn logits into P with lse2, dO rows dP into dP - delta.
+    head_c, is_q = _interleaved_rows(gl.arange(0, 128, layout=row_c), hb)
+    ok_c = head_c < H
+    # Rows without keys have lse2 = +inf: every probability below is exactly 0.
+    lse2 = gl.load(lse2_ptr + t * H + head_c, mask=ok_c, other=float("inf"))  # [128]
+    delta = gl.load(delta_ptr + t * H + head_c, mask=ok_c, other=0.0)  # [128]
+    shift = gl.where(is_q, lse2, delta)  # [128]
+    scale = gl.where(is_q, qk_scale, 1.0)  # [128]
+    ds_rows = (t_local * H + head_c.to(gl.int64)) * K_slots  # [128]
+    store_rows = is_q & ok_c  # [128]
+
+    iv, mv = _load_idx(idx_row, 0, n_slots, T_k, BLOCK_K, gl.SliceLayout(1, LV))  # [BLOCK_K] x 2
+    ir, mr = _load_idx(idx_row, 0, n_slots, T_k, BLOCK_K, gl.SliceLayout(1, LR))  # [BLOCK_K] x 2
+    _issue_tile(kv_ptr, iv, mv, ir, mr, v_buf, r_buf, D_V, D_R, LV, LR)
+
+    c_zero = gl.zeros([128, BLOCK_K], gl.float32, layout=c_layout)
+    dv_zero = gl.zeros([BLOCK_K, HALF], gl.float32, layout=dv_layout)
+    cols_d = gl.arange(0, HALF, layout=gl.SliceLayout(0, dv_layout))
+    if D_R > 0:
+        dr_layout: gl.constexpr = _half_n_mma_layout(D_R)
+        a2r_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dr_layout, k_width=2)
+        dr_zero = gl.zeros([BLOCK_K, D_R], gl.float32, layout=dr_layout)
+        cols_r = gl.arange(0, D_R, layout=gl.SliceLayout(0, dr_layout))
+    n_tiles = gl.cdiv(n_slots, BLOCK_K)
+    for i in range(n_tiles):
+        k0 = i * BLOCK_K
+        cp.wait_group(0)
+        fence_async_shared()
+        _cta_barrier()
+        c = warpgroup_mma(a_v, v_buf.permute((1, 0)), c_zero, use_acc=False, is_async=True)  # [128, BLOCK_K]
+        if D_R > 0:
+            c = warpgroup_mma(a_r, r_buf.permute((1, 0)), c, is_async=True)
+        _, valid = _load_idx(idx_row, k0, n_slots, T_k, BLOCK_K, col_c)  # [BLOCK_K]
+        keys, valid_d = _load_idx(idx_row, k0, n_slots, T_k, BLOCK_K, row_d)  # [BLOCK_K] x 2
+        nv, nmv = _load_idx(idx_row, k0 + BLOCK_K, n_slots, T_k, BLOCK_K, gl.SliceLayout(1, LV))  # [BLOCK_K] x 2
+        nr, nmr = _load_idx(idx_row, k0 + BLOCK_K, n_slots, T_k, BLOCK_K, gl.SliceLayout(1, LR))  # [BLOCK_K] x 2
+        c = warpgroup_mma_wait(num_outstanding=0, deps=(c,))
+
+        # Query rows: P (0 on invalid slots); dO rows: dP - delta. Each thread holds both for its heads.
+        x = c * scale[:, None] - shift[:, None]
+        x = gl.where(is_q[:, None], gl.where(valid[None, :], gl.exp2(x), 0.0), x)  # [128, BLOCK_K]
+        p, d = gl.split(gl.permute(gl.reshape(x, [8, 2, 8, BLOCK_K]), (0, 2, 3, 1)))  # [8, 8, BLOCK_K] x 2
+        y = gl.reshape(gl.permute(gl.join(p * d * sm_scale, p), (0, 3, 1, 2)), [128, BLOCK_K])
+        y = gl.convert_layout(y, c_layout, assert_trivial=True).to(dtype)  # [128, BLOCK_K]: dS rows, P rows
+        offs_k = k0 + gl.arange(0, BLOCK_K, layout=col_c)
+        gl.store(ds_ptr + ds_rows[:, None] + offs_k[None, :], y, mask=store_rows[:, None] & (offs_k < n_slots)[None, :])
+
+        _cta_barrier()  # both warpgroups' step-1 wgmma are done with the tile: its buffer holds [dS; P] now
+        y_smem.store(y)
+        _cta_barrier()
+        a2 = y_smem.permute((1, 0)).load(a2_layout)  # [BLOCK_K, 128]
+        if D_R > 0:
+            a2r = y_smem.permute((1, 0)).load(a2r_layout)  # [BLOCK_K, 128]
+        _cta_barrier()
+        if i + 1 < n_tiles:
+            _issue_tile(kv_ptr, nv, nmv, nr, nmr, v_buf, r_buf, D_V, D_R, LV, LR)
+
+        rows = gl.where(valid_d, keys, 0).to(gl.int64) * D_QK  # [BLOCK_K]
+        acc = warpgroup_mma(a2, a_v.slice(0, HALF, dim=1), dv_zero, use_acc=False, is_async=True)  # [BLOCK_K, HALF]
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        acc2 = warpgroup_mma(a2, a_v.slice(HALF, HALF, dim=1), dv_zero, use_acc=False, is_async=True)
+        gl.atomic_add(dkv_ptr + rows[:, None] + cols_d[None, :], acc, mask=valid_d[:, None], sem="relaxed")
+        acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc2,))
+        if D_R > 0:
+            accr = warpgroup_mma(a2r, a_r, dr_zero, use_acc=False, is_async=True)  # [BLOCK_K, D_R]
+        gl.atomic_add(dkv_ptr + rows[:, None] + HALF + cols_d[None, :], acc2, mask=valid_d[:, None], sem="relaxed")
+        if D_R > 0:
+            accr = warpgroup_mma_wait(num_outstanding=0, deps=(accr,))
+            rows_r = gl.convert_layout(rows, gl.SliceLayout(1, dr_layout))
+            valid_r = gl.convert_layout(valid_d, gl.SliceLayout(1, dr_layout))
+            gl.atomic_add(dkv_ptr + rows_r[:, None] + D_V + cols_r[None, :], accr, mask=valid_r[:, None], sem="relaxed")
     cp.wait_group(0)
