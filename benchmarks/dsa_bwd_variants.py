@@ -8,8 +8,9 @@
 - for each of the three kernels, the whole backward with that kernel forced to each config of a wider list
   (the other two at their autotuned picks), with the largest difference of its dq / dkv from the autotuned
   backward's (the dkv atomics add in a different order, so the difference is a rounding, not 0);
-- ``--fused``: the SM90 fused probabilities + dkv kernel (the SM90 default) with each setting of
-  ``sparse_mla_bwd.FUSED_DEFER_ATOMICS``, its split and its difference from setting 0, ``dsa_bwd_fused_<date>.md``;
+- ``--fused``: the backward at its SM90 default (the fused probabilities + dkv kernel, then dq) and its per-kernel
+  split, at 64 and 128 heads, ``dsa_bwd_fused_<date>.md`` (41a7454 also timed issuing a tile's last dkv atomics
+  under the next tile's first wgmma: slower, ``dsa_bwd_fused_41a7454_2026-12-02.md``);
 - ``--reduce-probe``: fp32 reduction throughput into random rows of a ``[16384, 512]`` table (what bounds the dkv
   kernel): ``tl.atomic_add`` (``red``) of ``[BLOCK_K, BOX]`` tiles and of single ``[BOX]`` rows, against TMA
   reductions (``cp.reduce.async.bulk.tensor`` add, a tensor descriptor's ``atomic_add``) of ``[1, BOX]`` boxes,
@@ -192,44 +193,28 @@ def _split(fn) -> dict[str, float]:
 
 
 def fused(out_dir: Path, heads_list: tuple[int, ...], total: int) -> None:
-    from longtrain.dsa.triton import sparse_mla_bwd as mb
-
     dev = torch.device("cuda")
     idx, length, _, _ = causal_index_sets([total], TOPK, dev)
     valid = int(length.sum())
     rows: list[dict] = []
-    default = mb.FUSED_DEFER_ATOMICS
     for heads in heads_list:
         q, kv = mla_inputs(total, heads, dev)
         bwd_flops = 2 * valid * heads * (3 * D_QK + 2 * D_V)
         out, lse = run_fwd(q, kv, idx, length, None)
-        dout = torch.randn_like(out)
-        shape = f"T={total} H={heads} K={TOPK} 1doc"
-        ref = None
-        call = functools.partial(run_bwd, q, kv, out, dout, lse, idx, length)
-        try:
-            for defer in (0, 1, 2):
-                mb.FUSED_DEFER_ATOMICS = defer
-                dq, dkv, _ = call()
-                ref = ref or (dq, dkv)
-                diff = max((a.float() - b.float()).abs().max().item() / b.float().abs().max().item()
-                           for a, b in zip((dq, dkv), ref))  # fmt: skip
-                ms = bench(call, rep_ms=300)
-                split = _split(call)
-                note = "split " + ", ".join(f"{k} {v:.2f} ms" for k, v in split.items())
-                rows.append(dict(shape=shape, kernel="fused", cfg=f"FUSED_DEFER_ATOMICS={defer}", ms=ms[0], p20=ms[1],
-                                 p80=ms[2], tflops=bwd_flops / ms[0] / 1e9, rel_diff=diff, note=note))  # fmt: skip
-                print(rows[-1], flush=True)
-        finally:
-            mb.FUSED_DEFER_ATOMICS = default
+        call = functools.partial(run_bwd, q, kv, out, torch.randn_like(out), lse, idx, length)
+        call()
+        ms = bench(call, rep_ms=300)
+        split = _split(call)
+        note = "split " + ", ".join(f"{k} {v:.2f} ms" for k, v in split.items())
+        rows.append(dict(shape=f"T={total} H={heads} K={TOPK} 1doc", kernel="all (SM90 default)", cfg="-",
+                         ms=ms[0], p20=ms[1], p80=ms[2], tflops=bwd_flops / ms[0] / 1e9, note=note))  # fmt: skip
+        print(rows[-1], flush=True)
     write_report(
-        "dsa_bwd_fused", rows, ["shape", "kernel", "cfg", "ms", "p20", "p80", "tflops", "rel_diff", "note"],
-        "Sparse MLA backward through the SM90 fused probabilities + dkv kernel (bf16, one document, random causal "
-        "index sets, L2 flushed), with each FUSED_DEFER_ATOMICS setting (0: every dkv atomic in its own step; 1: a "
-        "tile's second value half under the next tile's first wgmma; 2: and its rope columns). rel_diff: largest "
-        "difference of dq / dkv from setting 0, relative to its largest magnitude (the atomics add in another order). "
-        "Reproduce: `python benchmarks/dsa_bwd_variants.py --fused`.",
-        out_dir=out_dir, title="Sparse MLA backward: the fused SM90 kernel's atomics schedule (H200)",
+        "dsa_bwd_fused", rows, ["shape", "kernel", "cfg", "ms", "p20", "p80", "tflops", "note"],
+        "Sparse MLA backward at its SM90 default (the fused probabilities + dkv kernel, then dq; bf16, one document, "
+        "random causal index sets, L2 flushed) and its per-kernel split. Reproduce: "
+        "`python benchmarks/dsa_bwd_variants.py --fused`.",
+        out_dir=out_dir, title="Sparse MLA backward: the fused SM90 kernel's split (H200)",
     )  # fmt: skip
 
 

@@ -39,7 +39,6 @@ from longtrain.dsa.triton.sparse_mla_fwd import LOG2E, _row_col_mask, fwd_block_
 __all__ = [
     "DETERMINISTIC_SCRATCH_ELEMENTS",
     "DKV_COL_GROUPS",
-    "FUSED_DEFER_ATOMICS",
     "sparse_mla_bwd",
     "sparse_mla_bwd_kernel_dkv",
     "sparse_mla_bwd_kernel_dkv_reduce",
@@ -58,9 +57,6 @@ _DKV_CANDIDATES = ((64, 8, 2), (64, 8, 3), (64, 4, 2))
 #: with 1 and 33.4 with 4 at H = 64 (58.3 / 60.7 / 67.0 at H = 128), each at its best candidate
 #: (``benchmarks/results/dsa_bwd_variants_bdca98d_2026-12-01.md``). Read at each call.
 DKV_COL_GROUPS = 2
-#: Which of a tile's dkv atomics the fused SM90 kernel issues under the next tile's first wgmma instead of at the end
-#: of its own step: 0 none, 1 the second value half, 2 that and the rope columns. Read at each call.
-FUSED_DEFER_ATOMICS = 0
 # Bytes of the bf16 P / dS scratch (rows are processed in chunks that fit).
 _PDS_SCRATCH_BYTES = 1 << 29
 #: fp32 elements of the deterministic mode's per-slot contribution scratch (``[rows, K, dkv head blocks, D_qk]``): it
@@ -585,8 +581,7 @@ def sparse_mla_bwd(
 
             sparse_mla_bwd_sm90_kernel_ds_dkv[(rows * triton.cdiv(num_heads, 64),)](
                 q, kv2d, dout, *common, lse2, delta, ds_buf, dkv_acc, row0, num_keys, k_slots, softmax_scale,
-                softmax_scale * LOG2E, H=num_heads, D_V=d_v, D_R=d_r, HAS_LEN=topk_length is not None,
-                DEFER=FUSED_DEFER_ATOMICS, num_warps=8,
+                softmax_scale * LOG2E, H=num_heads, D_V=d_v, D_R=d_r, HAS_LEN=topk_length is not None, num_warps=8,
             )  # fmt: skip
         elif ds_sm90 is not None:
             from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sparse_mla_bwd_sm90_kernel_ds

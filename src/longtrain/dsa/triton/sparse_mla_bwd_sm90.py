@@ -210,8 +210,7 @@ def _interleaved_rows(m, hb):
 def sparse_mla_bwd_sm90_kernel_ds_dkv(
     q_ptr, kv_ptr, dout_ptr, idx_ptr, len_ptr, lse2_ptr, delta_ptr, ds_ptr, dkv_ptr,
     row_offset, T_k, K_slots, sm_scale, qk_scale,
-    H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr, DEFER: gl.constexpr,
-    num_warps: gl.constexpr,
+    H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     """Probabilities and dkv in one pass (the dq kernel then reads ``dS``), one program per (query row, block of 64
     heads), 64 gathered slots per step:
@@ -225,8 +224,7 @@ def sparse_mla_bwd_sm90_kernel_ds_dkv(
        rope columns.
 
     The next tile's gather is issued into the freed buffer before step 3, so it runs under the dkv matmuls and
-    atomics. ``DEFER`` 1: the atomics of the second value half wait in registers until the next tile's step-1 wgmma has
-    been issued, and run under it; 2: the rope columns' too; 0: none wait.
+    atomics.
     """
     BLOCK_K: gl.constexpr = 64
     D_QK: gl.constexpr = D_V + D_R
@@ -313,16 +311,6 @@ def sparse_mla_bwd_sm90_kernel_ds_dkv(
         a2r_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dr_layout, k_width=2)
         dr_zero = gl.zeros([BLOCK_K, D_R], gl.float32, layout=dr_layout)
         cols_r = gl.arange(0, D_R, layout=gl.SliceLayout(0, dr_layout))
-    if DEFER:  # the previous tile's last dkv pieces (none before the first tile)
-        pend = dv_zero
-        pend_rows = gl.zeros([BLOCK_K], gl.int64, layout=row_d)
-        pend_ok = gl.zeros([BLOCK_K], gl.int32, layout=row_d) != 0
-        if (D_R > 0) & (DEFER == 2):
-            pend_r = dr_zero
-        else:
-            pend_r = pend
-    if D_R == 0:
-        cols_r = cols_d
     n_tiles = gl.cdiv(n_slots, BLOCK_K)
     for i in range(n_tiles):
         k0 = i * BLOCK_K
@@ -336,10 +324,6 @@ def sparse_mla_bwd_sm90_kernel_ds_dkv(
         keys, valid_d = _load_idx(idx_row, k0, n_slots, T_k, BLOCK_K, row_d)  # [BLOCK_K] x 2
         nv, nmv = _load_idx(idx_row, k0 + BLOCK_K, n_slots, T_k, BLOCK_K, gl.SliceLayout(1, LV))  # [BLOCK_K] x 2
         nr, nmr = _load_idx(idx_row, k0 + BLOCK_K, n_slots, T_k, BLOCK_K, gl.SliceLayout(1, LR))  # [BLOCK_K] x 2
-        if DEFER:
-            _dkv_atomics(
-                dkv_ptr, pend_rows, pend_ok, pend, pend_r, HALF, cols_d, cols_r, D_V, True, (D_R > 0) & (DEFER == 2)
-            )
         c = warpgroup_mma_wait(num_outstanding=0, deps=(c,))
 
         # Query rows: P (0 on invalid slots); dO rows: dP - delta. Each thread holds both for its heads.
@@ -369,31 +353,10 @@ def sparse_mla_bwd_sm90_kernel_ds_dkv(
         acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc2,))
         if D_R > 0:
             accr = warpgroup_mma(a2r, a_r, dr_zero, use_acc=False, is_async=True)  # [BLOCK_K, D_R]
-        if not DEFER:  # under the rope wgmma
-            _dkv_atomics(dkv_ptr, rows, valid_d, acc2, acc2, HALF, cols_d, cols_d, D_V, True, False)
+        gl.atomic_add(dkv_ptr + rows[:, None] + HALF + cols_d[None, :], acc2, mask=valid_d[:, None], sem="relaxed")
         if D_R > 0:
             accr = warpgroup_mma_wait(num_outstanding=0, deps=(accr,))
-            if DEFER < 2:
-                _dkv_atomics(dkv_ptr, rows, valid_d, accr, accr, HALF, cols_r, cols_r, D_V, False, True)
-        if DEFER:
-            pend, pend_rows, pend_ok = acc2, rows, valid_d
-            if (D_R > 0) & (DEFER == 2):
-                pend_r = accr
-    if DEFER:
-        _dkv_atomics(
-            dkv_ptr, pend_rows, pend_ok, pend, pend_r, HALF, cols_d, cols_r, D_V, True, (D_R > 0) & (DEFER == 2)
-        )
+            rows_r = gl.convert_layout(rows, gl.SliceLayout(1, dr_layout))
+            valid_r = gl.convert_layout(valid_d, gl.SliceLayout(1, dr_layout))
+            gl.atomic_add(dkv_ptr + rows_r[:, None] + D_V + cols_r[None, :], accr, mask=valid_r[:, None], sem="relaxed")
     cp.wait_group(0)
-
-
-@gluon.jit
-def _dkv_atomics(dkv_ptr, rows, ok, acc2, accr, HALF: gl.constexpr, cols_d, cols_r, D_V: gl.constexpr,
-                 VALUE: gl.constexpr, ROPE: gl.constexpr):  # fmt: skip
-    """fp32 atomics at key rows ``rows`` (offsets, ``[BLOCK_K]``) where ``ok``: of a tile's second value half
-    ``acc2 [BLOCK_K, HALF]`` (``VALUE``) and of its rope columns ``accr [BLOCK_K, D_R]`` (``ROPE``)."""
-    if VALUE:
-        gl.atomic_add(dkv_ptr + rows[:, None] + HALF + cols_d[None, :], acc2, mask=ok[:, None], sem="relaxed")
-    if ROPE:
-        rows_r = gl.convert_layout(rows, gl.SliceLayout(1, accr.type.layout))
-        ok_r = gl.convert_layout(ok, gl.SliceLayout(1, accr.type.layout))
-        gl.atomic_add(dkv_ptr + rows_r[:, None] + D_V + cols_r[None, :], accr, mask=ok_r[:, None], sem="relaxed")
