@@ -174,3 +174,56 @@ def test_sm90_fused_kernel_compiles_for_hopper(H, d_qk):
     assert stats["cp_async"] and stats["wgmma"], stats
     assert stats["shared"] == sm90_ds_dkv_smem_bytes(d_qk, 512, 2), stats
     assert stats["local"] == 0, stats
+
+
+@pytest.mark.parametrize(
+    "config,D,reason,expected",
+    [
+        (None, 576, None, (64, 2)),  # the default on SM90
+        (None, 576, "it needs at least 64 heads", None),  # off the SM90 rules: the portable kernel
+        (KernelConfig(), 576, None, None),  # impl="triton" forces the portable kernel
+        (KernelConfig(impl="sm90", block_k=32, num_stages=4), 576, None, (32, 4)),
+        (KernelConfig(impl="sm90", block_k=64, num_stages=3), 576, None, "exceed the 227 KiB"),
+        (KernelConfig(impl="sm90", block_k=16, num_stages=2), 576, None, "64 or 32 slots per step"),
+        (KernelConfig(impl="sm90"), 576, "it needs at least 64 heads", r"dq KernelConfig.*64 heads.*impl='triton'"),
+    ],
+    ids=["default", "default-heads", "triton", "32x4", "64x3", "bad-block", "heads"],
+)
+def test_sm90_dq_plan(monkeypatch, config, D, reason, expected):
+    from longtrain.dsa.triton import sparse_mla_bwd as smb
+    from longtrain.dsa.triton import sparse_mla_fwd_sm90 as sm90
+
+    monkeypatch.setattr(smb, "interpreting", lambda: False)
+    monkeypatch.setattr(sm90, "sm90_unsupported_reason", lambda q, d_v: reason)
+    if isinstance(expected, str):
+        with pytest.raises(RuntimeError, match=expected):
+            smb._sm90_dq(_fake_q(D=D), 512, config)
+    else:
+        assert smb._sm90_dq(_fake_q(D=D), 512, config) == expected
+
+
+def test_sm90_dq_is_never_picked_off_gpu(triton_interpret):
+    from longtrain.dsa.triton.sparse_mla_bwd import _sm90_dq
+
+    assert _sm90_dq(torch.zeros(1, 64, 576, dtype=torch.bfloat16), 512, None) is None
+
+
+def test_a_forced_sm90_dq_config_is_accepted():
+    dq = KernelConfig(impl="sm90", block_k=32, num_stages=4)
+    assert SparseMLAConfig(bwd_dq=dq).backward_configs() == (None, dq, None)
+    with pytest.raises(ValueError, match="bwd_dkv: the dkv kernel has one layout"):
+        SparseMLAConfig(bwd_dkv=dq)
+
+
+@pytest.mark.skipif(cuobjdump() is None, reason="needs triton with its bundled NVIDIA toolchain (ptxas, cuobjdump)")
+@pytest.mark.parametrize("block_k,num_buf,d_qk", [(64, 2, 576), (32, 4, 576), (64, 2, 512)], ids=["64", "32x4", "D512"])
+def test_sm90_dq_kernel_compiles_for_hopper(block_k, num_buf, d_qk):
+    """The SM90 dq kernel compiled for sm_90a: cp.async ring + wgmma, shared memory as budgeted, no spills."""
+    from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sm90_dq_smem_bytes
+
+    types = ["*bf16", "*i32", "*i32", "*bf16", "*bf16", "i32", "i32", "i32"]
+    consts = dict(H=64, D_V=512, D_R=d_qk - 512, HAS_LEN=True, BLOCK_K=block_k, NUM_BUF=num_buf)
+    stats = compile_sm90("longtrain.dsa.triton.sparse_mla_bwd_sm90", "sparse_mla_bwd_sm90_kernel_dq", types, consts)
+    assert stats["cp_async"] and stats["wgmma"], stats
+    assert stats["shared"] == sm90_dq_smem_bytes(block_k, num_buf, d_qk, 2), stats
+    assert stats["local"] == 0, stats

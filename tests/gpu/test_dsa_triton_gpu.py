@@ -18,12 +18,13 @@ pytestmark = [
 ]
 
 
-def _configs(fwd=None, ds=None):
+def _configs(fwd=None, ds=None, dq=None):
     """Forced configs: the portable forward (pipelined, 3 stages) or ``fwd = (impl, block_k, num_stages)``; the
     portable backward kernels at 32 slots, 8 warps, 1 stage, except the probabilities kernel with ``ds="stacked"``
     (the portable kernel's stacked layout: logits and dO V^T in one matmul) or ``ds="sm90"`` (the SM90 stacked
     kernel, at the forward's block_k) or ``ds="fused"`` (the SM90 kernel that also computes dkv: no dkv kernel);
-    with an SM90 forward the dkv kernel runs over two value-column groups."""
+    with an SM90 forward the dkv kernel runs over two value-column groups; ``dq = (block_k, num_buf)`` forces the SM90
+    dq kernel."""
     from longtrain.dsa.triton import KernelConfig, SparseMLAConfig
 
     impl, block_k, stages = fwd or ("triton", 32, 3)
@@ -38,7 +39,7 @@ def _configs(fwd=None, ds=None):
     return SparseMLAConfig(
         fwd=KernelConfig(impl=impl, block_k=block_k, num_warps=8, num_stages=stages),
         bwd=probabilities,
-        bwd_dq=portable,
+        bwd_dq=portable if dq is None else KernelConfig(impl="sm90", block_k=dq[0], num_stages=dq[1]),
         bwd_dkv=None if ds == "fused" else dkv,
     )
 
@@ -111,6 +112,13 @@ _SM90 = pytest.mark.skipif(
         pytest.param(96, 2048, 128, 576, 512, 1024, False, ("sm90", 32, 3, "fused"), torch.bfloat16, marks=_SM90),
         pytest.param(64, 1024, 96, 576, 512, 300, False, ("sm90", 64, 2, "fused"), torch.float16, marks=_SM90),
         pytest.param(96, 1024, 64, 512, 512, 512, True, ("sm90", 64, 2, "fused"), torch.bfloat16, marks=_SM90),
+        pytest.param(
+            160, 4096, 64, 576, 512, 2048, True, ("sm90", 64, 2, "fused", (32, 4)), torch.bfloat16, marks=_SM90
+        ),
+        pytest.param(
+            96, 2048, 128, 576, 512, 1024, False, ("sm90", 64, 2, "sm90", (64, 2)), torch.float16, marks=_SM90
+        ),
+        pytest.param(96, 1024, 96, 512, 512, 300, True, ("sm90", 64, 2, "fused", (32, 3)), torch.bfloat16, marks=_SM90),
     ],
     ids=[
         "glm",
@@ -132,6 +140,9 @@ _SM90 = pytest.mark.skipif(
         "fused-H128",
         "fused-H96-fp16",
         "fused-D512",
+        "sm90-dq-32x4-sink",
+        "sm90-dq-H128-fp16",
+        "sm90-dq-H96-D512",
     ],  # fmt: skip
 )
 def test_sparse_mla_bf16(T, T_k, H, D, d_v, K, with_sink, forced, dtype):
@@ -148,7 +159,7 @@ def test_sparse_mla_bf16(T, T_k, H, D, d_v, K, with_sink, forced, dtype):
     if forced is False or forced is True:
         config = None if forced is False else _configs()
     else:
-        config = _configs(forced[:3], forced[3] if len(forced) > 3 else None)
+        config = _configs(forced[:3], forced[3] if len(forced) > 3 else None, forced[4] if len(forced) > 4 else None)
     out = sparse_mla_triton(q, kv, idx, scale, d_v=d_v, topk_length=length, attn_sink=sink, config=config)
     dout = torch.randn(out.shape, generator=gen, device=dev).to(dtype)
     inputs = [q, kv] + ([sink] if with_sink else [])

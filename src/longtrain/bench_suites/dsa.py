@@ -235,6 +235,12 @@ def _portable_ds() -> tuple:
     return mb._DS_CANDIDATES[0]
 
 
+def _portable_dq() -> tuple:
+    from longtrain.dsa.triton import sparse_mla_bwd as mb
+
+    return mb._DQ_CANDIDATES[0]
+
+
 def _kcfg(t):
     layout = ("heads", "keys", "keys_logits", "stacked")[t[3]] if len(t) > 3 else "heads"
     impl = t[4] if len(t) > 4 else "triton"
@@ -412,7 +418,8 @@ def memcheck() -> None:
             for ln in (length, None):
                 dout90 = torch.randn_like(o90)
                 cfg90 = _fused_cfg() if c == "fused" else _kcfg(c)
-                run_bwd(q.detach(), kv.detach(), o90, dout90, lse90, idx, ln, cfgs=(cfg90, None, None))
+                dq90 = _kcfg((32, 8, 4, 0, "sm90")) if c == "fused" else None  # the SM90 dq kernel's deeper ring
+                run_bwd(q.detach(), kv.detach(), o90, dout90, lse90, idx, ln, cfgs=(cfg90, dq90, None))
     for groups in (2, 4):  # the dkv kernel split over value-column groups (and the rope tail's own launch)
         c = mb._DKV_CANDIDATES[0]
         cfg_g = dataclasses.replace(cfg, bwd_dkv=KernelConfig(block_k=c[0], block_h=64, num_warps=c[1],
@@ -492,8 +499,11 @@ def _mla_case(add, total: int, heads: int, topk: int, layout: str) -> None:
                      "kernel".format(*_portable_ds()))]  # fmt: skip
         if plan is None or plan[0] != "fused":
             variants.append((_fused_cfg(), "SM90 fused probabilities + dkv kernel"))
+        dq = _kcfg(_portable_dq())
+        variants.append(((_fused_cfg(), dq), "SM90 fused probabilities + dkv kernel, portable dq kernel {} keys x {} "
+                         "warps x {} stages".format(*_portable_dq())))  # fmt: skip
         for cfg, what in variants:
-            cfgs = (cfg, None, None)
+            cfgs = (*cfg, None) if isinstance(cfg, tuple) else (cfg, None, None)
             what = f"triton (ours, {what})"
             try:
                 ms = bench(lambda cfgs=cfgs: run_bwd(q, kv, out, dout, lse, idx, length, cfgs=cfgs))

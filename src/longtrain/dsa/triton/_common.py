@@ -148,13 +148,15 @@ class SparseMLAConfig:
                 "SparseMLAConfig: bwd=KernelConfig(layout='fused') computes dkv in the probabilities kernel, so there "
                 "is no dkv kernel for bwd_dkv to configure; drop bwd_dkv or use another bwd layout"
             )
-        for name in ("bwd_dq", "bwd_dkv"):
-            value = getattr(self, name)
-            if value is not None and (value.layout != "heads" or value.impl != "triton"):
-                raise ValueError(
-                    f"SparseMLAConfig.{name}: the {name[4:]} kernel has one layout and one implementation (layout="
-                    f"'heads', impl='triton'), got layout={value.layout!r}, impl={value.impl!r}"
-                )
+        if self.bwd_dq is not None and self.bwd_dq.layout != "heads":
+            raise ValueError(
+                f"SparseMLAConfig.bwd_dq: the dq kernel has one layout ('heads'), got layout={self.bwd_dq.layout!r}"
+            )
+        if self.bwd_dkv is not None and (self.bwd_dkv.layout != "heads" or self.bwd_dkv.impl != "triton"):
+            raise ValueError(
+                "SparseMLAConfig.bwd_dkv: the dkv kernel has one layout and one implementation (layout='heads', "
+                f"impl='triton'), got layout={self.bwd_dkv.layout!r}, impl={self.bwd_dkv.impl!r}"
+            )
 
     def backward_configs(self) -> tuple[KernelConfig | None, KernelConfig | None, KernelConfig | None]:
         """Configs of the (probabilities, dq, dkv) backward kernels."""

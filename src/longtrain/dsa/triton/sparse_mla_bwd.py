@@ -483,6 +483,34 @@ def _sm90_backward(
     return "ds", config.block_k, config.num_stages
 
 
+def _sm90_dq(q: torch.Tensor, d_v: int, config: KernelConfig | None) -> tuple[int, int] | None:
+    """``(block_k, num_buf)`` of the SM90 dq kernel for this call, or None for the portable one: ``config=None`` takes
+    it (64 slots x 2 tiles) on an SM90 GPU wherever it applies; a forced ``KernelConfig(impl="sm90")`` takes it or
+    raises saying why it cannot run here."""
+    from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sm90_dq_smem_bytes
+    from longtrain.dsa.triton.sparse_mla_fwd import _SM90_SMEM
+    from longtrain.dsa.triton.sparse_mla_fwd_sm90 import sm90_unsupported_reason
+
+    if config is not None and config.impl != "sm90":
+        return None
+    reason = "Gluon kernels do not run in Triton's interpreter (TRITON_INTERPRET=1)" if interpreting() else None
+    reason = reason or sm90_unsupported_reason(q, d_v)
+    block_k, num_buf = (64, 2) if config is None else (config.block_k, config.num_stages)
+    if reason is None and block_k not in (32, 64):
+        reason = f"its dq kernel gathers 64 or 32 slots per step, got block_k={block_k}"
+    smem = sm90_dq_smem_bytes(block_k, num_buf, q.shape[2], q.element_size())
+    if reason is None and smem > _SM90_SMEM:
+        reason = (
+            f"{num_buf} tiles of {block_k} rows of D_qk={q.shape[2]} ({smem} bytes with the rest) exceed the 227 "
+            "KiB of shared memory; lower num_stages or block_k"
+        )
+    if reason is None:
+        return block_k, num_buf
+    if config is None:
+        return None
+    raise RuntimeError(f"backward dq KernelConfig(impl='sm90') cannot run here: {reason}; use impl='triton'")
+
+
 def _dkv_col_groups(config: KernelConfig | None, block_dv: int) -> int:
     """Programs per row of the dkv kernel's value columns: the config's ``col_groups`` (``DKV_COL_GROUPS`` when
     autotuned), at most ``block_dv / 16`` (each group's chunks are at least 16 columns wide)."""
@@ -542,6 +570,7 @@ def sparse_mla_bwd(
     ds_sm90 = _sm90_backward(q, d_v, configs[0], deterministic=deterministic, compute_dkv=compute_dkv,
                              dkv_forced=configs[2] is not None)  # fmt: skip
     fused = ds_sm90 is not None and ds_sm90[0] == "fused"
+    dq_sm90 = _sm90_dq(q, d_v, configs[1])
     if interpreting():
         configs = tuple(c or KernelConfig(block_k=16, num_warps=4, num_stages=1) for c in configs)
     cfg_ds, cfg_dq, cfg_dkv = configs
@@ -595,10 +624,18 @@ def sparse_mla_bwd(
             stacked = cfg_ds is not None and cfg_ds.layout == "stacked"
             kernel = sparse_mla_bwd_kernel_ds_stacked if stacked else sparse_mla_bwd_kernel_ds
             _launch("ds", kernel, _DS_CANDIDATES, (rows * n_hb[0],), ds_args, meta, cfg_ds)
-        _launch(
-            "dq", sparse_mla_bwd_kernel_dq, _DQ_CANDIDATES, (rows * n_hb[1],),
-            (kv2d, *common, ds_buf, dq, row0, num_keys, k_slots), dict(dims, BLOCK_H=bh[1]), cfg_dq,
-        )  # fmt: skip
+        if dq_sm90 is not None:
+            from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sparse_mla_bwd_sm90_kernel_dq
+
+            sparse_mla_bwd_sm90_kernel_dq[(rows * triton.cdiv(num_heads, 64),)](
+                kv2d, *common, ds_buf, dq, row0, num_keys, k_slots, H=num_heads, D_V=d_v, D_R=d_r,
+                HAS_LEN=topk_length is not None, BLOCK_K=dq_sm90[0], NUM_BUF=dq_sm90[1], num_warps=8,
+            )  # fmt: skip
+        else:
+            _launch(
+                "dq", sparse_mla_bwd_kernel_dq, _DQ_CANDIDATES, (rows * n_hb[1],),
+                (kv2d, *common, ds_buf, dq, row0, num_keys, k_slots), dict(dims, BLOCK_H=bh[1]), cfg_dq,
+            )  # fmt: skip
         if not compute_dkv or fused:
             continue
         target = contrib if deterministic else dkv_acc
