@@ -36,7 +36,7 @@ def test_default_backward_never_picks_sm90_off_gpu(triton_interpret):
     from longtrain.dsa.triton.sparse_mla_bwd import _sm90_backward
 
     q = torch.zeros(1, 64, 576, dtype=torch.bfloat16)
-    assert _sm90_backward(q, 512, None, deterministic=False, compute_dkv=True, dkv_forced=False) is None
+    assert _sm90_backward(q, 512, None, compute_dkv=True, dkv_forced=False) is None
 
 
 _FUSED = KernelConfig(impl="sm90", layout="fused", block_k=64, num_stages=1)
@@ -46,7 +46,6 @@ _FUSED = KernelConfig(impl="sm90", layout="fused", block_k=64, num_stages=1)
     "config,D,d_v,flags,reason,expected",
     [
         (None, 576, 512, "", None, ("fused", 64, 1)),  # the default on SM90: probabilities and dkv in one kernel
-        (None, 576, 512, "det", None, ("ds", 64, 2)),  # deterministic: the stacked kernel, then fixed-order dkv
         (None, 576, 512, "no-dkv", None, ("ds", 64, 2)),  # no dkv wanted
         (None, 576, 512, "dkv-forced", None, ("ds", 64, 2)),  # a forced dkv config keeps the dkv kernel
         (None, 128, 64, "", None, ("ds", 64, 2)),  # d_v < 128: the [dS; P] tile does not fit the value buffer
@@ -55,7 +54,6 @@ _FUSED = KernelConfig(impl="sm90", layout="fused", block_k=64, num_stages=1)
         (KernelConfig(), 576, 512, "", None, None),  # impl="triton" forces the portable kernel
         (_FUSED, 576, 512, "", None, ("fused", 64, 1)),
         (_FUSED, 576, 512, "no-dkv", None, ("ds", 64, 2)),
-        (_FUSED, 576, 512, "det", None, "deterministic=True needs the dkv kernel"),
         (_FUSED, 128, 64, "", None, "needs d_v >= 128"),
         (_FUSED, 576, 512, "", "it needs at least 64 heads", "layout='fused'.*at least 64 heads"),
         (KernelConfig(impl="sm90", block_k=32, num_stages=2), 576, 512, "", None, ("ds", 32, 2)),
@@ -68,7 +66,6 @@ _FUSED = KernelConfig(impl="sm90", layout="fused", block_k=64, num_stages=1)
     ],
     ids=[
         "default",
-        "default-det",
         "default-no-dkv",
         "default-dkv-forced",
         "default-dv64",
@@ -77,7 +74,6 @@ _FUSED = KernelConfig(impl="sm90", layout="fused", block_k=64, num_stages=1)
         "triton",
         "fused",
         "fused-no-dkv",
-        "fused-det",
         "fused-dv64",
         "fused-heads",
         "sm90-32",
@@ -95,7 +91,7 @@ def test_sm90_backward_plan(monkeypatch, config, D, d_v, flags, reason, expected
 
     monkeypatch.setattr(smb, "interpreting", lambda: False)
     monkeypatch.setattr(sm90, "sm90_unsupported_reason", lambda q, d_v: reason)
-    kwargs = dict(deterministic=flags == "det", compute_dkv=flags != "no-dkv", dkv_forced=flags == "dkv-forced")
+    kwargs = dict(compute_dkv=flags != "no-dkv", dkv_forced=flags == "dkv-forced")
     if isinstance(expected, str):
         with pytest.raises(RuntimeError, match=expected):
             smb._sm90_backward(_fake_q(D=D), d_v, config, **kwargs)
@@ -162,14 +158,16 @@ def test_sm90_ds_kernel_compiles_for_hopper(block_k, num_buf, d_qk):
 
 
 @pytest.mark.skipif(cuobjdump() is None, reason="needs triton with its bundled NVIDIA toolchain (ptxas, cuobjdump)")
-@pytest.mark.parametrize("H,d_qk", [(64, 576), (128, 512)], ids=["glm", "H128-D512"])
-def test_sm90_fused_kernel_compiles_for_hopper(H, d_qk):
+@pytest.mark.parametrize(
+    "H,d_qk,deterministic", [(64, 576, False), (128, 512, False), (128, 576, True)], ids=["glm", "H128-D512", "det"]
+)
+def test_sm90_fused_kernel_compiles_for_hopper(H, d_qk, deterministic):
     """The fused probabilities + dkv kernel compiled for sm_90a: shared memory as budgeted (the [dS; P] tile
     reuses the gathered tile's buffer, no compiler scratch), no register spills."""
     from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sm90_ds_dkv_smem_bytes
 
     types = _TYPES[:8] + ["*fp32"] + _TYPES[9:] + ["fp32", "fp32"]
-    consts = dict(H=H, D_V=512, D_R=d_qk - 512, HAS_LEN=True)
+    consts = dict(H=H, D_V=512, D_R=d_qk - 512, HAS_LEN=True, DETERMINISTIC=deterministic)
     stats = compile_sm90("longtrain.dsa.triton.sparse_mla_bwd_sm90", "sparse_mla_bwd_sm90_kernel_ds_dkv", types, consts)
     assert stats["cp_async"] and stats["wgmma"], stats
     assert stats["shared"] == sm90_ds_dkv_smem_bytes(d_qk, 512, 2), stats

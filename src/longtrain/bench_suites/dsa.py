@@ -420,6 +420,9 @@ def memcheck() -> None:
                 cfg90 = _fused_cfg() if c == "fused" else _kcfg(c)
                 dq90 = _kcfg((32, 8, 4, 0, "sm90")) if c == "fused" else None  # the SM90 dq kernel's deeper ring
                 run_bwd(q.detach(), kv.detach(), o90, dout90, lse90, idx, ln, cfgs=(cfg90, dq90, None))
+                if c == "fused":  # its deterministic mode (per-slot pieces, then the fixed-order reduction)
+                    run_bwd(q.detach(), kv.detach(), o90, dout90, lse90, idx, ln, cfgs=(cfg90, None, None),
+                            deterministic=True)  # fmt: skip
     for groups in (2, 4):  # the dkv kernel split over value-column groups (and the rope tail's own launch)
         c = mb._DKV_CANDIDATES[0]
         cfg_g = dataclasses.replace(cfg, bwd_dkv=KernelConfig(block_k=c[0], block_h=64, num_warps=c[1],
@@ -487,7 +490,7 @@ def _mla_case(add, total: int, heads: int, topk: int, layout: str) -> None:
     ms = bench(bwd)
     from longtrain.dsa.triton.sparse_mla_bwd import _sm90_backward
 
-    plan = _sm90_backward(q, D_V, None, deterministic=False, compute_dkv=True, dkv_forced=False)
+    plan = _sm90_backward(q, D_V, None, compute_dkv=True, dkv_forced=False)
     kind = {None: "", "fused": ", SM90 fused probabilities + dkv kernel", "ds": ", SM90 probabilities kernel"}
     add(op="sparse_mla_bwd", impl=f"triton (ours{kind[plan and plan[0]]})", shape=shape, ms=ms[0], p20=ms[1],
         p80=ms[2], tflops=bwd_flops / ms[0] / 1e9, peak_mib=peak_mib(bwd))  # fmt: skip
@@ -519,9 +522,14 @@ def _mla_case(add, total: int, heads: int, topk: int, layout: str) -> None:
         tilelang_rows(add, bench, q, kv, idx, out, dout, shape, fwd_flops, bwd_flops)
     if not (total == 4096 and heads == 64 and topk == TOPK):
         return
-    ms = bench(lambda: run_bwd(q, kv, out, dout, lse, idx, length, deterministic=True), rep_ms=50)
+    ms = bench(lambda: run_bwd(q, kv, out, dout, lse, idx, length, deterministic=True), rep_ms=200)
     add(op="sparse_mla_bwd", impl="triton (ours), deterministic", shape=shape, ms=ms[0], p20=ms[1], p80=ms[2],
         tflops=bwd_flops / ms[0] / 1e9)  # fmt: skip
+    if _sm90_default(q, D_V):  # the deterministic mode on the SM90 stacked probabilities kernel + the dkv kernel
+        cfgs = (_kcfg((64, 8, 2, 0, "sm90")), None, None)
+        ms = bench(lambda: run_bwd(q, kv, out, dout, lse, idx, length, cfgs=cfgs, deterministic=True), rep_ms=200)
+        add(op="sparse_mla_bwd", impl="triton (ours), deterministic, SM90 stacked probabilities kernel + dkv kernel",
+            shape=shape, ms=ms[0], p20=ms[1], p80=ms[2], tflops=bwd_flops / ms[0] / 1e9)  # fmt: skip
     # The deterministic row chunk is set by its scratch (113 rows here, launches of 113 programs): a larger one.
     from longtrain.dsa.triton import sparse_mla_bwd as smb
 
@@ -529,7 +537,7 @@ def _mla_case(add, total: int, heads: int, topk: int, layout: str) -> None:
     for scratch in (default_scratch * 4,):
         smb.DETERMINISTIC_SCRATCH_ELEMENTS = scratch
         try:
-            ms = bench(lambda: run_bwd(q, kv, out, dout, lse, idx, length, deterministic=True), rep_ms=50)
+            ms = bench(lambda: run_bwd(q, kv, out, dout, lse, idx, length, deterministic=True), rep_ms=200)
         finally:
             smb.DETERMINISTIC_SCRATCH_ELEMENTS = default_scratch
         what = f"{scratch // (topk * D_QK)}-row chunks, {scratch * 4 >> 20} MiB scratch"

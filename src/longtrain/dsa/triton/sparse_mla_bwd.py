@@ -426,15 +426,15 @@ def _sm90_backward(
     d_v: int,
     config: KernelConfig | None,
     *,
-    deterministic: bool,
     compute_dkv: bool,
     dkv_forced: bool,
 ) -> tuple[str, int, int] | None:
     """``(kernel, block_k, num_buf)`` of the SM90 probabilities kernel for this call, or None for the portable one.
 
-    ``kernel`` is ``"fused"`` (probabilities and dkv in one kernel, the dkv kernel skipped) or ``"ds"`` (the stacked
-    probabilities kernel). ``config=None`` takes the fused kernel on an SM90 GPU wherever it applies (dkv wanted, not
-    deterministic: it adds with atomics, no forced dkv config, shape within its support rules), else the stacked
+    ``kernel`` is ``"fused"`` (probabilities and dkv in one kernel, the dkv kernel skipped; deterministic: it stores
+    per-slot pieces for the fixed-order reduction) or ``"ds"`` (the stacked probabilities kernel). ``config=None``
+    takes the fused kernel on an SM90 GPU wherever it applies (dkv wanted, no forced dkv config, shape within its
+    support rules), else the stacked
     probabilities kernel where that applies, else the portable kernel. A forced ``KernelConfig(impl="sm90")``
     (``layout="fused"`` for the fused kernel) takes it or raises saying why it cannot run here; with no dkv wanted
     the fused kernel's probabilities half runs (the stacked kernel, 64 slots x 2 tiles). ``impl="triton"`` keeps the
@@ -456,17 +456,12 @@ def _sm90_backward(
     if fused_reason is None and fused_smem > _SM90_SMEM:
         fused_reason = f"the fused kernel's {fused_smem} bytes of shared memory at D_qk={d_qk} exceed 227 KiB"
     if config is None:
-        if fused_reason is None and compute_dkv and not deterministic and not dkv_forced:
+        if fused_reason is None and compute_dkv and not dkv_forced:
             return "fused", 64, 1
         if reason is None and sm90_ds_smem_bytes(64, 2, d_qk, d_v, size) <= _SM90_SMEM:
             return "ds", 64, 2
         return None
     if config.layout == "fused":
-        if fused_reason is None and deterministic:
-            fused_reason = (
-                "the fused kernel adds dkv with atomics, deterministic=True needs the dkv kernel's fixed-order "
-                "reduction (use layout='heads')"
-            )
         if fused_reason is not None:
             raise RuntimeError(f"backward KernelConfig(impl='sm90', layout='fused') cannot run here: {fused_reason}")
         return ("fused", 64, 1) if compute_dkv else ("ds", 64, 2)
@@ -567,8 +562,7 @@ def sparse_mla_bwd(
     )  # fmt: skip
     dsink = dsink_rows.sum(0) if attn_sink is not None else None
 
-    ds_sm90 = _sm90_backward(q, d_v, configs[0], deterministic=deterministic, compute_dkv=compute_dkv,
-                             dkv_forced=configs[2] is not None)  # fmt: skip
+    ds_sm90 = _sm90_backward(q, d_v, configs[0], compute_dkv=compute_dkv, dkv_forced=configs[2] is not None)
     fused = ds_sm90 is not None and ds_sm90[0] == "fused"
     dq_sm90 = _sm90_dq(q, d_v, configs[1])
     if interpreting():
@@ -609,8 +603,9 @@ def sparse_mla_bwd(
             from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sparse_mla_bwd_sm90_kernel_ds_dkv
 
             sparse_mla_bwd_sm90_kernel_ds_dkv[(rows * triton.cdiv(num_heads, 64),)](
-                q, kv2d, dout, *common, lse2, delta, ds_buf, dkv_acc, row0, num_keys, k_slots, softmax_scale,
-                softmax_scale * LOG2E, H=num_heads, D_V=d_v, D_R=d_r, HAS_LEN=topk_length is not None, num_warps=8,
+                q, kv2d, dout, *common, lse2, delta, ds_buf, contrib if deterministic else dkv_acc, row0, num_keys,
+                k_slots, softmax_scale, softmax_scale * LOG2E, H=num_heads, D_V=d_v, D_R=d_r,
+                HAS_LEN=topk_length is not None, DETERMINISTIC=deterministic, num_warps=8,
             )  # fmt: skip
         elif ds_sm90 is not None:
             from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sparse_mla_bwd_sm90_kernel_ds
@@ -636,6 +631,8 @@ def sparse_mla_bwd(
                 "dq", sparse_mla_bwd_kernel_dq, _DQ_CANDIDATES, (rows * n_hb[1],),
                 (kv2d, *common, ds_buf, dq, row0, num_keys, k_slots), dict(dims, BLOCK_H=bh[1]), cfg_dq,
             )  # fmt: skip
+        if fused and deterministic:
+            _reduce_chunk(idx, topk_length, contrib, dkv_acc, row0, rows, num_keys, d_qk, n_hb[2])
         if not compute_dkv or fused:
             continue
         target = contrib if deterministic else dkv_acc

@@ -206,11 +206,21 @@ def _interleaved_rows(m, hb):
     return hb * 64 + (m // 16) * 8 + j % 8, j < 8
 
 
+@gluon.jit
+def _dkv_out(ptrs, value, mask, DETERMINISTIC: gl.constexpr):
+    """Add a dkv piece (fp32 atomics), or store it (the deterministic mode's per-slot scratch)."""
+    if DETERMINISTIC:
+        gl.store(ptrs, value, mask=mask)
+    else:
+        gl.atomic_add(ptrs, value, mask=mask, sem="relaxed")
+
+
 @gluon.jit(do_not_specialize=["row_offset", "T_k", "K_slots"])
 def sparse_mla_bwd_sm90_kernel_ds_dkv(
     q_ptr, kv_ptr, dout_ptr, idx_ptr, len_ptr, lse2_ptr, delta_ptr, ds_ptr, dkv_ptr,
     row_offset, T_k, K_slots, sm_scale, qk_scale,
-    H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr, num_warps: gl.constexpr,
+    H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr, DETERMINISTIC: gl.constexpr,
+    num_warps: gl.constexpr,
 ):  # fmt: skip
     """Probabilities and dkv in one pass (the dq kernel then reads ``dS``), one program per (query row, block of 64
     heads), 64 gathered slots per step:
@@ -224,7 +234,9 @@ def sparse_mla_bwd_sm90_kernel_ds_dkv(
        rope columns.
 
     The next tile's gather is issued into the freed buffer before step 3, so it runs under the dkv matmuls and
-    atomics.
+    atomics. ``DETERMINISTIC``: each slot's dkv piece is stored instead, at scratch row
+    ``(t_local * K_slots + slot) * NUM_HB + hb`` of ``dkv_ptr`` (the dkv kernel's deterministic layout, summed per key
+    in a fixed order by ``sparse_mla_bwd_kernel_dkv_reduce``).
     """
     BLOCK_K: gl.constexpr = 64
     D_QK: gl.constexpr = D_V + D_R
@@ -345,20 +357,24 @@ def sparse_mla_bwd_sm90_kernel_ds_dkv(
         if i + 1 < n_tiles:
             _issue_tile(kv_ptr, nv, nmv, nr, nmr, v_buf, r_buf, D_V, D_R, LV, LR)
 
-        rows = gl.where(valid_d, keys, 0).to(gl.int64) * D_QK  # [BLOCK_K]
+        if DETERMINISTIC:  # this row's slots in the per-slot scratch (one row per slot and head block)
+            slots = k0 + gl.arange(0, BLOCK_K, layout=row_d)
+            rows = ((t_local * K_slots + slots.to(gl.int64)) * NUM_HB + hb) * D_QK  # [BLOCK_K]
+        else:
+            rows = gl.where(valid_d, keys, 0).to(gl.int64) * D_QK  # [BLOCK_K]
         acc = warpgroup_mma(a2, a_v.slice(0, HALF, dim=1), dv_zero, use_acc=False, is_async=True)  # [BLOCK_K, HALF]
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         acc2 = warpgroup_mma(a2, a_v.slice(HALF, HALF, dim=1), dv_zero, use_acc=False, is_async=True)
-        gl.atomic_add(dkv_ptr + rows[:, None] + cols_d[None, :], acc, mask=valid_d[:, None], sem="relaxed")
+        _dkv_out(dkv_ptr + rows[:, None] + cols_d[None, :], acc, valid_d[:, None], DETERMINISTIC)
         acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc2,))
         if D_R > 0:
             accr = warpgroup_mma(a2r, a_r, dr_zero, use_acc=False, is_async=True)  # [BLOCK_K, D_R]
-        gl.atomic_add(dkv_ptr + rows[:, None] + HALF + cols_d[None, :], acc2, mask=valid_d[:, None], sem="relaxed")
+        _dkv_out(dkv_ptr + rows[:, None] + HALF + cols_d[None, :], acc2, valid_d[:, None], DETERMINISTIC)
         if D_R > 0:
             accr = warpgroup_mma_wait(num_outstanding=0, deps=(accr,))
             rows_r = gl.convert_layout(rows, gl.SliceLayout(1, dr_layout))
             valid_r = gl.convert_layout(valid_d, gl.SliceLayout(1, dr_layout))
-            gl.atomic_add(dkv_ptr + rows_r[:, None] + D_V + cols_r[None, :], accr, mask=valid_r[:, None], sem="relaxed")
+            _dkv_out(dkv_ptr + rows_r[:, None] + D_V + cols_r[None, :], accr, valid_r[:, None], DETERMINISTIC)
     cp.wait_group(0)
 
 

@@ -99,7 +99,7 @@ def warmup(
     from longtrain.dsa.triton.sparse_mla_fwd import _sm90_default
 
     fwd_kernel = "sparse_mla_fwd_sm90_kernel" if _sm90_default(q, d_v) else "sparse_mla_fwd_kernel"
-    plan = _sm90_backward(q, d_v, None, deterministic=False, compute_dkv=True, dkv_forced=False)
+    plan = _sm90_backward(q, d_v, None, compute_dkv=True, dkv_forced=False)
     bwd_kernels = {
         None: ["sparse_mla_bwd_kernel_ds", "sparse_mla_bwd_kernel_dkv"],
         "ds": ["sparse_mla_bwd_sm90_kernel_ds", "sparse_mla_bwd_kernel_dkv"],
