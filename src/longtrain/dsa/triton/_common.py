@@ -78,7 +78,9 @@ class KernelConfig:
     interpreter) or ``"sm90"`` (a Hopper kernel: ``num_stages`` gathered tiles in flight through an explicit
     cp.async ring, wgmma; SM90, bf16/fp16, >= 64 heads, power-of-two ``d_v`` in [64, 512] and rope tail 0 or
     16..128, ``num_warps=8``, ``num_stages >= 2``, ``layout="heads"``; the backward's takes ``block_k`` 64 or 32).
-    ``config=None`` picks ``"sm90"`` for the forward wherever it applies, the portable kernel for the backward."""
+    ``config=None`` picks ``"sm90"`` wherever it applies, for the forward and for the backward (its fused
+    probabilities + dkv kernel and its dq kernel). ``bwd_dq`` takes ``"sm90"`` too (``block_k`` 64 or 32); the dkv
+    kernel is portable only."""
 
     def __post_init__(self) -> None:
         _check_pow2("block_k", self.block_k, 16, 256)

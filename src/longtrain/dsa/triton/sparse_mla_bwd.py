@@ -7,7 +7,7 @@ Per row chunk (the bf16 ``P`` / ``dS`` scratch is ``[rows, H, K]``):
 - ``sparse_mla_bwd_kernel_ds``: per (row, head block) and ``BLOCK_K`` gathered slots, recomputes the logits
   and ``dO V^T`` and stores ``P`` and ``dS = scale * P * (dO V^T - delta)`` in bf16
   (``sparse_mla_bwd_kernel_ds_stacked``, ``KernelConfig(layout="stacked")``: the same with both as one matmul of
-  stacked rows; forced only, not yet timed on a GPU).
+  stacked rows; forced only, slower than the ``heads`` layout on the H200).
 - ``sparse_mla_bwd_kernel_dq``: ``dq = dS K`` over the gathered slots (fp32 accumulators).
 - ``sparse_mla_bwd_kernel_dkv``: ``dkv[idx] += P^T dO + dS^T Q`` per slot block, already summed over the
   block's heads, added with fp32 atomics in column chunks of at most 128; ``DKV_COL_GROUPS`` programs per row
@@ -19,8 +19,10 @@ Keeping the matmuls of a kernel independent of each other (no dot feeding anothe
 split the head block's logits between warpgroups instead of computing them twice (one per warpgroup), the
 price being the bf16 ``P`` / ``dS`` round trip through memory.
 
-``KernelConfig(impl="sm90")`` for the probabilities kernel runs ``sparse_mla_bwd_sm90.py`` (Gluon: the logits and
-``dO V^T`` as one stacked wgmma of 128 rows), forced only: not yet timed on the H200. Tried and removed: a Gluon
+On SM90 GPUs the default is ``sparse_mla_bwd_sm90.py`` instead (Gluon, see :func:`_sm90_backward` and
+:func:`_sm90_dq`): a fused probabilities + dkv kernel and a dq kernel, 50.25 ms against 59.5 for the kernels here at
+T = 16384, H = 64, K = 2048 on the H200 (``benchmarks/results/dsa_mla_59698d0_2026-12-02.md``); the kernels here run
+everywhere else, in the CPU interpreter, and when forced (``impl="triton"``). Tried and removed: a Gluon
 port of the probabilities kernel on the forward SM90 kernel's schedule (commit a54b47f): the backward took 69.3 ms
 against 63.6 with the portable kernel at T = 16384, H = 64, K = 2048 on the H200
 (``benchmarks/results/dsa_bwd_sm90_probabilities_2026-12-01.md``): with the warpgroups splitting 64 slots, both of

@@ -1,7 +1,17 @@
-"""Sparse MLA backward probabilities kernel for Hopper (SM90) in Gluon: logits and ``dO V^T`` as one stacked wgmma.
+"""Sparse MLA backward kernels for Hopper (SM90) in Gluon: the backward's default on SM90 GPUs.
 
-Same contract as :func:`longtrain.dsa.triton.sparse_mla_bwd.sparse_mla_bwd_kernel_ds` (one program per (query row,
-block of 64 heads); stores ``P = exp2(S * qk_scale - lse2)`` and ``dS = sm_scale * P * (dP - delta)`` in the input
+- :func:`sparse_mla_bwd_sm90_kernel_ds_dkv`: probabilities and dkv in one pass (fp32 atomics, or per-slot pieces in
+  deterministic mode); the default whenever dkv is wanted.
+- :func:`sparse_mla_bwd_sm90_kernel_dq`: ``dq = dS K`` on the forward kernel's cp.async ring; the default dq kernel.
+- :func:`sparse_mla_bwd_sm90_kernel_ds`, below: the probabilities alone (P and dS stored for the portable dkv
+  kernel), used when no dkv is wanted or the dkv kernel is forced.
+
+Which runs when: ``sparse_mla_bwd._sm90_backward`` and ``sparse_mla_bwd._sm90_dq``. On the H200 at T = 16384, H = 64,
+K = 2048 the backward takes 50.25 ms with the first two (``benchmarks/results/dsa_mla_59698d0_2026-12-02.md``).
+
+The probabilities kernel has the same contract as
+:func:`longtrain.dsa.triton.sparse_mla_bwd.sparse_mla_bwd_kernel_ds` (one program per (query row, block of 64 heads);
+stores ``P = exp2(S * qk_scale - lse2)`` and ``dS = sm_scale * P * (dP - delta)`` in the input
 dtype, zeros on invalid slots). ``S = Q K^T`` (K-depth ``D_qk``) and ``dP = dO V^T`` (K-depth ``d_v``) share their
 B operand, the gathered latent rows, so the kernel computes both as one wgmma of ``M = 128`` stacked rows::
 
@@ -18,8 +28,8 @@ slots zero-filled), the copy of tile ``i + NUM_BUF - 1`` issued at the top of st
 :mod:`longtrain.dsa.triton.sparse_mla_fwd_sm90`. Compiled for sm_90a by Triton 3.6 it keeps 255 registers and
 spills 128 bytes per thread (``block_k = 64``), reloaded from local memory in the loop.
 
-Gluon kernels do not run in Triton's CPU interpreter: the backward uses this kernel only when forced
-(``KernelConfig(impl="sm90")`` for the probabilities kernel) on SM90 GPUs where the forward's SM90 kernel applies.
+Gluon kernels do not run in Triton's CPU interpreter: on CPU their routing and their sm_90a compilation are tested;
+their numerics are checked on the GPU (``tests/gpu/test_dsa_triton_gpu.py``).
 """
 
 from __future__ import annotations
@@ -40,7 +50,14 @@ from longtrain.dsa.triton.sparse_mla_fwd_sm90 import (
     _ring_start,
 )
 
-__all__ = ["sm90_ds_smem_bytes", "sparse_mla_bwd_sm90_kernel_ds"]
+__all__ = [
+    "sm90_ds_dkv_smem_bytes",
+    "sm90_ds_smem_bytes",
+    "sm90_dq_smem_bytes",
+    "sparse_mla_bwd_sm90_kernel_dq",
+    "sparse_mla_bwd_sm90_kernel_ds",
+    "sparse_mla_bwd_sm90_kernel_ds_dkv",
+]
 
 
 def sm90_ds_smem_bytes(block_k: int, num_buf: int, d_qk: int, d_v: int, itemsize: int) -> int:
