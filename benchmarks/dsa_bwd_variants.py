@@ -9,7 +9,8 @@
   (the other two at their autotuned picks), with the largest difference of its dq / dkv from the autotuned
   backward's (the dkv atomics add in a different order, so the difference is a rounding, not 0);
 - ``--fused``: the backward at its SM90 default (the fused probabilities + dkv kernel, then dq) and its per-kernel
-  split, at 64 and 128 heads, ``dsa_bwd_fused_<date>.md`` (41a7454 also timed issuing a tile's last dkv atomics
+  split, and with the dq kernel forced to other configs, at 64 and 128 heads, ``dsa_bwd_fused_<date>.md`` (41a7454
+  also timed issuing a tile's last dkv atomics
   under the next tile's first wgmma: slower, ``dsa_bwd_fused_41a7454_2026-12-02.md``);
 - ``--reduce-probe``: fp32 reduction throughput into random rows of a ``[16384, 512]`` table (what bounds the dkv
   kernel): ``tl.atomic_add`` (``red``) of ``[BLOCK_K, BOX]`` tiles and of single ``[BOX]`` rows, against TMA
@@ -193,6 +194,8 @@ def _split(fn) -> dict[str, float]:
 
 
 def fused(out_dir: Path, heads_list: tuple[int, ...], total: int) -> None:
+    from longtrain.dsa.triton import sparse_mla_bwd as mb
+
     dev = torch.device("cuda")
     idx, length, _, _ = causal_index_sets([total], TOPK, dev)
     valid = int(length.sum())
@@ -201,18 +204,27 @@ def fused(out_dir: Path, heads_list: tuple[int, ...], total: int) -> None:
         q, kv = mla_inputs(total, heads, dev)
         bwd_flops = 2 * valid * heads * (3 * D_QK + 2 * D_V)
         out, lse = run_fwd(q, kv, idx, length, None)
-        call = functools.partial(run_bwd, q, kv, out, torch.randn_like(out), lse, idx, length)
-        call()
-        ms = bench(call, rep_ms=300)
-        split = _split(call)
-        note = "split " + ", ".join(f"{k} {v:.2f} ms" for k, v in split.items())
-        rows.append(dict(shape=f"T={total} H={heads} K={TOPK} 1doc", kernel="all (SM90 default)", cfg="-",
-                         ms=ms[0], p20=ms[1], p80=ms[2], tflops=bwd_flops / ms[0] / 1e9, note=note))  # fmt: skip
-        print(rows[-1], flush=True)
+        dout = torch.randn_like(out)
+        # The default, then the dq kernel forced: the SM90 one's other rings, and the portable one's candidates.
+        dq_cfgs = [None] + [KernelConfig(impl="sm90", block_k=bk, num_stages=nb) for bk, nb in ((32, 3), (32, 4))]
+        dq_cfgs += [_cfg(c) for c in mb._DQ_CANDIDATES]
+        for dq_cfg in dq_cfgs:
+            call = functools.partial(run_bwd, q, kv, out, dout, lse, idx, length, cfgs=(None, dq_cfg, None))
+            call()
+            ms = bench(call, rep_ms=300)
+            split = _split(call)
+            note = "split " + ", ".join(f"{k} {v:.2f} ms" for k, v in split.items())
+            c = dq_cfg
+            what = "-" if c is None else f"{c.impl} {c.block_k} x {c.num_warps} x {c.num_stages}"
+            rows.append(dict(shape=f"T={total} H={heads} K={TOPK} 1doc", kernel="all (SM90 default)" if dq_cfg is None
+                             else "dq forced", cfg=what, ms=ms[0], p20=ms[1], p80=ms[2],
+                             tflops=bwd_flops / ms[0] / 1e9, note=note))  # fmt: skip
+            print(rows[-1], flush=True)
     write_report(
         "dsa_bwd_fused", rows, ["shape", "kernel", "cfg", "ms", "p20", "p80", "tflops", "note"],
         "Sparse MLA backward at its SM90 default (the fused probabilities + dkv kernel, then dq; bf16, one document, "
-        "random causal index sets, L2 flushed) and its per-kernel split. Reproduce: "
+        "random causal index sets, L2 flushed) and its per-kernel split, then with the dq kernel forced (impl "
+        "block_k x num_warps x num_stages). Reproduce: "
         "`python benchmarks/dsa_bwd_variants.py --fused`.",
         out_dir=out_dir, title="Sparse MLA backward: the fused SM90 kernel's split (H200)",
     )  # fmt: skip
