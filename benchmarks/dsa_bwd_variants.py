@@ -10,8 +10,8 @@
   backward's (the dkv atomics add in a different order, so the difference is a rounding, not 0);
 - ``--fused``: the backward at its SM90 default (the fused probabilities + dkv kernel, then dq) and its per-kernel
   split, and with the dq kernel forced to other configs, at 64 and 128 heads, ``dsa_bwd_fused_<date>.md`` (41a7454
-  also timed issuing a tile's last dkv atomics
-  under the next tile's first wgmma: slower, ``dsa_bwd_fused_41a7454_2026-12-02.md``);
+  also timed issuing a tile's last dkv atomics under the next tile's first wgmma: slower,
+  ``dsa_bwd_fused_41a7454_2026-12-02.md``);
 - ``--reduce-probe``: fp32 reduction throughput into random rows of a ``[16384, 512]`` table (what bounds the dkv
   kernel): ``tl.atomic_add`` (``red``) of ``[BLOCK_K, BOX]`` tiles and of single ``[BOX]`` rows, against TMA
   reductions (``cp.reduce.async.bulk.tensor`` add, a tensor descriptor's ``atomic_add``) of ``[1, BOX]`` boxes,
