@@ -233,7 +233,7 @@ def fused(out_dir: Path, heads_list: tuple[int, ...], total: int) -> None:
 def main(out_dir: Path, heads: int, total: int, kernels: tuple[str, ...] = KERNELS) -> None:
     from longtrain.dsa.triton import sparse_mla_bwd as mb
 
-    mb._sm90_backward = lambda *args, **kwargs: None  # this experiment times the portable kernels only
+    mb.sm90_backward_plan = lambda *args, **kwargs: None  # this experiment times the portable kernels only
     dev = torch.device("cuda")
     idx, length, _, _ = causal_index_sets([total], TOPK, dev)
     valid = int(length.sum())

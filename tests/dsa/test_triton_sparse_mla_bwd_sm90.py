@@ -33,10 +33,10 @@ def test_forced_sm90_backward_refuses_the_interpreter(triton_interpret):
 
 
 def test_default_backward_never_picks_sm90_off_gpu(triton_interpret):
-    from longtrain.dsa.triton.sparse_mla_bwd import _sm90_backward
+    from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_backward_plan
 
     q = torch.zeros(1, 64, 576, dtype=torch.bfloat16)
-    assert _sm90_backward(q, 512, None, compute_dkv=True, dkv_forced=False) is None
+    assert sm90_backward_plan(q, 512, None, compute_dkv=True, dkv_forced=False) is None
 
 
 _FUSED = KernelConfig(impl="sm90", layout="fused", block_k=64, num_stages=1)
@@ -86,17 +86,17 @@ _FUSED = KernelConfig(impl="sm90", layout="fused", block_k=64, num_stages=1)
     ],  # fmt: skip
 )
 def test_sm90_backward_plan(monkeypatch, config, D, d_v, flags, reason, expected):
-    from longtrain.dsa.triton import sparse_mla_bwd as smb
+    from longtrain.dsa.triton import sparse_mla_bwd_plan as plan
     from longtrain.dsa.triton import sparse_mla_fwd_sm90 as sm90
 
-    monkeypatch.setattr(smb, "interpreting", lambda: False)
+    monkeypatch.setattr(plan, "interpreting", lambda: False)
     monkeypatch.setattr(sm90, "sm90_unsupported_reason", lambda q, d_v: reason)
     kwargs = dict(compute_dkv=flags != "no-dkv", dkv_forced=flags == "dkv-forced")
     if isinstance(expected, str):
         with pytest.raises(RuntimeError, match=expected):
-            smb._sm90_backward(_fake_q(D=D), d_v, config, **kwargs)
+            plan.sm90_backward_plan(_fake_q(D=D), d_v, config, **kwargs)
     else:
-        assert smb._sm90_backward(_fake_q(D=D), d_v, config, **kwargs) == expected
+        assert plan.sm90_backward_plan(_fake_q(D=D), d_v, config, **kwargs) == expected
 
 
 @pytest.mark.parametrize(
@@ -125,20 +125,20 @@ def test_fused_backward_config_has_no_dkv_kernel():
 
 
 def test_smem_budget_of_the_kernel():
-    from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sm90_ds_smem_bytes
-    from longtrain.dsa.triton.sparse_mla_fwd import _SM90_SMEM
+    from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_ds_smem_bytes
+    from longtrain.dsa.triton.sparse_mla_fwd import SM90_SMEM_BYTES
 
     assert sm90_ds_smem_bytes(64, 2, 576, 512, 2) == 2 * 64 * 1152 + 128 * 64 * 2 + 128 * 64 * 4  # 192 KiB
-    assert sm90_ds_smem_bytes(32, 3, 576, 512, 2) <= _SM90_SMEM < sm90_ds_smem_bytes(64, 3, 576, 512, 2)
+    assert sm90_ds_smem_bytes(32, 3, 576, 512, 2) <= SM90_SMEM_BYTES < sm90_ds_smem_bytes(64, 3, 576, 512, 2)
 
 
 def test_smem_budget_of_the_fused_kernel():
-    from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sm90_ds_dkv_smem_bytes
-    from longtrain.dsa.triton.sparse_mla_fwd import _SM90_SMEM
+    from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_ds_dkv_smem_bytes
+    from longtrain.dsa.triton.sparse_mla_fwd import SM90_SMEM_BYTES
 
     # [Q; dO 0] (128 x 576) + one tile of 64 gathered rows = 216 KiB; a rope tail of 128 does not fit.
-    assert sm90_ds_dkv_smem_bytes(576, 512, 2) == (128 + 64) * 576 * 2 <= _SM90_SMEM
-    assert sm90_ds_dkv_smem_bytes(640, 512, 2) > _SM90_SMEM
+    assert sm90_ds_dkv_smem_bytes(576, 512, 2) == (128 + 64) * 576 * 2 <= SM90_SMEM_BYTES
+    assert sm90_ds_dkv_smem_bytes(640, 512, 2) > SM90_SMEM_BYTES
 
 
 _TYPES = ["*bf16", "*bf16", "*bf16", "*i32", "*i32", "*fp32", "*fp32", "*bf16", "*bf16", "i32", "i32", "i32"]
@@ -148,7 +148,7 @@ _TYPES = ["*bf16", "*bf16", "*bf16", "*i32", "*i32", "*fp32", "*fp32", "*bf16", 
 @pytest.mark.parametrize("block_k,num_buf,d_qk", [(64, 2, 576), (32, 3, 576), (64, 2, 512)], ids=["64", "32x3", "D512"])
 def test_sm90_ds_kernel_compiles_for_hopper(block_k, num_buf, d_qk):
     """Compiled for sm_90a on this CPU-only machine: cp.async ring + wgmma, shared memory as budgeted."""
-    from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sm90_ds_smem_bytes
+    from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_ds_smem_bytes
 
     consts = dict(H=64, D_V=512, D_R=d_qk - 512, HAS_LEN=True, STORE_P=True, BLOCK_K=block_k, NUM_BUF=num_buf)
     stats = compile_sm90("longtrain.dsa.triton.sparse_mla_bwd_sm90", "sparse_mla_bwd_sm90_kernel_ds",
@@ -164,7 +164,7 @@ def test_sm90_ds_kernel_compiles_for_hopper(block_k, num_buf, d_qk):
 def test_sm90_fused_kernel_compiles_for_hopper(H, d_qk, deterministic):
     """The fused probabilities + dkv kernel compiled for sm_90a: shared memory as budgeted (the [dS; P] tile
     reuses the gathered tile's buffer, no compiler scratch), no register spills."""
-    from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sm90_ds_dkv_smem_bytes
+    from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_ds_dkv_smem_bytes
 
     types = _TYPES[:8] + ["*fp32"] + _TYPES[9:] + ["fp32", "fp32"]
     consts = dict(H=H, D_V=512, D_R=d_qk - 512, HAS_LEN=True, DETERMINISTIC=deterministic)
@@ -188,22 +188,22 @@ def test_sm90_fused_kernel_compiles_for_hopper(H, d_qk, deterministic):
     ids=["default", "default-heads", "triton", "32x4", "64x3", "bad-block", "heads"],
 )
 def test_sm90_dq_plan(monkeypatch, config, D, reason, expected):
-    from longtrain.dsa.triton import sparse_mla_bwd as smb
+    from longtrain.dsa.triton import sparse_mla_bwd_plan as plan
     from longtrain.dsa.triton import sparse_mla_fwd_sm90 as sm90
 
-    monkeypatch.setattr(smb, "interpreting", lambda: False)
+    monkeypatch.setattr(plan, "interpreting", lambda: False)
     monkeypatch.setattr(sm90, "sm90_unsupported_reason", lambda q, d_v: reason)
     if isinstance(expected, str):
         with pytest.raises(RuntimeError, match=expected):
-            smb._sm90_dq(_fake_q(D=D), 512, config)
+            plan.sm90_dq_plan(_fake_q(D=D), 512, config)
     else:
-        assert smb._sm90_dq(_fake_q(D=D), 512, config) == expected
+        assert plan.sm90_dq_plan(_fake_q(D=D), 512, config) == expected
 
 
 def test_sm90_dq_is_never_picked_off_gpu(triton_interpret):
-    from longtrain.dsa.triton.sparse_mla_bwd import _sm90_dq
+    from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_dq_plan
 
-    assert _sm90_dq(torch.zeros(1, 64, 576, dtype=torch.bfloat16), 512, None) is None
+    assert sm90_dq_plan(torch.zeros(1, 64, 576, dtype=torch.bfloat16), 512, None) is None
 
 
 def test_a_forced_sm90_dq_config_is_accepted():
@@ -217,7 +217,7 @@ def test_a_forced_sm90_dq_config_is_accepted():
 @pytest.mark.parametrize("block_k,num_buf,d_qk", [(64, 2, 576), (32, 4, 576), (64, 2, 512)], ids=["64", "32x4", "D512"])
 def test_sm90_dq_kernel_compiles_for_hopper(block_k, num_buf, d_qk):
     """The SM90 dq kernel compiled for sm_90a: cp.async ring + wgmma, shared memory as budgeted, no spills."""
-    from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sm90_dq_smem_bytes
+    from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_dq_smem_bytes
 
     types = ["*bf16", "*i32", "*i32", "*bf16", "*bf16", "i32", "i32", "i32"]
     consts = dict(H=64, D_V=512, D_R=d_qk - 512, HAS_LEN=True, BLOCK_K=block_k, NUM_BUF=num_buf)

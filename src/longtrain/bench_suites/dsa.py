@@ -488,9 +488,9 @@ def _mla_case(add, total: int, heads: int, topk: int, layout: str) -> None:
             add(op="sparse_mla_fwd", impl=f"triton (ours, portable kernel, {what})", shape=shape, ms=ms[0],
                 p20=ms[1], p80=ms[2], tflops=fwd_flops / ms[0] / 1e9)  # fmt: skip
     ms = bench(bwd)
-    from longtrain.dsa.triton.sparse_mla_bwd import _sm90_backward
+    from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_backward_plan
 
-    plan = _sm90_backward(q, D_V, None, compute_dkv=True, dkv_forced=False)
+    plan = sm90_backward_plan(q, D_V, None, compute_dkv=True, dkv_forced=False)
     kind = {None: "", "fused": ", SM90 fused probabilities + dkv kernel", "ds": ", SM90 probabilities kernel"}
     add(op="sparse_mla_bwd", impl=f"triton (ours{kind[plan and plan[0]]})", shape=shape, ms=ms[0], p20=ms[1],
         p80=ms[2], tflops=bwd_flops / ms[0] / 1e9, peak_mib=peak_mib(bwd))  # fmt: skip

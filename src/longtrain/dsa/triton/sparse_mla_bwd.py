@@ -19,10 +19,11 @@ Keeping the matmuls of a kernel independent of each other (no dot feeding anothe
 split the head block's logits between warpgroups instead of computing them twice (one per warpgroup), the
 price being the bf16 ``P`` / ``dS`` round trip through memory.
 
-On SM90 GPUs the default is ``sparse_mla_bwd_sm90.py`` instead (Gluon, see :func:`_sm90_backward` and
-:func:`_sm90_dq`): a fused probabilities + dkv kernel and a dq kernel, 50.25 ms against 59.5 for the kernels here at
-T = 16384, H = 64, K = 2048 on the H200 (``benchmarks/results/dsa_mla_59698d0_2026-12-02.md``); the kernels here run
-everywhere else, in the CPU interpreter, and when forced (``impl="triton"``). Tried and removed: a Gluon
+On SM90 GPUs the default is ``sparse_mla_bwd_sm90.py`` instead (Gluon; which runs when:
+:mod:`longtrain.dsa.triton.sparse_mla_bwd_plan`): a fused probabilities + dkv kernel and a dq kernel, 50.25 ms
+against 59.5 for the kernels here at T = 16384, H = 64, K = 2048 on the H200
+(``benchmarks/results/dsa_mla_59698d0_2026-12-02.md``); the kernels here run everywhere else, in the CPU interpreter,
+and when forced (``impl="triton"``). Tried and removed: a Gluon
 port of the probabilities kernel on the forward SM90 kernel's schedule (commit a54b47f): the backward took 69.3 ms
 against 63.6 with the portable kernel at T = 16384, H = 64, K = 2048 on the H200
 (``benchmarks/results/dsa_bwd_sm90_probabilities_2026-12-01.md``): with the warpgroups splitting 64 slots, both of
@@ -36,6 +37,7 @@ import triton
 import triton.language as tl
 
 from longtrain.dsa.triton._common import KernelConfig, dot_precision, interpreting, next_pow2
+from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_backward_plan, sm90_dq_plan
 from longtrain.dsa.triton.sparse_mla_fwd import LOG2E, _row_col_mask, fwd_block_h
 
 __all__ = [
@@ -423,91 +425,6 @@ def _launch(name, kernel, candidates, grid, args, meta, config, reset=None) -> N
         _autotuned(name, kernel, candidates, reset)[grid](*args, **meta)
 
 
-def _sm90_backward(
-    q: torch.Tensor,
-    d_v: int,
-    config: KernelConfig | None,
-    *,
-    compute_dkv: bool,
-    dkv_forced: bool,
-) -> tuple[str, int, int] | None:
-    """``(kernel, block_k, num_buf)`` of the SM90 probabilities kernel for this call, or None for the portable one.
-
-    ``kernel`` is ``"fused"`` (probabilities and dkv in one kernel, the dkv kernel skipped; deterministic: it stores
-    per-slot pieces for the fixed-order reduction) or ``"ds"`` (the stacked probabilities kernel). ``config=None``
-    takes the fused kernel on an SM90 GPU wherever it applies (dkv wanted, no forced dkv config, shape within its
-    support rules), else the stacked
-    probabilities kernel where that applies, else the portable kernel. A forced ``KernelConfig(impl="sm90")``
-    (``layout="fused"`` for the fused kernel) takes it or raises saying why it cannot run here; with no dkv wanted
-    the fused kernel's probabilities half runs (the stacked kernel, 64 slots x 2 tiles). ``impl="triton"`` keeps the
-    portable kernel.
-    """
-    from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sm90_ds_dkv_smem_bytes, sm90_ds_smem_bytes
-    from longtrain.dsa.triton.sparse_mla_fwd import _SM90_SMEM
-    from longtrain.dsa.triton.sparse_mla_fwd_sm90 import sm90_unsupported_reason
-
-    if config is not None and config.impl != "sm90":
-        return None
-    reason = "Gluon kernels do not run in Triton's interpreter (TRITON_INTERPRET=1)" if interpreting() else None
-    reason = reason or sm90_unsupported_reason(q, d_v)
-    d_qk, size = q.shape[2], q.element_size()
-    fused_reason = reason
-    if fused_reason is None and d_v < 128:
-        fused_reason = f"the fused kernel needs d_v >= 128, got d_v={d_v}"
-    fused_smem = sm90_ds_dkv_smem_bytes(d_qk, d_v, size)
-    if fused_reason is None and fused_smem > _SM90_SMEM:
-        fused_reason = f"the fused kernel's {fused_smem} bytes of shared memory at D_qk={d_qk} exceed 227 KiB"
-    if config is None:
-        if fused_reason is None and compute_dkv and not dkv_forced:
-            return "fused", 64, 1
-        if reason is None and sm90_ds_smem_bytes(64, 2, d_qk, d_v, size) <= _SM90_SMEM:
-            return "ds", 64, 2
-        return None
-    if config.layout == "fused":
-        if fused_reason is not None:
-            raise RuntimeError(f"backward KernelConfig(impl='sm90', layout='fused') cannot run here: {fused_reason}")
-        return ("fused", 64, 1) if compute_dkv else ("ds", 64, 2)
-    if reason is None and config.block_k not in (32, 64):
-        reason = f"its probabilities kernel gathers 64 or 32 slots per step, got block_k={config.block_k}"
-    smem = sm90_ds_smem_bytes(config.block_k, config.num_stages, d_qk, d_v, size)
-    if reason is None and smem > _SM90_SMEM:
-        reason = (
-            f"{config.num_stages} tiles of {config.block_k} rows of D_qk={d_qk} ({smem} bytes with the rest) "
-            "exceed the 227 KiB of shared memory; lower num_stages or block_k"
-        )
-    if reason is not None:
-        raise RuntimeError(f"backward KernelConfig(impl='sm90') cannot run here: {reason}; use impl='triton'")
-    return "ds", config.block_k, config.num_stages
-
-
-def _sm90_dq(q: torch.Tensor, d_v: int, config: KernelConfig | None) -> tuple[int, int] | None:
-    """``(block_k, num_buf)`` of the SM90 dq kernel for this call, or None for the portable one: ``config=None`` takes
-    it (64 slots x 2 tiles) on an SM90 GPU wherever it applies; a forced ``KernelConfig(impl="sm90")`` takes it or
-    raises saying why it cannot run here."""
-    from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sm90_dq_smem_bytes
-    from longtrain.dsa.triton.sparse_mla_fwd import _SM90_SMEM
-    from longtrain.dsa.triton.sparse_mla_fwd_sm90 import sm90_unsupported_reason
-
-    if config is not None and config.impl != "sm90":
-        return None
-    reason = "Gluon kernels do not run in Triton's interpreter (TRITON_INTERPRET=1)" if interpreting() else None
-    reason = reason or sm90_unsupported_reason(q, d_v)
-    block_k, num_buf = (64, 2) if config is None else (config.block_k, config.num_stages)
-    if reason is None and block_k not in (32, 64):
-        reason = f"its dq kernel gathers 64 or 32 slots per step, got block_k={block_k}"
-    smem = sm90_dq_smem_bytes(block_k, num_buf, q.shape[2], q.element_size())
-    if reason is None and smem > _SM90_SMEM:
-        reason = (
-            f"{num_buf} tiles of {block_k} rows of D_qk={q.shape[2]} ({smem} bytes with the rest) exceed the 227 "
-            "KiB of shared memory; lower num_stages or block_k"
-        )
-    if reason is None:
-        return block_k, num_buf
-    if config is None:
-        return None
-    raise RuntimeError(f"backward dq KernelConfig(impl='sm90') cannot run here: {reason}; use impl='triton'")
-
-
 def _dkv_col_groups(config: KernelConfig | None, block_dv: int) -> int:
     """Programs per row of the dkv kernel's value columns: the config's ``col_groups`` (``DKV_COL_GROUPS`` when
     autotuned), at most ``block_dv / 16`` (each group's chunks are at least 16 columns wide)."""
@@ -564,9 +481,9 @@ def sparse_mla_bwd(
     )  # fmt: skip
     dsink = dsink_rows.sum(0) if attn_sink is not None else None
 
-    ds_sm90 = _sm90_backward(q, d_v, configs[0], compute_dkv=compute_dkv, dkv_forced=configs[2] is not None)
+    ds_sm90 = sm90_backward_plan(q, d_v, configs[0], compute_dkv=compute_dkv, dkv_forced=configs[2] is not None)
     fused = ds_sm90 is not None and ds_sm90[0] == "fused"
-    dq_sm90 = _sm90_dq(q, d_v, configs[1])
+    dq_sm90 = sm90_dq_plan(q, d_v, configs[1])
     if interpreting():
         configs = tuple(c or KernelConfig(block_k=16, num_warps=4, num_stages=1) for c in configs)
     cfg_ds, cfg_dq, cfg_dkv = configs

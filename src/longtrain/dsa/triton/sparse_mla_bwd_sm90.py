@@ -6,8 +6,9 @@
 - :func:`sparse_mla_bwd_sm90_kernel_ds`, below: the probabilities alone (P and dS stored for the portable dkv
   kernel), used when no dkv is wanted or the dkv kernel is forced.
 
-Which runs when: ``sparse_mla_bwd._sm90_backward`` and ``sparse_mla_bwd._sm90_dq``. On the H200 at T = 16384, H = 64,
-K = 2048 the backward takes 50.25 ms with the first two (``benchmarks/results/dsa_mla_59698d0_2026-12-02.md``).
+Which runs when: :mod:`longtrain.dsa.triton.sparse_mla_bwd_plan` (with each kernel's shared-memory budget). On the
+H200 at T = 16384, H = 64, K = 2048 the backward takes 50.25 ms with the first two
+(``benchmarks/results/dsa_mla_59698d0_2026-12-02.md``).
 
 The probabilities kernel has the same contract as
 :func:`longtrain.dsa.triton.sparse_mla_bwd.sparse_mla_bwd_kernel_ds` (one program per (query row, block of 64 heads);
@@ -51,19 +52,10 @@ from longtrain.dsa.triton.sparse_mla_fwd_sm90 import (
 )
 
 __all__ = [
-    "sm90_ds_dkv_smem_bytes",
-    "sm90_ds_smem_bytes",
-    "sm90_dq_smem_bytes",
     "sparse_mla_bwd_sm90_kernel_dq",
     "sparse_mla_bwd_sm90_kernel_ds",
     "sparse_mla_bwd_sm90_kernel_ds_dkv",
 ]
-
-
-def sm90_ds_smem_bytes(block_k: int, num_buf: int, d_qk: int, d_v: int, itemsize: int) -> int:
-    """Shared memory of the kernel: the ring of gathered tiles, the stacked rope operand and the fp32 tile the two
-    halves meet in."""
-    return (num_buf * block_k * d_qk + 128 * (d_qk - d_v)) * itemsize + 128 * block_k * 4
 
 
 @gluon.jit
@@ -187,16 +179,6 @@ def sparse_mla_bwd_sm90_kernel_ds(
         if STORE_P:
             gl.store(p_ptr + ptrs, p.to(p_ptr.dtype.element_ty), mask=mask)
     cp.wait_group(0)
-
-
-def sm90_ds_dkv_smem_bytes(d_qk: int, d_v: int, itemsize: int) -> int:
-    """Shared memory of :func:`sparse_mla_bwd_sm90_kernel_ds_dkv`: the stacked ``[Q; dO]`` operand (128 rows of
-    ``D_qk``) and one gathered tile of 64 rows (the ``[dS; P]`` tile lives in the tile's buffer)."""
-    return (2 * _STACK_H + _DKV_BLOCK_K) * d_qk * itemsize
-
-
-_STACK_H = 64
-_DKV_BLOCK_K = 64
 
 
 @gluon.jit
@@ -393,12 +375,6 @@ def sparse_mla_bwd_sm90_kernel_ds_dkv(
             valid_r = gl.convert_layout(valid_d, gl.SliceLayout(1, dr_layout))
             _dkv_out(dkv_ptr + rows_r[:, None] + D_V + cols_r[None, :], accr, valid_r[:, None], DETERMINISTIC)
     cp.wait_group(0)
-
-
-def sm90_dq_smem_bytes(block_k: int, num_buf: int, d_qk: int, itemsize: int) -> int:
-    """Shared memory of :func:`sparse_mla_bwd_sm90_kernel_dq`: the ring of gathered tiles and the compiler's tile for
-    turning ``dS`` into the wgmma's register operand."""
-    return (num_buf * block_k * d_qk + _STACK_H * block_k) * itemsize
 
 
 @gluon.jit

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from longtrain.dsa.triton._common import KernelConfig, dot_precision, interpreting, next_pow2
 
-__all__ = ["fwd_block_h", "sparse_mla_fwd", "sparse_mla_fwd_kernel"]
+__all__ = ["SM90_SMEM_BYTES", "fwd_block_h", "sparse_mla_fwd", "sparse_mla_fwd_kernel"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -29,7 +29,7 @@ _FWD_CANDIDATES = ((128, 8, 1, 1), (128, 8, 1, 2), (64, 8, 1, 0), (64, 8, 2, 0))
 _SM90_CANDIDATES = ((64, 2), (32, 4), (32, 3))
 _LAYOUTS = {"heads": 0, "keys": 1, "keys_logits": 2}
 # Shared memory an SM90 block may use (227 KiB) minus what the kernel needs beside its tiles.
-_SM90_SMEM = 232448 - 8192
+SM90_SMEM_BYTES = 232448 - 8192
 
 
 @triton.jit
@@ -182,7 +182,7 @@ def _autotuned_fwd():
 
 
 def _sm90_fits(block_k: int, num_buf: int, d_qk: int, itemsize: int) -> bool:
-    return (64 + num_buf * block_k) * d_qk * itemsize <= _SM90_SMEM
+    return (64 + num_buf * block_k) * d_qk * itemsize <= SM90_SMEM_BYTES
 
 
 def _autotuned_sm90():

@@ -95,17 +95,17 @@ def warmup(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     finite = bool(torch.isfinite(out).all()) and all(bool(torch.isfinite(g).all()) for g in grads)
-    from longtrain.dsa.triton.sparse_mla_bwd import _sm90_backward, _sm90_dq
+    from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_backward_plan, sm90_dq_plan
     from longtrain.dsa.triton.sparse_mla_fwd import _sm90_default
 
     fwd_kernel = "sparse_mla_fwd_sm90_kernel" if _sm90_default(q, d_v) else "sparse_mla_fwd_kernel"
-    plan = _sm90_backward(q, d_v, None, compute_dkv=True, dkv_forced=False)
+    plan = sm90_backward_plan(q, d_v, None, compute_dkv=True, dkv_forced=False)
     bwd_kernels = {
         None: ["sparse_mla_bwd_kernel_ds", "sparse_mla_bwd_kernel_dkv"],
         "ds": ["sparse_mla_bwd_sm90_kernel_ds", "sparse_mla_bwd_kernel_dkv"],
         "fused": ["sparse_mla_bwd_sm90_kernel_ds_dkv"],
     }[plan and plan[0]]
-    dq_kernel = "sparse_mla_bwd_sm90_kernel_dq" if _sm90_dq(q, d_v, None) else "sparse_mla_bwd_kernel_dq"
+    dq_kernel = "sparse_mla_bwd_sm90_kernel_dq" if sm90_dq_plan(q, d_v, None) else "sparse_mla_bwd_kernel_dq"
     del q, kv, out, grads, iq, ik, selected
     return {
         "kernels": [

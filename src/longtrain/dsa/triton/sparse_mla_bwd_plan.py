@@ -1,0 +1,116 @@
+"""Which sparse MLA backward kernels run for a call: the SM90 Gluon kernels (:mod:`.sparse_mla_bwd_sm90`) or the
+portable Triton ones (:mod:`.sparse_mla_bwd`), with each SM90 kernel's shared-memory budget.
+
+Host code, no kernels; the SM90 support rules come from the forward's Gluon module, imported on first use.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from longtrain.dsa.triton._common import KernelConfig, interpreting
+from longtrain.dsa.triton.sparse_mla_fwd import SM90_SMEM_BYTES
+
+__all__ = ["sm90_backward_plan", "sm90_dq_plan", "sm90_dq_smem_bytes", "sm90_ds_dkv_smem_bytes", "sm90_ds_smem_bytes"]
+
+# Heads per program of the SM90 kernels, and gathered slots per step of the fused one.
+_STACK_H = 64
+_DKV_BLOCK_K = 64
+
+
+def sm90_ds_smem_bytes(block_k: int, num_buf: int, d_qk: int, d_v: int, itemsize: int) -> int:
+    """Shared memory of the SM90 stacked probabilities kernel: the ring of gathered tiles, the stacked rope operand
+    and the fp32 tile the two halves meet in."""
+    return (num_buf * block_k * d_qk + 128 * (d_qk - d_v)) * itemsize + 128 * block_k * 4
+
+
+def sm90_ds_dkv_smem_bytes(d_qk: int, d_v: int, itemsize: int) -> int:
+    """Shared memory of the fused probabilities + dkv kernel: the stacked ``[Q; dO]`` operand (128 rows of ``D_qk``)
+    and one gathered tile of 64 rows (the ``[dS; P]`` tile lives in the tile's buffer)."""
+    return (2 * _STACK_H + _DKV_BLOCK_K) * d_qk * itemsize
+
+
+def sm90_dq_smem_bytes(block_k: int, num_buf: int, d_qk: int, itemsize: int) -> int:
+    """Shared memory of the SM90 dq kernel: the ring of gathered tiles and the compiler's tile for turning ``dS`` into
+    the wgmma's register operand."""
+    return (num_buf * block_k * d_qk + _STACK_H * block_k) * itemsize
+
+
+def sm90_backward_plan(
+    q: torch.Tensor,
+    d_v: int,
+    config: KernelConfig | None,
+    *,
+    compute_dkv: bool,
+    dkv_forced: bool,
+) -> tuple[str, int, int] | None:
+    """``(kernel, block_k, num_buf)`` of the SM90 probabilities kernel for this call, or None for the portable one.
+
+    ``kernel`` is ``"fused"`` (probabilities and dkv in one kernel, the dkv kernel skipped; deterministic: it stores
+    per-slot pieces for the fixed-order reduction) or ``"ds"`` (the stacked probabilities kernel). ``config=None``
+    takes the fused kernel on an SM90 GPU wherever it applies (dkv wanted, no forced dkv config, shape within its
+    support rules), else the stacked probabilities kernel where that applies, else the portable kernel. A forced
+    ``KernelConfig(impl="sm90")`` (``layout="fused"`` for the fused kernel) takes it or raises saying why it cannot
+    run here; with no dkv wanted the fused kernel's probabilities half runs (the stacked kernel, 64 slots x 2
+    tiles). ``impl="triton"`` keeps the portable kernel.
+    """
+    from longtrain.dsa.triton.sparse_mla_fwd_sm90 import sm90_unsupported_reason
+
+    if config is not None and config.impl != "sm90":
+        return None
+    reason = "Gluon kernels do not run in Triton's interpreter (TRITON_INTERPRET=1)" if interpreting() else None
+    reason = reason or sm90_unsupported_reason(q, d_v)
+    d_qk, size = q.shape[2], q.element_size()
+    fused_reason = reason
+    if fused_reason is None and d_v < 128:
+        fused_reason = f"the fused kernel needs d_v >= 128, got d_v={d_v}"
+    fused_smem = sm90_ds_dkv_smem_bytes(d_qk, d_v, size)
+    if fused_reason is None and fused_smem > SM90_SMEM_BYTES:
+        fused_reason = f"the fused kernel's {fused_smem} bytes of shared memory at D_qk={d_qk} exceed 227 KiB"
+    if config is None:
+        if fused_reason is None and compute_dkv and not dkv_forced:
+            return "fused", 64, 1
+        if reason is None and sm90_ds_smem_bytes(64, 2, d_qk, d_v, size) <= SM90_SMEM_BYTES:
+            return "ds", 64, 2
+        return None
+    if config.layout == "fused":
+        if fused_reason is not None:
+            raise RuntimeError(f"backward KernelConfig(impl='sm90', layout='fused') cannot run here: {fused_reason}")
+        return ("fused", 64, 1) if compute_dkv else ("ds", 64, 2)
+    if reason is None and config.block_k not in (32, 64):
+        reason = f"its probabilities kernel gathers 64 or 32 slots per step, got block_k={config.block_k}"
+    smem = sm90_ds_smem_bytes(config.block_k, config.num_stages, d_qk, d_v, size)
+    if reason is None and smem > SM90_SMEM_BYTES:
+        reason = (
+            f"{config.num_stages} tiles of {config.block_k} rows of D_qk={d_qk} ({smem} bytes with the rest) "
+            "exceed the 227 KiB of shared memory; lower num_stages or block_k"
+        )
+    if reason is not None:
+        raise RuntimeError(f"backward KernelConfig(impl='sm90') cannot run here: {reason}; use impl='triton'")
+    return "ds", config.block_k, config.num_stages
+
+
+def sm90_dq_plan(q: torch.Tensor, d_v: int, config: KernelConfig | None) -> tuple[int, int] | None:
+    """``(block_k, num_buf)`` of the SM90 dq kernel for this call, or None for the portable one: ``config=None`` takes
+    it (64 slots x 2 tiles) on an SM90 GPU wherever it applies; a forced ``KernelConfig(impl="sm90")`` takes it or
+    raises saying why it cannot run here."""
+    from longtrain.dsa.triton.sparse_mla_fwd_sm90 import sm90_unsupported_reason
+
+    if config is not None and config.impl != "sm90":
+        return None
+    reason = "Gluon kernels do not run in Triton's interpreter (TRITON_INTERPRET=1)" if interpreting() else None
+    reason = reason or sm90_unsupported_reason(q, d_v)
+    block_k, num_buf = (64, 2) if config is None else (config.block_k, config.num_stages)
+    if reason is None and block_k not in (32, 64):
+        reason = f"its dq kernel gathers 64 or 32 slots per step, got block_k={block_k}"
+    smem = sm90_dq_smem_bytes(block_k, num_buf, q.shape[2], q.element_size())
+    if reason is None and smem > SM90_SMEM_BYTES:
+        reason = (
+            f"{num_buf} tiles of {block_k} rows of D_qk={q.shape[2]} ({smem} bytes with the rest) exceed the 227 "
+            "KiB of shared memory; lower num_stages or block_k"
+        )
+    if reason is None:
+        return block_k, num_buf
+    if config is None:
+        return None
+    raise RuntimeError(f"backward dq KernelConfig(impl='sm90') cannot run here: {reason}; use impl='triton'")
