@@ -9,7 +9,7 @@
 #   the extras are installed first; none of these runs needs them).
 # mla: carrying .whl-tl (TileLang's site and example files, see device.sh stash-tl; without it TileLang's rows say
 #   why they are missing): GPU parity tests of the sparse MLA kernels, memcheck, and dsa.py at T = 16384 (H = 64 and
-#   128, K = 2048, one document) with TileLang's kernels side by side.
+#   128, K = 2048, one document) with TileLang's kernels side by side, then the MLA_EXTRA_CASES cases.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -42,10 +42,11 @@ case "${1:-indexer}" in
     if [ -f .whl-tl/tilelang_site.tar.xz ]; then bash benchmarks/device.sh stash-tl > "$Q/stash_tl.log" 2>&1; fi
     run gpu_mla_tests 200 -m pytest -q -p no:cacheprovider tests/gpu/test_dsa_triton_gpu.py -k "not indexer"
     memcheck 120
-    # MLA_EXTRA_CASES: more --case arguments for the same dsa.py run (e.g. "--case 4096,128,512,1doc").
+    # MLA_EXTRA_CASES: the --case arguments after the two at T = 16384; by default the deterministic rows' case and
+    # the issue's small shape (T = 4096, H = 128, K = 512). About 5 minutes in all on the H200.
     # shellcheck disable=SC2086
-    run dsa_mla 450 benchmarks/dsa.py --case 16384,64,2048,1doc --case 16384,128,2048,1doc ${MLA_EXTRA_CASES:-} \
-      --out-dir "$Q" ;;
+    run dsa_mla 450 benchmarks/dsa.py --case 16384,64,2048,1doc --case 16384,128,2048,1doc \
+      ${MLA_EXTRA_CASES---case 4096,64,2048,1doc --case 4096,128,512,1doc} --out-dir "$Q" ;;
   *)
     echo "usage: $0 [indexer|mla]"; exit 2 ;;
 esac
