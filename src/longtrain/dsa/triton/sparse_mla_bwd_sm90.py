@@ -59,15 +59,27 @@ __all__ = [
 
 
 @gluon.jit
+def _row_slots(len_ptr, t, K_slots, HAS_LEN: gl.constexpr):
+    """Slots of row ``t``: its ``topk_length`` clamped to ``[0, K_slots]``, or all ``K_slots``."""
+    if HAS_LEN:
+        return gl.minimum(gl.maximum(gl.load(len_ptr + t).to(gl.int32), 0), K_slots)  # scalar
+    else:
+        return K_slots
+
+
+@gluon.jit
 def _stacked_rows(q_row, do_row, hb, H: gl.constexpr, D_QK: gl.constexpr, D_V: gl.constexpr, col0: gl.constexpr,
-                  W: gl.constexpr, layout: gl.constexpr):  # fmt: skip
-    """``[128, W]`` A operand: rows 0-63 the block's queries at columns ``col0 + [0, W)``, rows 64-127 its dO there
-    (zeros past ``D_V``, and for heads past ``H``)."""
+                  W: gl.constexpr, layout: gl.constexpr, INTERLEAVED: gl.constexpr):  # fmt: skip
+    """``[128, W]`` stacked operand at columns ``col0 + [0, W)``: the block's queries and its dO (zeros past ``D_V``,
+    and for heads past ``H``), rows 0-63 queries and 64-127 dO, or ``INTERLEAVED`` as in ``_interleaved_rows``."""
     m = gl.arange(0, 128, layout=gl.SliceLayout(1, layout))
     c = col0 + gl.arange(0, W, layout=gl.SliceLayout(0, layout))
-    head = hb * 64 + (m % 64)
+    if INTERLEAVED:
+        head, is_q = _interleaved_rows(m, hb)
+    else:
+        head = hb * 64 + (m % 64)
+        is_q = m < 64
     ok = head < H
-    is_q = m < 64
     a = gl.load(q_row + head[:, None] * D_QK + c[None, :], mask=(ok & is_q)[:, None], other=0.0)  # [128, W]
     in_v = c < D_V
     b = gl.load(do_row + head[:, None] * D_V + c[None, :], mask=(ok & ~is_q)[:, None] & in_v[None, :], other=0.0)
@@ -117,11 +129,11 @@ def sparse_mla_bwd_sm90_kernel_ds(
     # The stacked A operands, in registers for the whole row: [Q_v; dO] and [Q_r; 0].
     q_row = q_ptr + t * (H * D_QK)
     do_row = dout_ptr + t * (H * D_V)
-    a_v = _stacked_rows(q_row, do_row, hb, H, D_QK, D_V, 0, D_V, a_layout)  # [128, D_V]
+    a_v = _stacked_rows(q_row, do_row, hb, H, D_QK, D_V, 0, D_V, a_layout, False)  # [128, D_V]
     if D_R > 0:  # the rope part's A operand waits in shared memory (registers are the scarce resource here)
         ar_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BLOCK_H, D_R], dtype)
         a_r = gl.allocate_shared_memory(dtype, [2 * BLOCK_H, D_R], ar_sl)
-        a_r.store(_stacked_rows(q_row, do_row, hb, H, D_QK, D_V, D_V, D_R, LR))  # [128, D_R]
+        a_r.store(_stacked_rows(q_row, do_row, hb, H, D_QK, D_V, D_V, D_R, LR, False))  # [128, D_R]
         fence_async_shared()
     else:
         a_r = a_v
@@ -140,10 +152,7 @@ def sparse_mla_bwd_sm90_kernel_ds(
     mask_h = offs_h < H
     scratch_rows = (t_local * H + offs_h.to(gl.int64)) * K_slots  # [BLOCK_H]
 
-    if HAS_LEN:
-        n_slots = gl.minimum(gl.maximum(gl.load(len_ptr + t).to(gl.int32), 0), K_slots)  # scalar
-    else:
-        n_slots = K_slots
+    n_slots = _row_slots(len_ptr, t, K_slots, HAS_LEN)  # scalar
     idx_row = idx_ptr + t * K_slots
 
     # Prologue: tiles 0 .. NUM_BUF-2 in flight, indices of tile NUM_BUF-1 in registers.
@@ -281,22 +290,14 @@ def sparse_mla_bwd_sm90_kernel_ds_dkv(
     q_row = q_ptr + t * (H * D_QK)
     do_row = dout_ptr + t * (H * D_V)
     # (Staged through registers: a cp.async from a per-row choice of two tensors is not vectorised by every Triton.)
-    head_v, is_q_v = _interleaved_rows(gl.arange(0, 128, layout=gl.SliceLayout(1, LV)), hb)
-    cv = gl.arange(0, D_V, layout=gl.SliceLayout(0, LV))
-    ok_v = head_v < H
-    stacked = gl.load(q_row + head_v[:, None] * D_QK + cv[None, :], mask=(ok_v & is_q_v)[:, None], other=0.0)
-    stacked += gl.load(do_row + head_v[:, None] * D_V + cv[None, :], mask=(ok_v & ~is_q_v)[:, None], other=0.0)
-    a_v.store(stacked)  # [128, D_V]
+    a_v.store(_stacked_rows(q_row, do_row, hb, H, D_QK, D_V, 0, D_V, LV, True))  # [128, D_V]
     if D_R > 0:
         head_r, is_q_r = _interleaved_rows(gl.arange(0, 128, layout=gl.SliceLayout(1, LR)), hb)
         cr = gl.arange(0, D_R, layout=gl.SliceLayout(0, LR))
         src_r = q_row + head_r * D_QK + D_V  # [128]
         _async_load(a_r, src_r[:, None] + cr[None, :], mask=((head_r < H) & is_q_r)[:, None])  # [128, D_R]
 
-    if HAS_LEN:
-        n_slots = gl.minimum(gl.maximum(gl.load(len_ptr + t).to(gl.int32), 0), K_slots)  # scalar
-    else:
-        n_slots = K_slots
+    n_slots = _row_slots(len_ptr, t, K_slots, HAS_LEN)  # scalar
     idx_row = idx_ptr + t * K_slots
 
     # Per stacked row: query rows turn logits into P with lse2, dO rows dP into dP - delta.
@@ -422,10 +423,7 @@ def sparse_mla_bwd_sm90_kernel_dq(
     t_local = (pid // NUM_HB).to(gl.int64)
     t = row_offset + t_local
     hb = pid % NUM_HB
-    if HAS_LEN:
-        n_slots = gl.minimum(gl.maximum(gl.load(len_ptr + t).to(gl.int32), 0), K_slots)  # scalar
-    else:
-        n_slots = K_slots
+    n_slots = _row_slots(len_ptr, t, K_slots, HAS_LEN)  # scalar
     idx_row = idx_ptr + t * K_slots
     offs_h = hb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, LS))
     mask_h = offs_h < H
