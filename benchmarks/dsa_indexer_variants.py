@@ -15,6 +15,8 @@ writes ``dsa_indexer_variants_<date>.md``:
 - ``--defaults-sweep``: per case (T = 16384 one document and documents, 4096, 65536), the whole indexer for each
   (select_sample, select_cand) setting, checked against the whole-row select, and the scoring tiles on bf16 and FP8
   codes: ``dsa_indexer_defaults_sweep_<date>.md``;
+- ``--sm90-sweep``: per case, the SM90 scoring kernel's tiles against the portable kernel (score scratch bit for
+  bit, selection, times): ``dsa_indexer_sm90_<date>.md``;
 - ``--atomics-probe``: fp32 scatter throughput into random rows, atomics against plain stores (what bounds the
   sparse MLA backward's dkv kernel), ``dsa_atomics_probe_<date>.md``.
 
@@ -127,9 +129,8 @@ def run(iq, ik, iw, starts, causal, cfg, mode=None, do_scores=True, do_select=Tr
                 num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages,
             )
-            if mode is None:
-                ks = iw if k_scale is None else k_scale
-                it.indexer_topk_fwd_kernel_scores[grid](*args[:3], ks, *args[3:], **meta, K_SCALE=k_scale is not None)
+            if mode is None:  # the library's launch: the kernel cfg.scores_impl routes to
+                it.indexer_topk_fwd_scores(iq, ik, iw, k_scale, starts, causal, scratch, row0, row1, TOPK, cfg)
             else:
                 scores_v[grid](*args, **meta, MODE=mode)
         if do_select:
@@ -208,13 +209,13 @@ def _case(total: int, layout: str, deadline: float, rows: list, sweep: bool, dev
     for bm, bn, w, st in _SCORE_TILES:
         if time.time() > deadline:
             return
-        cfg = IndexerConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
+        cfg = IndexerConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st, scores_impl="triton")
         variant("scores variant, FP8 codes", f"{bm}x{bn} w{w} s{st}", 0, lambda cfg=cfg: call8(cfg, False))
     for bm, bn, w, st in _SCORE_TILES:
         for mode in (0, 1, 2, 3):
             if time.time() > deadline:
                 return
-            cfg = IndexerConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
+            cfg = IndexerConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st, scores_impl="triton")
             variant("scores variant", f"{bm}x{bn} w{w} s{st}", mode,
                     lambda cfg=cfg, mode=mode: call(cfg, mode, do_select=False),
                     check=lambda cfg=cfg, mode=mode: call(cfg, mode))  # fmt: skip
@@ -274,7 +275,7 @@ def _sweep_case(total: int, layout: str, rows: list, device: str = "cuda") -> No
         except Exception as exc:  # a setting that does not compile is a row, not a crash
             add(what="scores + select", cfg=name, note=f"{type(exc).__name__}: {exc}"[:160])
     for bm, bn, w, st, mode in _SWEEP_TILES:
-        cfg = IndexerConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
+        cfg = IndexerConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st, scores_impl="triton")
         name = f"{bm}x{bn} w{w} s{st}"
         lib = None if mode == 0 else mode  # mode 0: the library kernel itself
         same = bool(torch.equal(run(iq, ik, iw, starts, causal, cfg, mode=lib), whole))
@@ -297,6 +298,75 @@ def defaults_sweep(out_dir: Path) -> None:
                  "over the scores time. Reproduce: `python benchmarks/dsa_indexer_variants.py --defaults-sweep`.",
                  out_dir=out_dir,
                  title="Fused indexer: selection settings and scoring tiles per case (H200)")  # fmt: skip
+
+
+# (sm90_block_n, sm90_num_buf) of the SM90 scoring kernel, the default first.
+_SM90_TILES = ((256, 5), (256, 4), (256, 6), (256, 3), (128, 4), (128, 6), (128, 8))
+
+
+def _sm90_case(total: int, layout: str, rows: list, device: str = "cuda") -> None:
+    """The SM90 scoring kernel's tiles on one case against the portable kernel: the score scratch of every row chunk
+    bit for bit (``same``: both written into a sentinel-filled scratch), the selection, scores-only and whole times."""
+    dev = torch.device(device)
+    _, _, starts, causal = causal_index_sets(doc_lengths(total, layout, TOPK), TOPK, dev)
+    iq, ik, iw = indexer_inputs(total, dev)
+    flops = 2 * 32 * 128 * int(causal.to(torch.int64).sum())
+    nq, nk = iq.shape[0], ik.shape[0]
+
+    def add(**r):
+        r.update(T=total, layout=layout)
+        print(r, flush=True)
+        rows.append(r)
+
+    def scratch_of(cfg):
+        """Every chunk's scratch, sentinel-filled before scoring, concatenated on the host side of the GPU."""
+        chunk = it._chunk_rows(nq, nk, TOPK, cfg)
+        out = []
+        for row0 in range(0, nq, chunk):
+            row1 = min(nq, row0 + chunk)
+            s = torch.full((chunk, nk), 0x5A5A5A5A, dtype=torch.int32, device=dev)
+            it.indexer_topk_fwd_scores(iq, ik, iw, None, starts, causal, s, row0, row1, TOPK, cfg)
+            out.append(s[: row1 - row0])
+        return torch.cat(out)
+
+    base = IndexerConfig(scores_impl="triton")
+    ref_sel = run(iq, ik, iw, starts, causal, base).clone()
+    ref_scr = scratch_of(base)
+    ms_all = bench(lambda: run(iq, ik, iw, starts, causal, base))[0]
+    ms_sc = bench(lambda: run(iq, ik, iw, starts, causal, base, do_select=False))[0]
+    add(what="portable scores + select", cfg="64x128 w4 s3", ms=ms_all)
+    add(what="portable scores only", cfg="64x128 w4 s3", ms=ms_sc, tflops=flops / ms_sc / 1e9)
+    for bn, nb in _SM90_TILES:
+        cfg = IndexerConfig(scores_impl="sm90", sm90_block_n=bn, sm90_num_buf=nb)
+        name = f"64x{bn} ring {nb}"
+        try:
+            same = bool(torch.equal(scratch_of(cfg), ref_scr))
+            same_sel = bool(torch.equal(run(iq, ik, iw, starts, causal, cfg), ref_sel))
+            ms_all = bench(lambda cfg=cfg: run(iq, ik, iw, starts, causal, cfg))[0]
+            ms_sc = bench(lambda cfg=cfg: run(iq, ik, iw, starts, causal, cfg, do_select=False))[0]
+            add(what="SM90 scores + select", cfg=name, ms=ms_all, same=same_sel)
+            add(what="SM90 scores only", cfg=name, ms=ms_sc, tflops=flops / ms_sc / 1e9, same=same)
+        except Exception as exc:  # a tile that does not compile is a row, not a crash
+            add(what="SM90 scores", cfg=name, note=f"{type(exc).__name__}: {exc}"[:160])
+    del ref_scr
+    torch.cuda.empty_cache()
+
+
+def sm90_sweep(out_dir: Path) -> None:
+    rows: list = []
+    for total, layout in _SWEEP_CASES:
+        _sm90_case(total, layout, rows)
+    note = (
+        "Timing: triton.testing.do_bench median, L2 flushed. same: for scores, every row chunk's score scratch equals "
+        "the portable kernel's bit for bit (sentinel-filled, so the written set is equal too); for scores + select, "
+        "the selection equals the portable kernel's. tflops = 2 H_I D_I per causal pair over the scores time. "
+        "Reproduce: `python benchmarks/dsa_indexer_variants.py --sm90-sweep`."
+    )
+    title = "Fused indexer: the SM90 scoring kernel against the portable one (H200)"
+    write_report(
+        "dsa_indexer_sm90", rows, ["T", "layout", "what", "cfg", "ms", "tflops", "same"], note, out_dir=out_dir,
+        title=title,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -351,8 +421,11 @@ if __name__ == "__main__":
     parser.add_argument("--budget-s", type=float, default=380.0, help="stop adding variants after this long")
     parser.add_argument("--atomics-probe", action="store_true")
     parser.add_argument("--defaults-sweep", action="store_true", help="the settings the defaults are picked from")
+    parser.add_argument("--sm90-sweep", action="store_true", help="the SM90 scoring kernel against the portable one")
     args = parser.parse_args()
-    if args.atomics_probe:
+    if args.sm90_sweep:
+        sm90_sweep(args.out_dir)
+    elif args.atomics_probe:
         atomics_probe(args.out_dir)
     elif args.defaults_sweep:
         defaults_sweep(args.out_dir)

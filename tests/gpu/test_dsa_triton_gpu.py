@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from longtrain.dsa.reference import indexer_topk_reference, sparse_mla_reference
+from longtrain.dsa.triton import IndexerConfig
 from tests.gpu._tolerance import assert_flash_rule
 
 pytestmark = [
@@ -439,3 +440,60 @@ def test_indexer_fp8_selects_a_maximal_set_of_the_fp8_scores(K):
     assert (
         selection_overlap(out[wide], bf16[wide]) > 0.9
     )  # what FP8 itself changes (0.98-0.99 on the CPU at these widths)
+
+
+def _sm90_or_skip():
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the SM90 indexer scoring kernel needs an SM90 GPU")
+
+
+@pytest.mark.parametrize(
+    ("H_I", "D_I", "dtype", "block_n", "num_buf", "K"),
+    [
+        pytest.param(32, 128, torch.bfloat16, 256, 5, 512, id="glm-64x256-ring5"),
+        pytest.param(32, 128, torch.bfloat16, 128, 6, 2048, id="glm-64x128-ring6"),
+        pytest.param(32, 128, torch.float16, 256, 3, 512, id="fp16-ring3"),
+        pytest.param(3, 64, torch.bfloat16, 256, 8, 512, id="3heads-d64-ring8"),
+        pytest.param(1, 256, torch.bfloat16, 128, 4, 300, id="1head-d256"),
+    ],
+)
+def test_indexer_sm90_scores_equal_the_portable_kernel(H_I, D_I, dtype, block_n, num_buf, K):
+    """The SM90 scoring kernel writes the portable kernel's score scratch bit for bit (the same entries, the same
+    keys; both into a sentinel-filled scratch), whole and as a row chunk starting mid-document, so the selection is
+    the same. Two documents, six padding rows, windows ending mid-tile, zero and negative head weights."""
+    from longtrain.dsa.triton.indexer_topk import indexer_topk_fwd, indexer_topk_fwd_scores, scores_route
+
+    _sm90_or_skip()
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(H_I * 1000 + D_I + K)
+    starts, causal = _indexer_layout(dev)
+    T = starts.shape[0]
+    q = torch.randn((T, H_I, D_I), generator=gen, device=dev).to(dtype)
+    k = torch.randn((T, D_I), generator=gen, device=dev).to(dtype)
+    w = torch.randn((T, H_I), generator=gen, device=dev) * (H_I * D_I) ** -0.5
+    w[100:200, 0] = 0.0
+    sm90 = IndexerConfig(scores_impl="sm90", sm90_block_n=block_n, sm90_num_buf=num_buf)
+    portable = IndexerConfig(scores_impl="triton")
+    assert scores_route(q, sm90, False) == "sm90"
+    for row0, row1 in ((0, T), (1000, 2500)):
+        scratch = []
+        for cfg in (portable, sm90):
+            s = torch.full((row1 - row0, T), 0x5A5A5A5A, dtype=torch.int32, device=dev)
+            indexer_topk_fwd_scores(q, k, w, None, starts, causal, s, row0, row1, K, cfg)
+            scratch.append(s)
+        assert torch.equal(scratch[0], scratch[1]), (row0, row1)
+        assert bool((scratch[1] != 0x5A5A5A5A).any())
+    assert torch.equal(indexer_topk_fwd(q, k, w, starts, causal, K, sm90),
+                       indexer_topk_fwd(q, k, w, starts, causal, K, portable))  # fmt: skip
+
+
+def test_indexer_auto_picks_the_sm90_scores_for_bf16_only():
+    from longtrain.dsa.triton.indexer_topk import scores_route
+
+    _sm90_or_skip()
+    q = torch.zeros((4, 32, 128), dtype=torch.bfloat16, device="cuda")
+    assert scores_route(q, IndexerConfig(), False) == "sm90"
+    assert scores_route(q, IndexerConfig(), True) == "triton"  # FP8 codes: the portable kernel
+    assert scores_route(q.float(), IndexerConfig(), False) == "triton"
+    with pytest.raises(ValueError, match="shared memory"):
+        scores_route(q.new_zeros((4, 32, 256)), IndexerConfig(scores_impl="sm90", sm90_num_buf=8), False)

@@ -447,6 +447,15 @@ def memcheck() -> None:
     for sample in (64, 0):
         cfg_s = IndexerConfig(block_m=64, block_n=128, select_sample=sample, select_cand=256)
         indexer_topk_triton(iq, ik, iw, st600, ca600, 24, config=cfg_s)
+    # Both scoring kernels: the portable one forced, and on SM90 the Gluon one at both key tiles and ring depths.
+    from longtrain.dsa.triton.indexer_topk_sm90 import sm90_scores_unfit
+
+    scores_cfgs = [IndexerConfig(scores_impl="triton")]
+    if sm90_scores_unfit(dev, iq.dtype, iq.shape[-1], False, 256, 3) is None:
+        scores_cfgs += [IndexerConfig(scores_impl="sm90", sm90_block_n=bn, sm90_num_buf=nb)
+                        for bn, nb in ((256, 5), (256, 3), (128, 8))]  # fmt: skip
+    for cfg_s in scores_cfgs:
+        indexer_topk_triton(iq, ik, iw, st600, ca600, 24, config=cfg_s)
     from longtrain.dsa.triton._common import indexer_fp8_unfit
 
     if indexer_fp8_unfit(dev) is None:  # the FP8 scores' variant of the scoring kernel (SM89+)

@@ -207,8 +207,25 @@ class IndexerConfig:
     select (still exact). ``None``: see :data:`SELECT_BY_KEYS`."""
     scratch_elements: int | None = None
     """Cap on the int32 score scratch (rows x key width); ``None`` = ``max(T_q * K, block_m * T_k)``."""
+    scores_impl: str = "auto"
+    """Scoring kernel: ``"auto"`` the SM90 Gluon kernel (``indexer_topk_fwd_sm90_kernel_scores``) where it applies
+    (CUDA SM90, bf16/fp16 operands, D_I of 64, 128 or 256, not ``fp8``), the portable Triton kernel elsewhere;
+    ``"sm90"`` the SM90 kernel (an error where it does not apply); ``"triton"`` the portable kernel. ``block_m``,
+    ``block_n``, ``num_warps`` and ``num_stages`` describe the portable kernel; the SM90 kernel's tile is 64 query rows
+    x ``sm90_block_n`` keys over two warpgroups."""
+    sm90_block_n: int = 256
+    """Keys per SM90 scoring program (128 or 256; the two warpgroups take half each)."""
+    sm90_num_buf: int = 5
+    """Query-tile buffers of the SM90 scoring kernel's ring (3 to 8; ``num_buf - 2`` heads are loaded ahead)."""
 
     def __post_init__(self) -> None:
+        if self.scores_impl not in ("auto", "sm90", "triton"):
+            raise ValueError(f"scores_impl must be one of 'auto', 'sm90', 'triton', got {self.scores_impl!r}")
+        if self.sm90_block_n not in (128, 256):
+            raise ValueError(f"sm90_block_n must be 128 or 256, got {self.sm90_block_n!r}")
+        num_buf = self.sm90_num_buf
+        if isinstance(num_buf, bool) or not isinstance(num_buf, int) or not 3 <= num_buf <= 8:
+            raise ValueError(f"sm90_num_buf must be an int in [3, 8], got {self.sm90_num_buf!r}")
         _check_pow2("block_m", self.block_m, 16, 256)
         _check_pow2("block_n", self.block_n, 16, 512)
         _check_pow2("num_warps", self.num_warps, 1, 16)

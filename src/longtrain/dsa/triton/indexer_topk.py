@@ -49,10 +49,12 @@ __all__ = [
     "indexer_fp8_operands_triton",
     "indexer_fp8_rows_kernel",
     "indexer_topk_fwd",
+    "indexer_topk_fwd_scores",
     "indexer_topk_fwd_kernel_scores",
     "indexer_topk_fwd_kernel_select",
     "indexer_topk_triton",
     "indexer_topk_triton_unchecked",
+    "scores_route",
 ]
 
 MAX_TOPK = 2048
@@ -371,6 +373,71 @@ def _chunk_rows(num_queries: int, num_keys: int, topk: int, cfg: IndexerConfig) 
     return min(rows, triton.cdiv(num_queries, cfg.block_m) * cfg.block_m)
 
 
+_SCORES_ROUTES: dict[tuple, str] = {}
+
+
+def scores_route(index_q: torch.Tensor, cfg: IndexerConfig, fp8: bool) -> str:
+    """The scoring kernel a call runs, ``"sm90"`` or ``"triton"`` (``cfg.scores_impl`` resolved; cached per device,
+    dtype, head width and config). A forced ``"sm90"`` that cannot run raises ``ValueError`` saying why."""
+    key = (str(index_q.device), index_q.dtype, index_q.shape[-1], fp8, cfg.scores_impl, cfg.sm90_block_n,
+           cfg.sm90_num_buf)  # fmt: skip
+    route = _SCORES_ROUTES.get(key)
+    if route is None:
+        if cfg.scores_impl == "triton":
+            route = "triton"
+        else:
+            from longtrain.dsa.triton.indexer_topk_sm90 import sm90_scores_unfit
+
+            reason = sm90_scores_unfit(
+                index_q.device, index_q.dtype, index_q.shape[-1], fp8, cfg.sm90_block_n, cfg.sm90_num_buf
+            )
+            if reason is not None and cfg.scores_impl == "sm90":
+                raise ValueError(
+                    f"IndexerConfig(scores_impl='sm90'): the SM90 scoring kernel cannot run here: {reason}. Use "
+                    "scores_impl='auto' (it picks the portable kernel where the SM90 one does not apply) or 'triton'"
+                )
+            route = "triton" if reason is not None else "sm90"
+        _SCORES_ROUTES[key] = route
+    return route
+
+
+def indexer_topk_fwd_scores(
+    index_q: torch.Tensor,
+    index_k: torch.Tensor,
+    head_weights: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    starts: torch.Tensor,
+    causal_lengths: torch.Tensor,
+    scratch: torch.Tensor,
+    row0: int,
+    row1: int,
+    index_topk: int,
+    cfg: IndexerConfig,
+) -> None:
+    """Score query rows ``[row0, row1)`` into ``scratch: [>= row1 - row0, T_k] int32`` (row-relative order-preserving
+    keys of the eligible scores of the rows wider than K; nothing else is written) with the kernel
+    :func:`scores_route` picks. Inputs as :func:`indexer_topk_fwd` takes them."""
+    num_heads, head_dim = index_q.shape[1], index_q.shape[2]
+    num_keys = index_k.shape[0]
+    args = (index_q, index_k, head_weights, k_scale if k_scale is not None else head_weights, starts,
+            causal_lengths, scratch, row0, row1, num_keys, index_topk, scratch.stride(0))  # fmt: skip
+    if scores_route(index_q, cfg, k_scale is not None) == "sm90":
+        from longtrain.dsa.triton.indexer_topk_sm90 import SM90_SCORES_BLOCK_M, indexer_topk_fwd_sm90_kernel_scores
+
+        grid = (triton.cdiv(row1 - row0, SM90_SCORES_BLOCK_M) * triton.cdiv(max(num_keys, 1), cfg.sm90_block_n),)
+        indexer_topk_fwd_sm90_kernel_scores[grid](
+            *args, H_I=num_heads, D_I=head_dim, BLOCK_M=SM90_SCORES_BLOCK_M, BLOCK_N=cfg.sm90_block_n,
+            NUM_BUF=cfg.sm90_num_buf, K_SCALE=False, num_warps=8,
+        )  # fmt: skip
+    else:
+        grid = (triton.cdiv(row1 - row0, cfg.block_m) * triton.cdiv(max(num_keys, 1), cfg.block_n),)
+        indexer_topk_fwd_kernel_scores[grid](
+            *args, H_I=num_heads, D_I=head_dim, BLOCK_D=next_pow2(head_dim), DOT_PREC=dot_precision(index_q.dtype),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, K_SCALE=k_scale is not None, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )  # fmt: skip
+
+
 def indexer_topk_fwd(
     index_q: torch.Tensor,
     index_k: torch.Tensor,
@@ -398,19 +465,12 @@ def indexer_topk_fwd(
     cand = scratch
     if select_sample > 0 and num_keys > index_topk:
         cand = torch.empty((chunk, select_cand), dtype=torch.int32, device=index_q.device)
-    n_kb = triton.cdiv(max(num_keys, 1), cfg.block_n)
-
     for row0 in range(0, num_queries, chunk):
         row1 = min(num_queries, row0 + chunk)
         if num_keys > index_topk:
-            grid = (triton.cdiv(row1 - row0, cfg.block_m) * n_kb,)
-            indexer_topk_fwd_kernel_scores[grid](
-                index_q, index_k, head_weights, k_scale if k_scale is not None else head_weights, starts,
-                causal_lengths, scratch, row0, row1, num_keys, index_topk, scratch.stride(0),
-                H_I=num_heads, D_I=head_dim, BLOCK_D=next_pow2(head_dim), DOT_PREC=dot_precision(index_q.dtype),
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, K_SCALE=k_scale is not None,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            )  # fmt: skip
+            indexer_topk_fwd_scores(
+                index_q, index_k, head_weights, k_scale, starts, causal_lengths, scratch, row0, row1, index_topk, cfg
+            )
         indexer_topk_fwd_kernel_select[(row1 - row0,)](
             scratch, starts, causal_lengths, out, cand, row0, num_keys, index_topk, scratch.stride(0),
             BLOCK=cfg.select_block, SAMPLE=select_sample, CAND=select_cand, num_warps=cfg.select_warps,

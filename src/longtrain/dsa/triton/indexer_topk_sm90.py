@@ -1,0 +1,162 @@
+"""Indexer scores for Hopper (SM90) in Gluon: one program per (query tile, key tile), wgmma with its epilogue hidden.
+
+Same contract and output as :func:`longtrain.dsa.triton.indexer_topk.indexer_topk_fwd_kernel_scores` (each eligible
+score ``I[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s])`` of a row that needs scores, as an order-preserving 32-bit
+key in the row-relative scratch), with the schedule written out:
+
+* the key tile ``[BLOCK_N, D_I]`` stays in shared memory; the two warpgroups split its keys, so each query head's
+  ``[BLOCK_M, D_I]`` tile is loaded once for ``BLOCK_N`` keys (the L2 traffic of the queries halves against a
+  ``[64, 128]`` tile);
+* the query tiles of the heads stream through a ring of ``NUM_BUF`` shared-memory buffers filled by ``cp.async``,
+  ``NUM_BUF - 2`` heads ahead;
+* head ``h``'s logits wgmma is issued before head ``h - 1``'s ``relu`` and weighted sum run on the CUDA cores, so the
+  tensor cores never wait for the epilogue (two logits tiles are live: 2 x 64 fp32 registers per thread at
+  ``BLOCK_N = 256``). The head sum runs in the same order as the portable kernel's, so the scores are the same.
+
+Gluon kernels do not run in Triton's CPU interpreter; :func:`sm90_scores_unfit` says when this kernel can run
+(``IndexerConfig.scores_impl`` picks it).
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+from longtrain.dsa.triton.sparse_mla_fwd_sm90 import _async_load, _cta_barrier, _gather_layout
+
+__all__ = ["SM90_SCORES_BLOCK_M", "indexer_topk_fwd_sm90_kernel_scores", "sm90_scores_smem_bytes", "sm90_scores_unfit"]
+
+#: Query rows per program (one wgmma tile of M = 64 per warpgroup).
+SM90_SCORES_BLOCK_M = 64
+
+
+@gluon.jit
+def _issue_q(q_rows, q_mask, h, H_I: gl.constexpr, D_I: gl.constexpr, buf):
+    """cp.async head ``h``'s query tile ``[BLOCK_M, D_I]`` into ``buf`` (zeros for rows past the chunk and for
+    ``h >= H_I``, the ring's tail), as one copy group."""
+    live = h < H_I
+    _async_load(buf, q_rows + gl.minimum(h, H_I - 1) * D_I, mask=q_mask & live)  # [BLOCK_M, D_I]
+    cp.commit_group()
+
+
+@gluon.jit(do_not_specialize=["row_begin", "row_end", "T_k", "topk", "scratch_stride"])
+def indexer_topk_fwd_sm90_kernel_scores(
+    q_ptr, k_ptr, w_ptr, ks_ptr, starts_ptr, lens_ptr, scratch_ptr,
+    row_begin, row_end, T_k, topk, scratch_stride,
+    H_I: gl.constexpr, D_I: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
+    K_SCALE: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    gl.static_assert(num_warps == 8, "two warpgroups splitting the keys")
+    gl.static_assert(NUM_BUF >= 3, "a ring of at least three query tiles (one read, one landed, one in flight)")
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
+    )
+    row_l: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    col_l: gl.constexpr = gl.SliceLayout(0, acc_layout)
+    LD: gl.constexpr = _gather_layout(D_I, num_warps)
+
+    pid = gl.program_id(0)
+    n_kb = gl.cdiv(T_k, BLOCK_N)
+    # Key blocks vary fastest: programs running together share their query rows in L2.
+    qb = pid // n_kb
+    kb = pid % n_kb
+    rows = row_begin + qb * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_l)
+    row_ok = rows < row_end
+    st = gl.load(starts_ptr + rows, mask=row_ok, other=0).to(gl.int64)  # [BLOCK_M]
+    ln = gl.load(lens_ptr + rows, mask=row_ok, other=0).to(gl.int64)  # [BLOCK_M]
+    # The window clipped to the key rows that exist (as the portable kernel's _clip_window).
+    ln = gl.where(st < 0, 0, gl.maximum(gl.minimum(ln, T_k - st), 0))
+    st = gl.minimum(gl.maximum(st, 0), gl.maximum(T_k - 1, 0))
+    need = row_ok & (ln > topk)
+    k_lo = kb * BLOCK_N
+    overlap = need & (st < k_lo + BLOCK_N) & (st + ln > k_lo)
+    if gl.max(overlap.to(gl.int32), 0) > 0:
+        q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D_I], dtype)
+        k_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_I], dtype)
+        q_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_M, D_I], q_sl)
+        k_buf = gl.allocate_shared_memory(dtype, [BLOCK_N, D_I], k_sl)
+
+        cd = gl.arange(0, D_I, layout=gl.SliceLayout(0, LD))
+        kr = k_lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD))
+        _async_load(k_buf, k_ptr + kr.to(gl.int64)[:, None] * D_I + cd[None, :], mask=(kr < T_k)[:, None])
+        qr = row_begin + qb * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LD))
+        q_rows = q_ptr + qr.to(gl.int64)[:, None] * (H_I * D_I) + cd[None, :]
+        q_mask = (qr < row_end)[:, None]
+        # Prologue: heads 0 .. NUM_BUF-3 in flight (the key tile in head 0's copy group).
+        for j in gl.static_range(NUM_BUF - 2):
+            _issue_q(q_rows, q_mask, j, H_I, D_I, q_bufs.index(j))
+
+        w_rows = w_ptr + rows.to(gl.int64) * H_I
+        k_t = k_buf.permute((1, 0))  # [D_I, BLOCK_N]
+        zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=acc_layout)
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=acc_layout)
+        # Head 0: its tile landed (and every thread's copies are visible), its wgmma in flight.
+        cp.wait_group(NUM_BUF - 3)
+        fence_async_shared()
+        _cta_barrier()
+        _issue_q(q_rows, q_mask, NUM_BUF - 2, H_I, D_I, q_bufs.index(NUM_BUF - 2))
+        prev = warpgroup_mma(q_bufs.index(0), k_t, zero, use_acc=False, is_async=True)  # [BLOCK_M, BLOCK_N]
+        w_prev = gl.load(w_rows, mask=row_ok, other=0.0)  # [BLOCK_M]
+        for h in range(1, H_I):
+            # Head h's tile has landed; every warp is past head h-1's wait, so head h-2's buffer is free.
+            cp.wait_group(NUM_BUF - 3)
+            fence_async_shared()
+            _cta_barrier()
+            _issue_q(q_rows, q_mask, h + NUM_BUF - 2, H_I, D_I, q_bufs.index((h + NUM_BUF - 2) % NUM_BUF))
+            cur = warpgroup_mma(q_bufs.index(h % NUM_BUF), k_t, zero, use_acc=False, is_async=True)
+            w_cur = gl.load(w_rows + h, mask=row_ok, other=0.0)  # [BLOCK_M]
+            prev = warpgroup_mma_wait(num_outstanding=1, deps=(prev,))
+            acc += gl.maximum(prev, 0.0) * w_prev[:, None]
+            prev = cur
+            w_prev = w_cur
+        prev = warpgroup_mma_wait(num_outstanding=0, deps=(prev,))
+        acc += gl.maximum(prev, 0.0) * w_prev[:, None]
+        cp.wait_group(0)
+
+        offs_n = k_lo + gl.arange(0, BLOCK_N, layout=col_l)
+        if K_SCALE:  # FP8 keys: each key row's (positive, power-of-two) scale, taken out of the head sum
+            acc *= gl.load(ks_ptr + offs_n, mask=offs_n < T_k, other=0.0)[None, :]
+        # Order-preserving map float -> uint32 (stored as int32), -0.0 folded into +0.0 (as the portable kernel).
+        acc = gl.where(acc == 0.0, 0.0, acc)
+        bits = acc.to(gl.int32, bitcast=True)
+        key = bits ^ ((bits >> 31) | -2147483648)
+        cols = offs_n.to(gl.int64)[None, :] - st[:, None]
+        eligible = need[:, None] & (cols >= 0) & (cols < ln[:, None])
+        out_rows = scratch_ptr + (rows - row_begin).to(gl.int64)[:, None] * scratch_stride
+        gl.store(out_rows + cols, key, mask=eligible)  # [BLOCK_M, BLOCK_N]
+
+
+def sm90_scores_smem_bytes(block_n: int, num_buf: int, head_dim: int, elem_bytes: int = 2) -> int:
+    """Shared memory of one program: the key tile and the ring of query tiles."""
+    return (block_n + num_buf * SM90_SCORES_BLOCK_M) * head_dim * elem_bytes
+
+
+def sm90_scores_unfit(
+    device: torch.device, dtype: torch.dtype, head_dim: int, fp8: bool, block_n: int, num_buf: int
+) -> str | None:
+    """``None`` when :func:`indexer_topk_fwd_sm90_kernel_scores` scores ``index_q`` of ``dtype`` with head width
+    ``head_dim`` on ``device`` with ``block_n`` keys per program and ``num_buf`` query tiles, else why not."""
+    from longtrain.dsa.triton.sparse_mla_fwd import SM90_SMEM_BYTES
+
+    if device.type != "cuda":
+        return f"it runs on CUDA SM90 GPUs, not on {device.type}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 9:
+        return f"it needs an SM90 (Hopper) GPU, {device} is SM{major}{minor}"
+    if fp8:
+        return "it scores bf16/fp16 operands (FP8 codes run on the portable kernel)"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"it takes bf16/fp16 inputs, got {dtype}"
+    if head_dim not in (64, 128, 256):
+        return f"it needs D_I of 64, 128 or 256, got {head_dim}"
+    smem = sm90_scores_smem_bytes(block_n, num_buf, head_dim)
+    if smem > SM90_SMEM_BYTES:
+        return (
+            f"{block_n} keys x {num_buf} query tiles at D_I={head_dim} need {smem} bytes of shared memory, more than "
+            f"the {SM90_SMEM_BYTES} an SM90 program gets: lower sm90_block_n or sm90_num_buf"
+        )
+    return None

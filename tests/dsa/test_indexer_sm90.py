@@ -1,0 +1,63 @@
+"""The SM90 (Gluon) indexer scoring kernel on a CPU-only machine: its config, its route, its sm_90a compilation.
+
+Its numbers are checked on the GPU (tests/gpu/test_dsa_triton_gpu.py: the score scratch equal to the portable
+kernel's bit for bit); Gluon kernels do not run in the interpreter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from longtrain.dsa.triton import IndexerConfig
+from tests.dsa._sm90_compile import compile_sm90, cuobjdump
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("scores_impl", "gluon", "scores_impl must be one of 'auto', 'sm90', 'triton'"),
+        ("sm90_block_n", 64, "sm90_block_n must be 128 or 256"),
+        ("sm90_num_buf", 2, r"sm90_num_buf must be an int in \[3, 8\]"),
+        ("sm90_num_buf", True, r"sm90_num_buf must be an int in \[3, 8\]"),
+    ],
+    ids=["impl", "block_n", "ring-2", "ring-bool"],
+)
+def test_indexer_config_refuses_bad_sm90_fields(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        IndexerConfig(**{field: value})
+
+
+def test_scores_route_on_cpu():
+    """``auto`` falls back to the portable kernel off SM90; a forced ``sm90`` says why it cannot run and what to use."""
+    from longtrain.dsa.triton.indexer_topk import scores_route
+
+    q = torch.zeros((4, 2, 128), dtype=torch.bfloat16)
+    assert scores_route(q, IndexerConfig(), False) == "triton"
+    assert scores_route(q, IndexerConfig(scores_impl="triton"), False) == "triton"
+    with pytest.raises(ValueError, match=r"scores_impl='sm90'.*CUDA SM90.*scores_impl='auto'"):
+        scores_route(q, IndexerConfig(scores_impl="sm90"), False)
+
+
+def test_sm90_scores_unfit_reasons_and_shared_memory():
+    from longtrain.dsa.triton.indexer_topk_sm90 import sm90_scores_smem_bytes, sm90_scores_unfit
+    from longtrain.dsa.triton.sparse_mla_fwd import SM90_SMEM_BYTES
+
+    assert "CUDA SM90" in sm90_scores_unfit(torch.device("cpu"), torch.bfloat16, 128, False, 256, 5)
+    # The key tile and the ring of query tiles: 256 keys + 5 x 64 queries of 128 bf16 = 144 KiB.
+    assert sm90_scores_smem_bytes(256, 5, 128) == (256 + 320) * 256
+    assert sm90_scores_smem_bytes(256, 8, 128) <= SM90_SMEM_BYTES
+    assert sm90_scores_smem_bytes(256, 3, 256) > SM90_SMEM_BYTES  # D_I = 256 needs 128-key tiles
+    assert sm90_scores_smem_bytes(128, 4, 256) <= SM90_SMEM_BYTES
+
+
+@pytest.mark.skipif(cuobjdump() is None, reason="needs triton with its bundled NVIDIA toolchain (ptxas, cuobjdump)")
+def test_sm90_scores_kernel_compiles_for_hopper_without_spills():
+    """The default tile (64 rows x 256 keys, a ring of 5 query tiles) at the GLM-5.2 indexer dims, compiled for
+    sm_90a here: cp.async + wgmma, no spills, shared memory within what an SM90 block can have."""
+    types = ["*bf16", "*bf16", "*fp32", "*fp32", "*i32", "*i32", "*i32", "i32", "i32", "i32", "i32", "i32"]
+    consts = dict(H_I=32, D_I=128, BLOCK_M=64, BLOCK_N=256, NUM_BUF=5, K_SCALE=False)
+    stats = compile_sm90("longtrain.dsa.triton.indexer_topk_sm90", "indexer_topk_fwd_sm90_kernel_scores", types, consts)
+    assert stats["cp_async"] and stats["wgmma"], stats
+    assert stats["shared"] <= 232448, stats
+    assert stats["stack"] == 0 and stats["local"] == 0, stats
