@@ -33,8 +33,18 @@ with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
     usage = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
 m = re.search(r"REG:(\\d+) STACK:(\\d+) SHARED:\\d+ LOCAL:(\\d+)", usage)
 ptx = compiled.asm["ptx"]
+# ptxas says (C7510-C7520) when it serializes the wgmma pipeline, e.g. because other instructions touch an
+# in-flight accumulator: every wgmma then waits for the one before it.
+with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as f:
+    f.write(ptx)
+    f.flush()
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    info = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"], capture_output=True,
+                          text=True).stderr
+serialized = [line for line in info.splitlines() if "wgmma.mma_async instructions are serialized" in line]
 print(json.dumps(dict(shared=compiled.metadata.shared, regs=int(m[1]), stack=int(m[2]), local=int(m[3]),
-                      cp_async="cp.async.cg.shared.global" in ptx, wgmma="wgmma.mma_async" in ptx)))
+                      cp_async="cp.async.cg.shared.global" in ptx, wgmma="wgmma.mma_async" in ptx,
+                      wgmma_serialized=serialized)))
 """
 
 

@@ -455,6 +455,8 @@ def _sm90_or_skip():
         pytest.param(32, 128, torch.float16, 256, 3, 512, id="fp16-ring3"),
         pytest.param(3, 64, torch.bfloat16, 256, 8, 512, id="3heads-d64-ring8"),
         pytest.param(1, 256, torch.bfloat16, 128, 4, 300, id="1head-d256"),
+        pytest.param(17, 128, torch.bfloat16, 256, 5, 512, id="17heads-group1"),
+        pytest.param(24, 128, torch.bfloat16, 256, 4, 512, id="24heads-group8"),
     ],
 )
 def test_indexer_sm90_scores_equal_the_portable_kernel(H_I, D_I, dtype, block_n, num_buf, K):

@@ -217,6 +217,10 @@ class IndexerConfig:
     """Keys per SM90 scoring program (128 or 256; the two warpgroups take half each)."""
     sm90_num_buf: int = 5
     """Query-tile buffers of the SM90 scoring kernel's ring (3 to 8; ``num_buf - 2`` heads are loaded ahead)."""
+    sm90_group: int = 8
+    """Most heads per unrolled step of the SM90 scoring kernel's head loop (1 to 16; the largest divisor of H_I up to
+    this, all heads when H_I <= 16): within a step each head's sum overlaps the next head's wgmma, between steps
+    it does not."""
 
     def __post_init__(self) -> None:
         if self.scores_impl not in ("auto", "sm90", "triton"):
@@ -226,6 +230,9 @@ class IndexerConfig:
         num_buf = self.sm90_num_buf
         if isinstance(num_buf, bool) or not isinstance(num_buf, int) or not 3 <= num_buf <= 8:
             raise ValueError(f"sm90_num_buf must be an int in [3, 8], got {self.sm90_num_buf!r}")
+        group = self.sm90_group
+        if isinstance(group, bool) or not isinstance(group, int) or not 1 <= group <= 16:
+            raise ValueError(f"sm90_group must be an int in [1, 16], got {group!r}")
         _check_pow2("block_m", self.block_m, 16, 256)
         _check_pow2("block_n", self.block_n, 16, 512)
         _check_pow2("num_warps", self.num_warps, 1, 16)

@@ -422,12 +422,16 @@ def indexer_topk_fwd_scores(
     args = (index_q, index_k, head_weights, k_scale if k_scale is not None else head_weights, starts,
             causal_lengths, scratch, row0, row1, num_keys, index_topk, scratch.stride(0))  # fmt: skip
     if scores_route(index_q, cfg, k_scale is not None) == "sm90":
-        from longtrain.dsa.triton.indexer_topk_sm90 import SM90_SCORES_BLOCK_M, indexer_topk_fwd_sm90_kernel_scores
+        from longtrain.dsa.triton.indexer_topk_sm90 import (
+            SM90_SCORES_BLOCK_M,
+            head_group,
+            indexer_topk_fwd_sm90_kernel_scores,
+        )
 
         grid = (triton.cdiv(row1 - row0, SM90_SCORES_BLOCK_M) * triton.cdiv(max(num_keys, 1), cfg.sm90_block_n),)
         indexer_topk_fwd_sm90_kernel_scores[grid](
             *args, H_I=num_heads, D_I=head_dim, BLOCK_M=SM90_SCORES_BLOCK_M, BLOCK_N=cfg.sm90_block_n,
-            NUM_BUF=cfg.sm90_num_buf, K_SCALE=False, num_warps=8,
+            NUM_BUF=cfg.sm90_num_buf, GROUP=head_group(num_heads, cfg.sm90_group), K_SCALE=False, num_warps=8,
         )  # fmt: skip
     else:
         grid = (triton.cdiv(row1 - row0, cfg.block_m) * triton.cdiv(max(num_keys, 1), cfg.block_n),)

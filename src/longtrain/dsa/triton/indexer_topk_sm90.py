@@ -27,7 +27,13 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from longtrain.dsa.triton.sparse_mla_fwd_sm90 import _async_load, _cta_barrier, _gather_layout
 
-__all__ = ["SM90_SCORES_BLOCK_M", "indexer_topk_fwd_sm90_kernel_scores", "sm90_scores_smem_bytes", "sm90_scores_unfit"]
+__all__ = [
+    "SM90_SCORES_BLOCK_M",
+    "head_group",
+    "indexer_topk_fwd_sm90_kernel_scores",
+    "sm90_scores_smem_bytes",
+    "sm90_scores_unfit",
+]
 
 #: Query rows per program (one wgmma tile of M = 64 per warpgroup).
 SM90_SCORES_BLOCK_M = 64
@@ -42,14 +48,63 @@ def _issue_q(q_rows, q_mask, h, H_I: gl.constexpr, D_I: gl.constexpr, buf):
     cp.commit_group()
 
 
+@gluon.jit
+def _window(starts_ptr, lens_ptr, rows, row_ok, T_k, topk):
+    """Each row's key window clipped to the key rows that exist (as the portable kernel's ``_clip_window``), and
+    whether the row needs scores (more eligible keys than K): ``(st, ln, need)``, ``[BLOCK_M]`` each."""
+    st = gl.load(starts_ptr + rows, mask=row_ok, other=0).to(gl.int64)  # [BLOCK_M]
+    ln = gl.load(lens_ptr + rows, mask=row_ok, other=0).to(gl.int64)  # [BLOCK_M]
+    ln = gl.where(st < 0, 0, gl.maximum(gl.minimum(ln, T_k - st), 0))
+    st = gl.minimum(gl.maximum(st, 0), gl.maximum(T_k - 1, 0))
+    return st, ln, row_ok & (ln > topk)
+
+
+@gluon.jit
+def _head_mma(h, q_bufs, k_t, dead, q_rows, q_mask, H_I: gl.constexpr, D_I: gl.constexpr, NUM_BUF: gl.constexpr):
+    """Head ``h``'s step: once its query tile has landed (every thread's copies visible, every warp past head h-1's
+    wait, so head h-2's buffer is free), issue its logits wgmma, then refill head h-2's buffer with head
+    ``h + NUM_BUF - 2``. Returns the logits ``[BLOCK_M, BLOCK_N]`` in flight, in the registers of ``dead`` (a tile
+    whose values are no longer needed)."""
+    cp.wait_group(NUM_BUF - 3)
+    fence_async_shared()
+    _cta_barrier()
+    s = warpgroup_mma(q_bufs.index(h % NUM_BUF), k_t, dead, use_acc=False, is_async=True)
+    _issue_q(q_rows, q_mask, h + NUM_BUF - 2, H_I, D_I, q_bufs.index((h + NUM_BUF - 2) % NUM_BUF))
+    return s
+
+
+@gluon.jit
+def _head_group(h0, n: gl.constexpr, acc, a, b, q_bufs, k_t, q_rows, q_mask, w_rows, row_ok, H_I: gl.constexpr,
+                D_I: gl.constexpr, NUM_BUF: gl.constexpr):  # fmt: skip
+    """Heads ``h0 .. h0 + n - 1`` added into ``acc``; ``a`` and ``b`` are two consumed logits tiles whose registers
+    the wgmmas take. Returns ``(acc, a, b)`` with nothing in flight."""
+    a = _head_mma(h0, q_bufs, k_t, a, q_rows, q_mask, H_I, D_I, NUM_BUF)  # [BLOCK_M, BLOCK_N], in flight
+    w_a = gl.load(w_rows + h0, mask=row_ok, other=0.0)  # [BLOCK_M]
+    for j in gl.static_range(1, n):
+        b = _head_mma(h0 + j, q_bufs, k_t, b, q_rows, q_mask, H_I, D_I, NUM_BUF)
+        w_b = gl.load(w_rows + h0 + j, mask=row_ok, other=0.0)  # [BLOCK_M]
+        a = warpgroup_mma_wait(num_outstanding=1, deps=(a,))
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc + gl.maximum(a, 0.0) * w_a[:, None],))
+        a, b = b, a
+        w_a = w_b
+    a = warpgroup_mma_wait(num_outstanding=0, deps=(a,))
+    acc += gl.maximum(a, 0.0) * w_a[:, None]
+    return acc, a, b
+
+
 @gluon.jit(do_not_specialize=["row_begin", "row_end", "T_k", "topk", "scratch_stride"])
 def indexer_topk_fwd_sm90_kernel_scores(
     q_ptr, k_ptr, w_ptr, ks_ptr, starts_ptr, lens_ptr, scratch_ptr,
     row_begin, row_end, T_k, topk, scratch_stride,
     H_I: gl.constexpr, D_I: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
-    K_SCALE: gl.constexpr, num_warps: gl.constexpr,
+    GROUP: gl.constexpr, K_SCALE: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     gl.static_assert(num_warps == 8, "two warpgroups splitting the keys")
+    gl.static_assert(
+        H_I % GROUP == 0,
+        "the head groups tile the heads (a remainder group after the loop makes ptxas "
+        "serialize the wgmmas): see head_group()",
+    )
     gl.static_assert(NUM_BUF >= 3, "a ring of at least three query tiles (one read, one landed, one in flight)")
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -66,12 +121,7 @@ def indexer_topk_fwd_sm90_kernel_scores(
     kb = pid % n_kb
     rows = row_begin + qb * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_l)
     row_ok = rows < row_end
-    st = gl.load(starts_ptr + rows, mask=row_ok, other=0).to(gl.int64)  # [BLOCK_M]
-    ln = gl.load(lens_ptr + rows, mask=row_ok, other=0).to(gl.int64)  # [BLOCK_M]
-    # The window clipped to the key rows that exist (as the portable kernel's _clip_window).
-    ln = gl.where(st < 0, 0, gl.maximum(gl.minimum(ln, T_k - st), 0))
-    st = gl.minimum(gl.maximum(st, 0), gl.maximum(T_k - 1, 0))
-    need = row_ok & (ln > topk)
+    st, ln, need = _window(starts_ptr, lens_ptr, rows, row_ok, T_k, topk)
     k_lo = kb * BLOCK_N
     overlap = need & (st < k_lo + BLOCK_N) & (st + ln > k_lo)
     if gl.max(overlap.to(gl.int32), 0) > 0:
@@ -94,27 +144,16 @@ def indexer_topk_fwd_sm90_kernel_scores(
         k_t = k_buf.permute((1, 0))  # [D_I, BLOCK_N]
         zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=acc_layout)
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=acc_layout)
-        # Head 0: its tile landed (and every thread's copies are visible), its wgmma in flight.
-        cp.wait_group(NUM_BUF - 3)
-        fence_async_shared()
-        _cta_barrier()
-        _issue_q(q_rows, q_mask, NUM_BUF - 2, H_I, D_I, q_bufs.index(NUM_BUF - 2))
-        prev = warpgroup_mma(q_bufs.index(0), k_t, zero, use_acc=False, is_async=True)  # [BLOCK_M, BLOCK_N]
-        w_prev = gl.load(w_rows, mask=row_ok, other=0.0)  # [BLOCK_M]
-        for h in range(1, H_I):
-            # Head h's tile has landed; every warp is past head h-1's wait, so head h-2's buffer is free.
-            cp.wait_group(NUM_BUF - 3)
-            fence_async_shared()
-            _cta_barrier()
-            _issue_q(q_rows, q_mask, h + NUM_BUF - 2, H_I, D_I, q_bufs.index((h + NUM_BUF - 2) % NUM_BUF))
-            cur = warpgroup_mma(q_bufs.index(h % NUM_BUF), k_t, zero, use_acc=False, is_async=True)
-            w_cur = gl.load(w_rows + h, mask=row_ok, other=0.0)  # [BLOCK_M]
-            prev = warpgroup_mma_wait(num_outstanding=1, deps=(prev,))
-            acc += gl.maximum(prev, 0.0) * w_prev[:, None]
-            prev = cur
-            w_prev = w_cur
-        prev = warpgroup_mma_wait(num_outstanding=0, deps=(prev,))
-        acc += gl.maximum(prev, 0.0) * w_prev[:, None]
+        # Heads run in groups of GROUP, unrolled: in a group, head j+1's wgmma is issued before head j's relu and
+        # weighted sum, and each wgmma writes the registers of a logits tile already consumed, so no other
+        # instruction defines or reads an accumulator in flight (else ptxas serializes every wgmma). Nothing is in
+        # flight across the loop's back edge. Each head's sum ends in a no-op wait on ``acc`` that keeps the
+        # compiler from moving it past the next wgmma. The head sum runs in head order, as the portable kernel's.
+        a = zero
+        b = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=acc_layout)
+        for g in range(0, H_I // GROUP):
+            acc, a, b = _head_group(g * GROUP, GROUP, acc, a, b, q_bufs, k_t, q_rows, q_mask, w_rows, row_ok,
+                                    H_I, D_I, NUM_BUF)  # fmt: skip
         cp.wait_group(0)
 
         offs_n = k_lo + gl.arange(0, BLOCK_N, layout=col_l)
@@ -124,10 +163,20 @@ def indexer_topk_fwd_sm90_kernel_scores(
         acc = gl.where(acc == 0.0, 0.0, acc)
         bits = acc.to(gl.int32, bitcast=True)
         key = bits ^ ((bits >> 31) | -2147483648)
+        # The windows again (reloaded, not held in registers through the head loop).
+        st, ln, need = _window(starts_ptr, lens_ptr, rows, row_ok, T_k, topk)
         cols = offs_n.to(gl.int64)[None, :] - st[:, None]
         eligible = need[:, None] & (cols >= 0) & (cols < ln[:, None])
         out_rows = scratch_ptr + (rows - row_begin).to(gl.int64)[:, None] * scratch_stride
         gl.store(out_rows + cols, key, mask=eligible)  # [BLOCK_M, BLOCK_N]
+
+
+def head_group(num_heads: int, most: int) -> int:
+    """Heads per unrolled step of the kernel's head loop: the largest divisor of ``num_heads`` up to ``most``, or
+    all heads when there are at most 16 (a group of one head cannot overlap its sum with the next head's wgmma)."""
+    if num_heads <= 16:
+        return num_heads
+    return max(d for d in range(1, most + 1) if num_heads % d == 0)
 
 
 def sm90_scores_smem_bytes(block_n: int, num_buf: int, head_dim: int, elem_bytes: int = 2) -> int:
