@@ -22,9 +22,8 @@ from tests.dsa._sm90_compile import compile_sm90, cuobjdump
         ("sm90_num_buf", True, r"sm90_num_buf must be an int in \[3, 8\]"),
         ("sm90_group", 0, r"sm90_group must be an int in \[1, 16\]"),
         ("sm90_group", 32, r"sm90_group must be an int in \[1, 16\]"),
-        ("sm90_key_tiles", 0, r"sm90_key_tiles must be an int in \[1, 8\]"),
     ],
-    ids=["impl", "block_n", "ring-2", "ring-bool", "group-0", "group-32", "key-tiles-0"],
+    ids=["impl", "block_n", "ring-2", "ring-bool", "group-0", "group-32"],
 )
 def test_indexer_config_refuses_bad_sm90_fields(field, value, match):
     with pytest.raises(ValueError, match=match):
@@ -47,21 +46,11 @@ def test_sm90_scores_unfit_reasons_and_shared_memory():
     from longtrain.dsa.triton.sparse_mla_fwd import SM90_SMEM_BYTES
 
     assert "CUDA SM90" in sm90_scores_unfit(torch.device("cpu"), torch.bfloat16, 128, False, 256, 5)
-    # The key tile and the ring of query tiles: 256 keys + 5 x 64 queries of 128 bf16 = 144 KiB; two key tiles
-    # (the next one loading) 208 KiB.
+    # The key tile and the ring of query tiles: 256 keys + 5 x 64 queries of 128 bf16 = 144 KiB.
     assert sm90_scores_smem_bytes(256, 5, 128) == (256 + 320) * 256
-    assert sm90_scores_smem_bytes(256, 5, 128, key_tiles=2) == (512 + 320) * 256 <= SM90_SMEM_BYTES
-    assert sm90_scores_smem_bytes(256, 6, 128, key_tiles=2) > SM90_SMEM_BYTES
     assert sm90_scores_smem_bytes(256, 8, 128) <= SM90_SMEM_BYTES
     assert sm90_scores_smem_bytes(256, 3, 256) > SM90_SMEM_BYTES  # D_I = 256 needs 128-key tiles
     assert sm90_scores_smem_bytes(128, 4, 256) <= SM90_SMEM_BYTES
-
-
-def test_key_tiles_need_enough_heads_to_hide_the_next_tile():
-    from longtrain.dsa.triton.indexer_topk_sm90 import key_tiles
-
-    assert key_tiles(32, 5, 2) == 2 and key_tiles(3, 5, 4) == 4
-    assert key_tiles(2, 5, 2) == 1  # 2 heads < the 3 steps the ring loads ahead
 
 
 def test_head_group_divides_the_heads():
@@ -74,11 +63,11 @@ def test_head_group_divides_the_heads():
 
 @pytest.mark.skipif(cuobjdump() is None, reason="needs triton with its bundled NVIDIA toolchain (ptxas, cuobjdump)")
 @pytest.mark.parametrize(
-    ("H_I", "block_n", "group", "tiles"),
-    [(32, 256, 8, 2), (32, 256, 8, 1), (32, 128, 8, 2), (3, 256, 3, 2)],
-    ids=["glm-64x256-2tiles", "glm-64x256-1tile", "glm-64x128", "3heads"],
+    ("H_I", "block_n", "group"),
+    [(32, 256, 8), (32, 128, 8), (3, 256, 3)],
+    ids=["glm-64x256", "glm-64x128", "3heads"],
 )
-def test_sm90_scores_kernel_compiles_for_hopper_without_spills(H_I, block_n, group, tiles):
+def test_sm90_scores_kernel_compiles_for_hopper_without_spills(H_I, block_n, group):
     """The GLM-5.2 indexer dims, compiled for sm_90a here: cp.async + wgmma, no spills, shared memory within what
     an SM90 block can have, and the wgmma pipeline kept (ptxas serializes every wgmma when another instruction
     touches an accumulator in flight: it did with a head loop that carried a tile in flight across its back
@@ -86,13 +75,12 @@ def test_sm90_scores_kernel_compiles_for_hopper_without_spills(H_I, block_n, gro
     import triton
 
     types = ["*bf16", "*bf16", "*fp32", "*fp32", "*i32", "*i32", "*i32", "i32", "i32", "i32", "i32", "i32"]
-    consts = dict(H_I=H_I, D_I=128, BLOCK_M=64, BLOCK_N=block_n, NUM_BUF=5, GROUP=group, KEY_TILES=tiles,
-                  K_SCALE=False)  # fmt: skip
+    consts = dict(H_I=H_I, D_I=128, BLOCK_M=64, BLOCK_N=block_n, NUM_BUF=5, GROUP=group, K_SCALE=False)
     stats = compile_sm90("longtrain.dsa.triton.indexer_topk_sm90", "indexer_topk_fwd_sm90_kernel_scores", types, consts)
     assert stats["cp_async"] and stats["wgmma"], stats
     assert stats["shared"] <= 232448, stats
     assert stats["wgmma_serialized"] == [], stats
-    # Triton 3.6 (the H200 machine's compiler) allocates these without spills; Triton 3.9's register allocation
-    # spills 16-88 bytes of them (measured here), so the spill check holds for 3.6 only.
-    if triton.__version__.startswith("3.6."):
+    # Triton 3.6 (the H200 machine's) allocates every tile without spills; Triton 3.9 spills 16-24 bytes of the
+    # 64 x 256 tile (255 registers either way).
+    if block_n == 128 or H_I < 32 or triton.__version__.startswith("3.6."):
         assert stats["stack"] == 0 and stats["local"] == 0, stats

@@ -221,10 +221,6 @@ class IndexerConfig:
     """Most heads per unrolled step of the SM90 scoring kernel's head loop (1 to 16; the largest divisor of H_I up to
     this, all heads when H_I <= 16): within a step each head's sum overlaps the next head's wgmma, between steps
     it does not."""
-    sm90_key_tiles: int = 2
-    """Key tiles a SM90 scoring program runs one after the other (1 to 8): the next tile's keys load under the
-    current one's heads and the query ring runs on, so only the first tile waits for its loads (1 where H_I is
-    below ``sm90_num_buf - 2``)."""
 
     def __post_init__(self) -> None:
         if self.scores_impl not in ("auto", "sm90", "triton"):
@@ -237,9 +233,6 @@ class IndexerConfig:
         group = self.sm90_group
         if isinstance(group, bool) or not isinstance(group, int) or not 1 <= group <= 16:
             raise ValueError(f"sm90_group must be an int in [1, 16], got {group!r}")
-        tiles = self.sm90_key_tiles
-        if isinstance(tiles, bool) or not isinstance(tiles, int) or not 1 <= tiles <= 8:
-            raise ValueError(f"sm90_key_tiles must be an int in [1, 8], got {tiles!r}")
         _check_pow2("block_m", self.block_m, 16, 256)
         _check_pow2("block_n", self.block_n, 16, 512)
         _check_pow2("num_warps", self.num_warps, 1, 16)

@@ -379,19 +379,18 @@ _SCORES_ROUTES: dict[tuple, str] = {}
 def scores_route(index_q: torch.Tensor, cfg: IndexerConfig, fp8: bool) -> str:
     """The scoring kernel a call runs, ``"sm90"`` or ``"triton"`` (``cfg.scores_impl`` resolved; cached per device,
     dtype, head width and config). A forced ``"sm90"`` that cannot run raises ``ValueError`` saying why."""
-    key = (str(index_q.device), index_q.dtype, index_q.shape[1], index_q.shape[-1], fp8, cfg.scores_impl,
-           cfg.sm90_block_n, cfg.sm90_num_buf, cfg.sm90_key_tiles)  # fmt: skip
+    key = (str(index_q.device), index_q.dtype, index_q.shape[-1], fp8, cfg.scores_impl, cfg.sm90_block_n,
+           cfg.sm90_num_buf)  # fmt: skip
     route = _SCORES_ROUTES.get(key)
     if route is None:
         if cfg.scores_impl == "triton":
             route = "triton"
         else:
-            from longtrain.dsa.triton.indexer_topk_sm90 import key_tiles, sm90_scores_unfit
+            from longtrain.dsa.triton.indexer_topk_sm90 import sm90_scores_unfit
 
             reason = sm90_scores_unfit(
-                index_q.device, index_q.dtype, index_q.shape[-1], fp8, cfg.sm90_block_n, cfg.sm90_num_buf,
-                key_tiles(index_q.shape[1], cfg.sm90_num_buf, cfg.sm90_key_tiles),
-            )  # fmt: skip
+                index_q.device, index_q.dtype, index_q.shape[-1], fp8, cfg.sm90_block_n, cfg.sm90_num_buf
+            )
             if reason is not None and cfg.scores_impl == "sm90":
                 raise ValueError(
                     f"IndexerConfig(scores_impl='sm90'): the SM90 scoring kernel cannot run here: {reason}. Use "
@@ -427,16 +426,12 @@ def indexer_topk_fwd_scores(
             SM90_SCORES_BLOCK_M,
             head_group,
             indexer_topk_fwd_sm90_kernel_scores,
-            key_tiles,
         )
 
-        tiles = key_tiles(num_heads, cfg.sm90_num_buf, cfg.sm90_key_tiles)
-        n_kc = triton.cdiv(max(num_keys, 1), cfg.sm90_block_n * tiles)
-        grid = (triton.cdiv(row1 - row0, SM90_SCORES_BLOCK_M) * n_kc,)
+        grid = (triton.cdiv(row1 - row0, SM90_SCORES_BLOCK_M) * triton.cdiv(max(num_keys, 1), cfg.sm90_block_n),)
         indexer_topk_fwd_sm90_kernel_scores[grid](
             *args, H_I=num_heads, D_I=head_dim, BLOCK_M=SM90_SCORES_BLOCK_M, BLOCK_N=cfg.sm90_block_n,
-            NUM_BUF=cfg.sm90_num_buf, GROUP=head_group(num_heads, cfg.sm90_group), KEY_TILES=tiles, K_SCALE=False,
-            num_warps=8,
+            NUM_BUF=cfg.sm90_num_buf, GROUP=head_group(num_heads, cfg.sm90_group), K_SCALE=False, num_warps=8,
         )  # fmt: skip
     else:
         grid = (triton.cdiv(row1 - row0, cfg.block_m) * triton.cdiv(max(num_keys, 1), cfg.block_n),)
