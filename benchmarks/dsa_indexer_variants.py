@@ -301,8 +301,8 @@ def defaults_sweep(out_dir: Path) -> None:
 
 
 # (sm90_block_n, sm90_num_buf, sm90_group) of the SM90 scoring kernel, the default first.
-_SM90_TILES = ((256, 5, 8), (256, 4, 8), (256, 6, 8), (256, 3, 8), (256, 5, 4), (256, 5, 16), (128, 5, 8),
-               (128, 8, 8))  # fmt: skip
+_SM90_TILES = ((256, 5, 16), (256, 4, 16), (256, 5, 8), (256, 4, 8), (256, 6, 8), (256, 3, 8), (256, 5, 4),
+               (128, 5, 8), (128, 8, 8))  # fmt: skip
 
 
 def _sm90_case(total: int, layout: str, rows: list, device: str = "cuda") -> None:

@@ -64,8 +64,8 @@ def test_head_group_divides_the_heads():
 @pytest.mark.skipif(cuobjdump() is None, reason="needs triton with its bundled NVIDIA toolchain (ptxas, cuobjdump)")
 @pytest.mark.parametrize(
     ("H_I", "block_n", "group"),
-    [(32, 256, 8), (32, 128, 8), (3, 256, 3)],
-    ids=["glm-64x256", "glm-64x128", "3heads"],
+    [(32, 256, 16), (32, 256, 8), (32, 128, 8), (3, 256, 3)],
+    ids=["glm-64x256-group16", "glm-64x256-group8", "glm-64x128", "3heads"],
 )
 def test_sm90_scores_kernel_compiles_for_hopper_without_spills(H_I, block_n, group):
     """The GLM-5.2 indexer dims, compiled for sm_90a here: cp.async + wgmma, no spills, shared memory within what
