@@ -168,8 +168,8 @@ def test_doctor_prints_the_choice_and_its_row(machine, capsys):
     idx = next(name for name in rows if name.startswith("auto indexer_topk -> "))
     assert fwd.startswith("auto sparse_mla fwd -> triton: 337.9 TFLOP/s on SM90 (dsa_2026-11-29.md)")
     assert bwd.startswith("auto sparse_mla bwd -> cudnn: 411 TFLOP/s on SM90 (blockdiag_cudnn_bwd_probe_2026-11-29")
-    assert idx.startswith("auto indexer_topk -> triton: 238.6 TFLOP/s on SM90 (dsa_indexer_e2c603a_2026")
-    assert "auto indexer_topk fp8=True -> triton: 3.94 ms against 4.61 ms in bf16" in "\n".join(rows)
+    assert idx.startswith("auto indexer_topk -> triton: 269.2 TFLOP/s on SM90 (dsa_indexer_a9e623b_2026")
+    assert "auto indexer_topk fp8=True -> triton: 3.96 ms against 4.08 ms in bf16" in "\n".join(rows)
     machine(triton=False, cudnn=False)
     assert cli.cmd_doctor(argparse.Namespace()) == 0
     out = capsys.readouterr().out

@@ -76,8 +76,8 @@ class RouteRow(NamedTuple):
 
 # The FP8 indexer's figure for `longtrain doctor` (its route follows the same table, without cudnn).
 _FP8_FIGURE = (
-    "3.94 ms against 4.61 ms in bf16 at T=16384 H_I=32 D_I=128 K=2048, one document; selection overlap with the "
-    "bf16 selection 0.978 (dsa_indexer_e2c603a_2026-12-01.md)"
+    "3.96 ms against 4.08 ms in bf16 at T=16384 H_I=32 D_I=128 K=2048, one document; selection overlap with the "
+    "bf16 selection 0.978 (dsa_indexer_a9e623b_2026-12-02.md)"
 )
 
 #: What ``"auto"`` chooses from, per op and direction fastest first (a test keeps the measured rows in order).
@@ -116,10 +116,10 @@ ROUTE_TABLE: tuple[RouteRow, ...] = (
         "benchmarks/results/dsa_2026-11-29.md",
     ),
     RouteRow(
-        "indexer_topk", "fwd", "triton", "90", 238.6,
-        "4.61 ms, 238.6 TFLOP/s of logits (fused scores + union radix select); T=16384 H_I=32 D_I=128 K=2048, "
-        "one document",
-        "benchmarks/results/dsa_indexer_e2c603a_2026-12-01.md",
+        "indexer_topk", "fwd", "triton", "90", 269.2,
+        "4.08 ms, 269.2 TFLOP/s of logits (SM90 Gluon scores + union radix select); T=16384 H_I=32 D_I=128 "
+        "K=2048, one document",
+        "benchmarks/results/dsa_indexer_a9e623b_2026-12-02.md",
     ),
     RouteRow(
         "indexer_topk", "fwd", "cudnn", "-", None,

@@ -106,6 +106,11 @@ def warmup(
         "fused": ["sparse_mla_bwd_sm90_kernel_ds_dkv"],
     }[plan and plan[0]]
     dq_kernel = "sparse_mla_bwd_sm90_kernel_dq" if sm90_dq_plan(q, d_v, None) else "sparse_mla_bwd_kernel_dq"
+    # The bf16/fp16 scores run the SM90 kernel where it applies; the FP8 codes always score on the portable kernel.
+    sm90_scores = indexer_topk.scores_route(iq, base, False) == "sm90"
+    score_kernels = ["indexer_topk_fwd_sm90_kernel_scores"] if sm90_scores else []
+    if index_fp8 or not sm90_scores:
+        score_kernels.append("indexer_topk_fwd_kernel_scores")
     del q, kv, out, grads, iq, ik, selected
     return {
         "kernels": [
@@ -113,7 +118,7 @@ def warmup(
             "sparse_mla_bwd_kernel_preprocess",
             *bwd_kernels,
             dq_kernel,
-            "indexer_topk_fwd_kernel_scores",
+            *score_kernels,
             "indexer_topk_fwd_kernel_select",
         ],
         "shape": {
