@@ -300,9 +300,9 @@ def defaults_sweep(out_dir: Path) -> None:
                  title="Fused indexer: selection settings and scoring tiles per case (H200)")  # fmt: skip
 
 
-# (sm90_block_n, sm90_num_buf, sm90_group) of the SM90 scoring kernel, the default first.
-_SM90_TILES = ((256, 5, 16), (256, 4, 16), (256, 5, 8), (256, 4, 8), (256, 6, 8), (256, 3, 8), (256, 5, 4),
-               (128, 5, 8), (128, 8, 8))  # fmt: skip
+# (sm90_block_n, sm90_num_buf, sm90_group, sm90_loader) of the SM90 scoring kernel, the default first.
+_SM90_TILES = ((256, 5, 16, "cp_async"), (256, 5, 16, "tma"), (256, 4, 16, "tma"), (256, 6, 16, "tma"),
+               (256, 3, 16, "tma"), (256, 5, 8, "tma"), (256, 4, 16, "cp_async"), (128, 6, 16, "tma"))  # fmt: skip
 
 
 def _sm90_case(total: int, layout: str, rows: list, device: str = "cuda") -> None:
@@ -337,9 +337,9 @@ def _sm90_case(total: int, layout: str, rows: list, device: str = "cuda") -> Non
     ms_sc = bench(lambda: run(iq, ik, iw, starts, causal, base, do_select=False))[0]
     add(what="portable scores + select", cfg="64x128 w4 s3", ms=ms_all)
     add(what="portable scores only", cfg="64x128 w4 s3", ms=ms_sc, tflops=flops / ms_sc / 1e9)
-    for bn, nb, grp in _SM90_TILES:
-        cfg = IndexerConfig(scores_impl="sm90", sm90_block_n=bn, sm90_num_buf=nb, sm90_group=grp)
-        name = f"64x{bn} ring {nb} group {grp}"
+    for bn, nb, grp, ld in _SM90_TILES:
+        cfg = IndexerConfig(scores_impl="sm90", sm90_block_n=bn, sm90_num_buf=nb, sm90_group=grp, sm90_loader=ld)
+        name = f"64x{bn} ring {nb} group {grp} {ld}"
         try:
             same = bool(torch.equal(scratch_of(cfg), ref_scr))
             same_sel = bool(torch.equal(run(iq, ik, iw, starts, causal, cfg), ref_sel))

@@ -22,8 +22,9 @@ from tests.dsa._sm90_compile import compile_sm90, cuobjdump
         ("sm90_num_buf", True, r"sm90_num_buf must be an int in \[3, 8\]"),
         ("sm90_group", 0, r"sm90_group must be an int in \[1, 16\]"),
         ("sm90_group", 32, r"sm90_group must be an int in \[1, 16\]"),
+        ("sm90_loader", "bulk", "sm90_loader must be one of 'cp_async', 'tma'"),
     ],
-    ids=["impl", "block_n", "ring-2", "ring-bool", "group-0", "group-32"],
+    ids=["impl", "block_n", "ring-2", "ring-bool", "group-0", "group-32", "loader"],
 )
 def test_indexer_config_refuses_bad_sm90_fields(field, value, match):
     with pytest.raises(ValueError, match=match):
@@ -63,24 +64,43 @@ def test_head_group_divides_the_heads():
 
 @pytest.mark.skipif(cuobjdump() is None, reason="needs triton with its bundled NVIDIA toolchain (ptxas, cuobjdump)")
 @pytest.mark.parametrize(
-    ("H_I", "block_n", "group"),
-    [(32, 256, 16), (32, 256, 8), (32, 128, 8), (3, 256, 3)],
-    ids=["glm-64x256-group16", "glm-64x256-group8", "glm-64x128", "3heads"],
+    ("H_I", "block_n", "group", "tma"),
+    [(32, 256, 16, False), (32, 256, 16, True), (32, 256, 8, False), (32, 128, 8, False), (3, 256, 3, True)],
+    ids=["glm-64x256-group16", "glm-64x256-group16-tma", "glm-64x256-group8", "glm-64x128", "3heads-tma"],
 )
-def test_sm90_scores_kernel_compiles_for_hopper_without_spills(H_I, block_n, group):
+def test_sm90_scores_kernel_compiles_for_hopper_without_spills(H_I, block_n, group, tma):
     """The GLM-5.2 indexer dims, compiled for sm_90a here: cp.async + wgmma, no spills, shared memory within what
     an SM90 block can have, and the wgmma pipeline kept (ptxas serializes every wgmma when another instruction
     touches an accumulator in flight: it did with a head loop that carried a tile in flight across its back
     edge)."""
     import triton
 
-    types = ["*bf16", "*bf16", "*fp32", "*fp32", "*i32", "*i32", "*i32", "i32", "i32", "i32", "i32", "i32"]
-    consts = dict(H_I=H_I, D_I=128, BLOCK_M=64, BLOCK_N=block_n, NUM_BUF=5, GROUP=group, K_SCALE=False)
+    swizzled = (
+        "NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2, transposed=False, fp4_padded=False, "
+        "cga_layout=[])"
+    )
+    descs = [f"tensordesc<bf16[64, 128],{swizzled}>", f"tensordesc<bf16[{block_n}, 128],{swizzled}>"]
+    types = ["*bf16", "*bf16", "*fp32", "*fp32", "*i32", "*i32", "*i32", *(descs if tma else ["*bf16"] * 2), "i32",
+             "i32", "i32", "i32", "i32"]  # fmt: skip
+    consts = dict(H_I=H_I, D_I=128, BLOCK_M=64, BLOCK_N=block_n, NUM_BUF=5, GROUP=group, TMA=tma, K_SCALE=False)
     stats = compile_sm90("longtrain.dsa.triton.indexer_topk_sm90", "indexer_topk_fwd_sm90_kernel_scores", types, consts)
-    assert stats["cp_async"] and stats["wgmma"], stats
+    assert stats["cp_async"] != tma and stats["wgmma"], stats
     assert stats["shared"] <= 232448, stats
     assert stats["wgmma_serialized"] == [], stats
     # Triton 3.6 (the H200 machine's) allocates every tile without spills; Triton 3.9 spills 16-24 bytes of the
     # 64 x 256 tile (255 registers either way).
     if block_n == 128 or H_I < 32 or triton.__version__.startswith("3.6."):
         assert stats["stack"] == 0 and stats["local"] == 0, stats
+
+
+def test_tma_descriptors_describe_one_head_and_one_key_tile():
+    """The host side of the TMA loader (built here on CPU tensors: the descriptors only validate and record):
+    q as ``[T_q, H_I * D_I]`` with a box of one head's 64 rows, k with a box of ``block_n`` rows."""
+    from longtrain.dsa.triton.indexer_topk_sm90 import tma_descriptors
+
+    q = torch.zeros((100, 32, 128), dtype=torch.bfloat16)
+    k = torch.zeros((100, 128), dtype=torch.bfloat16)
+    q_desc, k_desc = tma_descriptors(q, k, 256)
+    assert list(q_desc.shape) == [100, 32 * 128] and list(q_desc.block_shape) == [64, 128]
+    assert list(k_desc.shape) == [100, 128] and list(k_desc.block_shape) == [256, 128]
+    assert q_desc.layout.swizzle_byte_width == 128

@@ -459,7 +459,8 @@ def _sm90_or_skip():
         pytest.param(24, 128, torch.bfloat16, 256, 4, 512, id="24heads-group8"),
     ],
 )
-def test_indexer_sm90_scores_equal_the_portable_kernel(H_I, D_I, dtype, block_n, num_buf, K):
+@pytest.mark.parametrize("loader", ["cp_async", "tma"])
+def test_indexer_sm90_scores_equal_the_portable_kernel(H_I, D_I, dtype, block_n, num_buf, K, loader):
     """The SM90 scoring kernel writes the portable kernel's score scratch bit for bit (the same entries, the same
     keys; both into a sentinel-filled scratch), whole and as a row chunk starting mid-document, so the selection is
     the same. Two documents, six padding rows, windows ending mid-tile, zero and negative head weights."""
@@ -474,7 +475,7 @@ def test_indexer_sm90_scores_equal_the_portable_kernel(H_I, D_I, dtype, block_n,
     k = torch.randn((T, D_I), generator=gen, device=dev).to(dtype)
     w = torch.randn((T, H_I), generator=gen, device=dev) * (H_I * D_I) ** -0.5
     w[100:200, 0] = 0.0
-    sm90 = IndexerConfig(scores_impl="sm90", sm90_block_n=block_n, sm90_num_buf=num_buf)
+    sm90 = IndexerConfig(scores_impl="sm90", sm90_block_n=block_n, sm90_num_buf=num_buf, sm90_loader=loader)
     portable = IndexerConfig(scores_impl="triton")
     assert scores_route(q, sm90, False) == "sm90"
     for row0, row1 in ((0, T), (1000, 2500)):

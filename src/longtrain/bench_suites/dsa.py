@@ -452,8 +452,8 @@ def memcheck() -> None:
 
     scores_cfgs = [IndexerConfig(scores_impl="triton")]
     if sm90_scores_unfit(dev, iq.dtype, iq.shape[-1], False, 256, 3) is None:
-        scores_cfgs += [IndexerConfig(scores_impl="sm90", sm90_block_n=bn, sm90_num_buf=nb)
-                        for bn, nb in ((256, 5), (256, 3), (128, 8))]  # fmt: skip
+        scores_cfgs += [IndexerConfig(scores_impl="sm90", sm90_block_n=bn, sm90_num_buf=nb, sm90_loader=ld)
+                        for bn, nb in ((256, 5), (256, 3), (128, 8)) for ld in ("cp_async", "tma")]  # fmt: skip
     for cfg_s in scores_cfgs:
         indexer_topk_triton(iq, ik, iw, st600, ca600, 24, config=cfg_s)
     from longtrain.dsa.triton._common import indexer_fp8_unfit

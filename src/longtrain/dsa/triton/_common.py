@@ -222,6 +222,9 @@ class IndexerConfig:
     this, all heads when H_I <= 16): within a step each head's sum overlaps the next head's wgmma, between steps
     it does not. 16 with a ring of 5 was the fastest setting on every case of
     ``benchmarks/results/dsa_indexer_sm90_aebdc69_2026-12-02.md`` (by 0.4-2% over 8)."""
+    sm90_loader: str = "cp_async"
+    """How the SM90 scoring kernel loads its query and key tiles: ``"cp_async"`` (per-thread copies, a proxy fence
+    and a CTA barrier per head) or ``"tma"`` (the tensor-memory accelerator, one mbarrier per ring buffer)."""
 
     def __post_init__(self) -> None:
         if self.scores_impl not in ("auto", "sm90", "triton"):
@@ -231,6 +234,8 @@ class IndexerConfig:
         num_buf = self.sm90_num_buf
         if isinstance(num_buf, bool) or not isinstance(num_buf, int) or not 3 <= num_buf <= 8:
             raise ValueError(f"sm90_num_buf must be an int in [3, 8], got {self.sm90_num_buf!r}")
+        if self.sm90_loader not in ("cp_async", "tma"):
+            raise ValueError(f"sm90_loader must be one of 'cp_async', 'tma', got {self.sm90_loader!r}")
         group = self.sm90_group
         if isinstance(group, bool) or not isinstance(group, int) or not 1 <= group <= 16:
             raise ValueError(f"sm90_group must be an int in [1, 16], got {group!r}")

@@ -23,7 +23,13 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from longtrain.dsa.triton.sparse_mla_fwd_sm90 import _async_load, _cta_barrier, _gather_layout
 
@@ -33,7 +39,11 @@ __all__ = [
     "indexer_topk_fwd_sm90_kernel_scores",
     "sm90_scores_smem_bytes",
     "sm90_scores_unfit",
+    "tma_descriptors",
 ]
+
+# Triton 3.6 names the TMA load ``async_copy_global_to_shared``; later releases call it ``async_load``.
+_tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 
 #: Query rows per program (one wgmma tile of M = 64 per warpgroup).
 SM90_SCORES_BLOCK_M = 64
@@ -60,28 +70,43 @@ def _window(starts_ptr, lens_ptr, rows, row_ok, T_k, topk):
 
 
 @gluon.jit
-def _head_mma(h, q_bufs, k_t, dead, q_rows, q_mask, H_I: gl.constexpr, D_I: gl.constexpr, NUM_BUF: gl.constexpr):
-    """Head ``h``'s step: once its query tile has landed (every thread's copies visible, every warp past head h-1's
-    wait, so head h-2's buffer is free), issue its logits wgmma, then refill head h-2's buffer with head
-    ``h + NUM_BUF - 2``. Returns the logits ``[BLOCK_M, BLOCK_N]`` in flight, in the registers of ``dead`` (a tile
-    whose values are no longer needed)."""
-    cp.wait_group(NUM_BUF - 3)
-    fence_async_shared()
-    _cta_barrier()
-    s = warpgroup_mma(q_bufs.index(h % NUM_BUF), k_t, dead, use_acc=False, is_async=True)
-    _issue_q(q_rows, q_mask, h + NUM_BUF - 2, H_I, D_I, q_bufs.index((h + NUM_BUF - 2) % NUM_BUF))
+def _head_mma(h, q_bufs, k_t, dead, loader, H_I: gl.constexpr, D_I: gl.constexpr, NUM_BUF: gl.constexpr,
+              TMA: gl.constexpr):  # fmt: skip
+    """Head ``h``'s step: once its query tile has landed, issue its logits wgmma, then refill head h-2's buffer with
+    head ``h + NUM_BUF - 2`` (every warp is past head h-1's wait, so head h-2's wgmma has retired). ``loader``:
+    ``(q_rows, q_mask)`` for cp.async (the landed tile made visible to the wgmma by a proxy fence and a CTA barrier),
+    ``(q_desc, ready, row0)`` for TMA (each buffer's mbarrier; one CTA barrier before the refill). Returns the
+    logits ``[BLOCK_M, BLOCK_N]`` in flight, in the registers of ``dead`` (a tile whose values are no longer
+    needed)."""
+    nh = h + NUM_BUF - 2
+    nb = nh % NUM_BUF
+    if TMA:
+        q_desc, ready, row0 = loader
+        mbarrier.wait(ready.index(h % NUM_BUF), (h // NUM_BUF) & 1)
+        s = warpgroup_mma(q_bufs.index(h % NUM_BUF), k_t, dead, use_acc=False, is_async=True)
+        _cta_barrier()
+        mbarrier.expect(ready.index(nb), q_desc.block_type.nbytes, pred=nh < H_I)
+        _tma_load(q_desc, [row0, (nh % H_I) * D_I], ready.index(nb), q_bufs.index(nb),
+                                        pred=nh < H_I)  # fmt: skip
+    else:
+        q_rows, q_mask = loader
+        cp.wait_group(NUM_BUF - 3)
+        fence_async_shared()
+        _cta_barrier()
+        s = warpgroup_mma(q_bufs.index(h % NUM_BUF), k_t, dead, use_acc=False, is_async=True)
+        _issue_q(q_rows, q_mask, nh, H_I, D_I, q_bufs.index(nb))
     return s
 
 
 @gluon.jit
-def _head_group(h0, n: gl.constexpr, acc, a, b, q_bufs, k_t, q_rows, q_mask, w_rows, row_ok, H_I: gl.constexpr,
-                D_I: gl.constexpr, NUM_BUF: gl.constexpr):  # fmt: skip
+def _head_group(h0, n: gl.constexpr, acc, a, b, q_bufs, k_t, loader, w_rows, row_ok, H_I: gl.constexpr,
+                D_I: gl.constexpr, NUM_BUF: gl.constexpr, TMA: gl.constexpr):  # fmt: skip
     """Heads ``h0 .. h0 + n - 1`` added into ``acc``; ``a`` and ``b`` are two consumed logits tiles whose registers
     the wgmmas take. Returns ``(acc, a, b)`` with nothing in flight."""
-    a = _head_mma(h0, q_bufs, k_t, a, q_rows, q_mask, H_I, D_I, NUM_BUF)  # [BLOCK_M, BLOCK_N], in flight
+    a = _head_mma(h0, q_bufs, k_t, a, loader, H_I, D_I, NUM_BUF, TMA)  # [BLOCK_M, BLOCK_N], in flight
     w_a = gl.load(w_rows + h0, mask=row_ok, other=0.0)  # [BLOCK_M]
     for j in gl.static_range(1, n):
-        b = _head_mma(h0 + j, q_bufs, k_t, b, q_rows, q_mask, H_I, D_I, NUM_BUF)
+        b = _head_mma(h0 + j, q_bufs, k_t, b, loader, H_I, D_I, NUM_BUF, TMA)
         w_b = gl.load(w_rows + h0 + j, mask=row_ok, other=0.0)  # [BLOCK_M]
         a = warpgroup_mma_wait(num_outstanding=1, deps=(a,))
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc + gl.maximum(a, 0.0) * w_a[:, None],))
@@ -94,10 +119,10 @@ def _head_group(h0, n: gl.constexpr, acc, a, b, q_bufs, k_t, q_rows, q_mask, w_r
 
 @gluon.jit(do_not_specialize=["row_begin", "row_end", "T_k", "topk", "scratch_stride"])
 def indexer_topk_fwd_sm90_kernel_scores(
-    q_ptr, k_ptr, w_ptr, ks_ptr, starts_ptr, lens_ptr, scratch_ptr,
+    q_ptr, k_ptr, w_ptr, ks_ptr, starts_ptr, lens_ptr, scratch_ptr, q_desc, k_desc,
     row_begin, row_end, T_k, topk, scratch_stride,
     H_I: gl.constexpr, D_I: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
-    GROUP: gl.constexpr, K_SCALE: gl.constexpr, num_warps: gl.constexpr,
+    GROUP: gl.constexpr, TMA: gl.constexpr, K_SCALE: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     gl.static_assert(num_warps == 8, "two warpgroups splitting the keys")
     gl.static_assert(
@@ -129,16 +154,35 @@ def indexer_topk_fwd_sm90_kernel_scores(
         k_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_I], dtype)
         q_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_M, D_I], q_sl)
         k_buf = gl.allocate_shared_memory(dtype, [BLOCK_N, D_I], k_sl)
-
-        cd = gl.arange(0, D_I, layout=gl.SliceLayout(0, LD))
-        kr = k_lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD))
-        _async_load(k_buf, k_ptr + kr.to(gl.int64)[:, None] * D_I + cd[None, :], mask=(kr < T_k)[:, None])
-        qr = row_begin + qb * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LD))
-        q_rows = q_ptr + qr.to(gl.int64)[:, None] * (H_I * D_I) + cd[None, :]
-        q_mask = (qr < row_end)[:, None]
-        # Prologue: heads 0 .. NUM_BUF-3 in flight (the key tile in head 0's copy group).
-        for j in gl.static_range(NUM_BUF - 2):
-            _issue_q(q_rows, q_mask, j, H_I, D_I, q_bufs.index(j))
+        if TMA:
+            # One mbarrier per ring buffer and one for the key tile; TMA zero-fills rows past the tensors.
+            ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+            k_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            for j in gl.static_range(NUM_BUF):
+                mbarrier.init(ready.index(j), count=1)
+            mbarrier.init(k_bar, count=1)
+            fence_async_shared()
+            _cta_barrier()
+            mbarrier.expect(k_bar, k_desc.block_type.nbytes)
+            _tma_load(k_desc, [k_lo, 0], k_bar, k_buf)
+            row0 = row_begin + qb * BLOCK_M
+            for j in gl.static_range(NUM_BUF - 2):
+                mbarrier.expect(ready.index(j), q_desc.block_type.nbytes, pred=j < H_I)
+                _tma_load(q_desc, [row0, (j % H_I) * D_I], ready.index(j), q_bufs.index(j),
+                                                pred=j < H_I)  # fmt: skip
+            loader = (q_desc, ready, row0)
+            mbarrier.wait(k_bar, 0)
+        else:
+            cd = gl.arange(0, D_I, layout=gl.SliceLayout(0, LD))
+            kr = k_lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD))
+            _async_load(k_buf, k_ptr + kr.to(gl.int64)[:, None] * D_I + cd[None, :], mask=(kr < T_k)[:, None])
+            qr = row_begin + qb * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LD))
+            q_rows = q_ptr + qr.to(gl.int64)[:, None] * (H_I * D_I) + cd[None, :]
+            q_mask = (qr < row_end)[:, None]
+            # Prologue: heads 0 .. NUM_BUF-3 in flight (the key tile in head 0's copy group).
+            for j in gl.static_range(NUM_BUF - 2):
+                _issue_q(q_rows, q_mask, j, H_I, D_I, q_bufs.index(j))
+            loader = (q_rows, q_mask)
 
         w_rows = w_ptr + rows.to(gl.int64) * H_I
         k_t = k_buf.permute((1, 0))  # [D_I, BLOCK_N]
@@ -152,8 +196,8 @@ def indexer_topk_fwd_sm90_kernel_scores(
         a = zero
         b = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=acc_layout)
         for g in range(0, H_I // GROUP):
-            acc, a, b = _head_group(g * GROUP, GROUP, acc, a, b, q_bufs, k_t, q_rows, q_mask, w_rows, row_ok,
-                                    H_I, D_I, NUM_BUF)  # fmt: skip
+            acc, a, b = _head_group(g * GROUP, GROUP, acc, a, b, q_bufs, k_t, loader, w_rows, row_ok, H_I, D_I,
+                                    NUM_BUF, TMA)  # fmt: skip
         cp.wait_group(0)
 
         offs_n = k_lo + gl.arange(0, BLOCK_N, layout=col_l)
@@ -169,6 +213,22 @@ def indexer_topk_fwd_sm90_kernel_scores(
         eligible = need[:, None] & (cols >= 0) & (cols < ln[:, None])
         out_rows = scratch_ptr + (rows - row_begin).to(gl.int64)[:, None] * scratch_stride
         gl.store(out_rows + cols, key, mask=eligible)  # [BLOCK_M, BLOCK_N]
+
+
+def tma_descriptors(index_q: torch.Tensor, index_k: torch.Tensor, block_n: int) -> tuple:
+    """Host TMA descriptors of ``index_q`` (as ``[T_q, H_I * D_I]``, boxes of one head's ``[64, D_I]``) and
+    ``index_k`` (``[T_k, D_I]``, boxes of ``[block_n, D_I]``), in the shared layouts the kernel's buffers use."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    gdt = gl.bfloat16 if index_q.dtype == torch.bfloat16 else gl.float16
+    num_queries, num_heads, head_dim = index_q.shape
+    q2 = index_q.view(num_queries, num_heads * head_dim)
+    q_layout = gl.NVMMASharedLayout.get_default_for([SM90_SCORES_BLOCK_M, head_dim], gdt)
+    k_layout = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gdt)
+    return (
+        TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [SM90_SCORES_BLOCK_M, head_dim], q_layout),
+        TensorDescriptor(index_k, list(index_k.shape), list(index_k.stride()), [block_n, head_dim], k_layout),
+    )
 
 
 def head_group(num_heads: int, most: int) -> int:
