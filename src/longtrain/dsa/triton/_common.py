@@ -217,14 +217,17 @@ class IndexerConfig:
     """Keys per SM90 scoring program (128 or 256; the two warpgroups take half each)."""
     sm90_num_buf: int = 5
     """Query-tile buffers of the SM90 scoring kernel's ring (3 to 8; ``num_buf - 2`` heads are loaded ahead)."""
-    sm90_group: int = 16
+    sm90_group: int = 8
     """Most heads per unrolled step of the SM90 scoring kernel's head loop (1 to 16; the largest divisor of H_I up to
     this, all heads when H_I <= 16): within a step each head's sum overlaps the next head's wgmma, between steps
-    it does not. 16 with a ring of 5 was the fastest setting on every case of
-    ``benchmarks/results/dsa_indexer_sm90_aebdc69_2026-12-02.md`` (by 0.4-2% over 8)."""
-    sm90_loader: str = "cp_async"
-    """How the SM90 scoring kernel loads its query and key tiles: ``"cp_async"`` (per-thread copies, a proxy fence
-    and a CTA barrier per head) or ``"tma"`` (the tensor-memory accelerator, one mbarrier per ring buffer)."""
+    it does not. With the cp.async loader 16 was fastest (``dsa_indexer_sm90_aebdc69_2026-12-02.md``, by 0.4-2%);
+    with TMA 8 (``dsa_indexer_sm90_0c41f0e_2026-12-02.md``: 3.99 against 4.01 ms at T = 16384)."""
+    sm90_loader: str = "tma"
+    """How the SM90 scoring kernel loads its query and key tiles: ``"tma"`` (the tensor-memory accelerator, one
+    mbarrier per ring buffer; 16-byte aligned tensors, else cp.async) or ``"cp_async"`` (per-thread copies, a
+    proxy fence and a CTA barrier per head). TMA was faster at T = 16384 (one document 3.99 against 4.13 ms,
+    documents 1.83 against 1.87) and 65536 (54.9 against 56.2), slower at 4096 (0.358 against 0.325;
+    ``dsa_indexer_sm90_0c41f0e_2026-12-02.md``)."""
 
     def __post_init__(self) -> None:
         if self.scores_impl not in ("auto", "sm90", "triton"):
