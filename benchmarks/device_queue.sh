@@ -4,9 +4,10 @@
 #
 #   LONGTRAIN_COMMIT=$(git log -1 --format=%h) bash benchmarks/device_queue.sh [indexer|mla]
 #
-# indexer (default): GPU tests of the indexer, compute-sanitizer memcheck, the defaults sweep of
-#   dsa_indexer_variants.py and dsa.py's indexer cases (with QUEUE_EXTRAS=1 after `bash benchmarks/device.sh stash`,
-#   the extras are installed first; none of these runs needs them).
+# indexer (default): GPU tests of the indexer, compute-sanitizer memcheck, the SM90 scoring kernel's sweep of
+#   dsa_indexer_variants.py (INDEXER_SWEEP=defaults: the selection settings' sweep instead) and dsa.py's indexer
+#   cases (with QUEUE_EXTRAS=1 after `bash benchmarks/device.sh stash`, the extras are installed first; none of these
+#   runs needs them).
 # mla: carrying .whl-tl (TileLang's site and example files, see device.sh stash-tl; without it TileLang's rows say
 #   why they are missing): GPU parity tests of the sparse MLA kernels, memcheck, and dsa.py at T = 16384 (H = 64 and
 #   128, K = 2048, one document) with TileLang's kernels side by side, then the MLA_EXTRA_CASES cases.
@@ -35,7 +36,7 @@ case "${1:-indexer}" in
     fi
     run gpu_dsa_tests 150 -m pytest -q -p no:cacheprovider tests/gpu/test_dsa_triton_gpu.py -k "indexer or torch_route"
     memcheck 60
-    run indexer_sweep 200 benchmarks/dsa_indexer_variants.py --defaults-sweep --out-dir "$Q"
+    run indexer_sweep 200 benchmarks/dsa_indexer_variants.py --${INDEXER_SWEEP:-sm90}-sweep --out-dir "$Q"
     run dsa_indexer 150 benchmarks/dsa.py --indexer-case 16384,1doc --indexer-case 16384,docs \
       --indexer-case 4096,1doc --indexer-case 65536,1doc --out-dir "$Q" ;;
   mla)
