@@ -215,27 +215,9 @@ def indexer_topk_fwd_sm90_kernel_scores(
         gl.store(out_rows + cols, key, mask=eligible)  # [BLOCK_M, BLOCK_N]
 
 
-_TMA_DESCRIPTORS: dict[tuple, tuple] = {}
-
-
 def tma_descriptors(index_q: torch.Tensor, index_k: torch.Tensor, block_n: int) -> tuple:
     """Host TMA descriptors of ``index_q`` (as ``[T_q, H_I * D_I]``, boxes of one head's ``[64, D_I]``) and
-    ``index_k`` (``[T_k, D_I]``, boxes of ``[block_n, D_I]``), in the shared layouts the kernel's buffers use.
-
-    A descriptor holds only an address, a shape, strides and a box, so one built for equal values serves any tensor
-    with them: the last few are kept (building two costs about 17 us of host time per call on a slow CPU)."""
-    key = (index_q.data_ptr(), tuple(index_q.shape), index_q.stride(), index_q.dtype, index_k.data_ptr(),
-           tuple(index_k.shape), index_k.stride(), block_n)  # fmt: skip
-    hit = _TMA_DESCRIPTORS.get(key)
-    if hit is not None:
-        return hit
-    if len(_TMA_DESCRIPTORS) >= 16:
-        _TMA_DESCRIPTORS.pop(next(iter(_TMA_DESCRIPTORS)))
-    _TMA_DESCRIPTORS[key] = made = _tma_descriptors(index_q, index_k, block_n)
-    return made
-
-
-def _tma_descriptors(index_q: torch.Tensor, index_k: torch.Tensor, block_n: int) -> tuple:
+    ``index_k`` (``[T_k, D_I]``, boxes of ``[block_n, D_I]``), in the shared layouts the kernel's buffers use."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     gdt = gl.bfloat16 if index_q.dtype == torch.bfloat16 else gl.float16
