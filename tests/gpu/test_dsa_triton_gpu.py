@@ -500,3 +500,28 @@ def test_indexer_auto_picks_the_sm90_scores_for_bf16_only():
     assert scores_route(q.float(), IndexerConfig(), False) == "triton"
     with pytest.raises(ValueError, match="shared memory"):
         scores_route(q.new_zeros((4, 32, 256)), IndexerConfig(scores_impl="sm90", sm90_num_buf=8), False)
+
+
+@pytest.mark.parametrize("group", [8, 16], ids=["group8", "group16"])
+def test_indexer_sm90_fp8_scores_equal_the_portable_kernel(group):
+    """The SM90 scoring kernel on FP8 codes (TMA loader, key scales after the head sum), launched directly: the
+    library routes FP8 codes to the portable kernel until this kernel is measured. Both run the same E4M3 wgmma
+    steps in the same order, so the score scratch is expected bit for bit equal, whole and as a row chunk."""
+    from longtrain.dsa.triton.indexer_topk import indexer_fp8_operands_triton, indexer_topk_fwd_scores
+    from longtrain.dsa.triton.indexer_topk_sm90 import indexer_topk_fwd_sm90_scores
+
+    _sm90_or_skip()
+    q, k, w, starts, causal = _indexer_inputs(512, torch.device("cuda"))
+    T = q.shape[0]
+    q8, k8, w8, ks = indexer_fp8_operands_triton(q, k, w)
+    for row0, row1 in ((0, T), (1000, 2500)):
+        scratch = []
+        for sm90 in (False, True):
+            s = torch.full((row1 - row0, T), 0x5A5A5A5A, dtype=torch.int32, device=q.device)
+            if sm90:
+                cfg = IndexerConfig(sm90_group=group)
+                indexer_topk_fwd_sm90_scores(q8, k8, w8, ks, starts, causal, s, row0, row1, 512, cfg)
+            else:
+                indexer_topk_fwd_scores(q8, k8, w8, ks, starts, causal, s, row0, row1, 512, IndexerConfig())
+            scratch.append(s)
+        assert torch.equal(scratch[0], scratch[1]), (row0, row1)

@@ -456,6 +456,13 @@ def memcheck() -> None:
                         for bn, nb in ((256, 5), (256, 3), (128, 8)) for ld in ("cp_async", "tma")]  # fmt: skip
     for cfg_s in scores_cfgs:
         indexer_topk_triton(iq, ik, iw, st600, ca600, 24, config=cfg_s)
+    if len(scores_cfgs) > 1:  # the SM90 kernel on FP8 codes, launched directly (not routed by the library yet)
+        from longtrain.dsa.triton.indexer_topk import indexer_fp8_operands_triton
+        from longtrain.dsa.triton.indexer_topk_sm90 import indexer_topk_fwd_sm90_scores
+
+        q8, k8, w8, ks = indexer_fp8_operands_triton(iq, ik, iw)
+        scratch = torch.empty((600, 600), dtype=torch.int32, device=dev)
+        indexer_topk_fwd_sm90_scores(q8, k8, w8, ks, st600, ca600, scratch, 0, 600, 24, IndexerConfig())
     from longtrain.dsa.triton._common import indexer_fp8_unfit
 
     if indexer_fp8_unfit(dev) is None:  # the FP8 scores' variant of the scoring kernel (SM89+)

@@ -422,23 +422,11 @@ def indexer_topk_fwd_scores(
     args = (index_q, index_k, head_weights, k_scale if k_scale is not None else head_weights, starts,
             causal_lengths, scratch, row0, row1, num_keys, index_topk, scratch.stride(0))  # fmt: skip
     if scores_route(index_q, cfg, k_scale is not None) == "sm90":
-        from longtrain.dsa.triton.indexer_topk_sm90 import (
-            SM90_SCORES_BLOCK_M,
-            head_group,
-            indexer_topk_fwd_sm90_kernel_scores,
-            tma_descriptors,
-        )
+        from longtrain.dsa.triton.indexer_topk_sm90 import indexer_topk_fwd_sm90_scores
 
-        # TMA needs 16-byte aligned bases (a view at an odd offset takes the cp.async loader: the same scores).
-        tma = cfg.sm90_loader == "tma" and index_q.data_ptr() % 16 == 0 and index_k.data_ptr() % 16 == 0
-        # TMA: descriptors of q as [T_q, H_I * D_I] and k; cp.async: the tensors again, unused.
-        descs = tma_descriptors(index_q, index_k, cfg.sm90_block_n) if tma else (index_q, index_k)
-        grid = (triton.cdiv(row1 - row0, SM90_SCORES_BLOCK_M) * triton.cdiv(max(num_keys, 1), cfg.sm90_block_n),)
-        indexer_topk_fwd_sm90_kernel_scores[grid](
-            *args[:7], *descs, *args[7:], H_I=num_heads, D_I=head_dim, BLOCK_M=SM90_SCORES_BLOCK_M,
-            BLOCK_N=cfg.sm90_block_n, NUM_BUF=cfg.sm90_num_buf, GROUP=head_group(num_heads, cfg.sm90_group), TMA=tma,
-            K_SCALE=False, num_warps=8,
-        )  # fmt: skip
+        indexer_topk_fwd_sm90_scores(
+            index_q, index_k, head_weights, k_scale, starts, causal_lengths, scratch, row0, row1, index_topk, cfg
+        )
     else:
         grid = (triton.cdiv(row1 - row0, cfg.block_m) * triton.cdiv(max(num_keys, 1), cfg.block_n),)
         indexer_topk_fwd_kernel_scores[grid](

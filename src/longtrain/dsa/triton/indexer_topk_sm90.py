@@ -37,6 +37,7 @@ __all__ = [
     "SM90_SCORES_BLOCK_M",
     "head_group",
     "indexer_topk_fwd_sm90_kernel_scores",
+    "indexer_topk_fwd_sm90_scores",
     "sm90_scores_smem_bytes",
     "sm90_scores_unfit",
     "tma_descriptors",
@@ -47,6 +48,12 @@ _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_glo
 
 #: Query rows per program (one wgmma tile of M = 64 per warpgroup).
 SM90_SCORES_BLOCK_M = 64
+
+
+@gluon.constexpr_function
+def _mma_k(dtype):
+    """The reduction width of one wgmma instruction: 32 bytes of operand (16 for bf16/fp16, 32 for FP8)."""
+    return 256 // dtype.primitive_bitwidth
 
 
 @gluon.jit
@@ -133,7 +140,7 @@ def indexer_topk_fwd_sm90_kernel_scores(
     gl.static_assert(NUM_BUF >= 3, "a ring of at least three query tiles (one read, one landed, one in flight)")
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, _mma_k(dtype)]
     )
     row_l: gl.constexpr = gl.SliceLayout(1, acc_layout)
     col_l: gl.constexpr = gl.SliceLayout(0, acc_layout)
@@ -215,12 +222,52 @@ def indexer_topk_fwd_sm90_kernel_scores(
         gl.store(out_rows + cols, key, mask=eligible)  # [BLOCK_M, BLOCK_N]
 
 
+def indexer_topk_fwd_sm90_scores(
+    index_q: torch.Tensor,
+    index_k: torch.Tensor,
+    head_weights: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    starts: torch.Tensor,
+    causal_lengths: torch.Tensor,
+    scratch: torch.Tensor,
+    row0: int,
+    row1: int,
+    index_topk: int,
+    cfg,
+) -> None:
+    """Launch :func:`indexer_topk_fwd_sm90_kernel_scores` for query rows ``[row0, row1)`` (what
+    ``indexer_topk.indexer_topk_fwd_scores`` does where ``scores_route`` picks this kernel; inputs as it takes them).
+
+    With ``k_scale`` (FP8 codes, E4M3) the kernel runs its TMA loader and applies the key scales after the head sum.
+    The library does not route FP8 codes here yet (``benchmarks/dsa_indexer_variants.py --sm90-sweep`` measures it
+    against the portable kernel first)."""
+    import triton
+
+    num_heads, head_dim = index_q.shape[1], index_q.shape[2]
+    num_keys = index_k.shape[0]
+    # TMA needs 16-byte aligned bases (a view at an odd offset takes the cp.async loader: the same scores).
+    aligned = index_q.data_ptr() % 16 == 0 and index_k.data_ptr() % 16 == 0
+    fp8 = k_scale is not None
+    if fp8 and not aligned:
+        raise ValueError("the SM90 scoring kernel reads FP8 codes by TMA only: it needs 16-byte aligned q and k codes")
+    tma = fp8 or (cfg.sm90_loader == "tma" and aligned)
+    # TMA: descriptors of q as [T_q, H_I * D_I] and k; cp.async: the tensors again, unused.
+    descs = tma_descriptors(index_q, index_k, cfg.sm90_block_n) if tma else (index_q, index_k)
+    grid = (triton.cdiv(row1 - row0, SM90_SCORES_BLOCK_M) * triton.cdiv(max(num_keys, 1), cfg.sm90_block_n),)
+    indexer_topk_fwd_sm90_kernel_scores[grid](
+        index_q, index_k, head_weights, k_scale if fp8 else head_weights, starts, causal_lengths, scratch, *descs,
+        row0, row1, num_keys, index_topk, scratch.stride(0), H_I=num_heads, D_I=head_dim, BLOCK_M=SM90_SCORES_BLOCK_M,
+        BLOCK_N=cfg.sm90_block_n, NUM_BUF=cfg.sm90_num_buf, GROUP=head_group(num_heads, cfg.sm90_group), TMA=tma,
+        K_SCALE=fp8, num_warps=8,
+    )  # fmt: skip
+
+
 def tma_descriptors(index_q: torch.Tensor, index_k: torch.Tensor, block_n: int) -> tuple:
     """Host TMA descriptors of ``index_q`` (as ``[T_q, H_I * D_I]``, boxes of one head's ``[64, D_I]``) and
     ``index_k`` (``[T_k, D_I]``, boxes of ``[block_n, D_I]``), in the shared layouts the kernel's buffers use."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    gdt = gl.bfloat16 if index_q.dtype == torch.bfloat16 else gl.float16
+    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}[index_q.dtype]
     num_queries, num_heads, head_dim = index_q.shape
     q2 = index_q.view(num_queries, num_heads * head_dim)
     q_layout = gl.NVMMASharedLayout.get_default_for([SM90_SCORES_BLOCK_M, head_dim], gdt)
