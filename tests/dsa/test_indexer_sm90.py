@@ -22,7 +22,7 @@ from tests.dsa._sm90_compile import compile_sm90, cuobjdump
         ("sm90_num_buf", True, r"sm90_num_buf must be an int in \[3, 8\]"),
         ("sm90_group", 0, r"sm90_group must be an int in \[1, 16\]"),
         ("sm90_group", 32, r"sm90_group must be an int in \[1, 16\]"),
-        ("sm90_loader", "bulk", "sm90_loader must be one of 'cp_async', 'tma'"),
+        ("sm90_loader", "bulk", "sm90_loader must be one of 'auto', 'cp_async', 'tma'"),
     ],
     ids=["impl", "block_n", "ring-2", "ring-bool", "group-0", "group-32", "loader"],
 )

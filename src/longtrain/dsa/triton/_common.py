@@ -13,6 +13,7 @@ __all__ = [
     "IndexerConfig",
     "KernelConfig",
     "SELECT_BY_KEYS",
+    "SM90_TMA_MIN_KEYS",
     "SparseMLAConfig",
     "Unfit",
     "availability",
@@ -179,6 +180,11 @@ measured. The union a row's selection runs on holds K plus the bracket's margin,
 of 512, 3.7K on a 64K row with 1024; a union over ``select_cand`` falls back to the whole-row select."""
 
 
+#: Key rows from which ``IndexerConfig(sm90_loader="auto")`` loads the SM90 scoring kernel's tiles by TMA: at
+#: 16384 keys TMA was faster, at 4096 cp.async (``dsa_indexer_sm90_0c41f0e_2026-12-02.md``; 8192 is not measured).
+SM90_TMA_MIN_KEYS = 8192
+
+
 @dataclass(kw_only=True)
 class IndexerConfig:
     """Launch configuration of the fused indexer top-k (scoring and selection kernels)."""
@@ -222,12 +228,12 @@ class IndexerConfig:
     this, all heads when H_I <= 16): within a step each head's sum overlaps the next head's wgmma, between steps
     it does not. With the cp.async loader 16 was fastest (``dsa_indexer_sm90_aebdc69_2026-12-02.md``, by 0.4-2%);
     with TMA 8 (``dsa_indexer_sm90_0c41f0e_2026-12-02.md``: 3.99 against 4.01 ms at T = 16384)."""
-    sm90_loader: str = "tma"
+    sm90_loader: str = "auto"
     """How the SM90 scoring kernel loads its query and key tiles: ``"tma"`` (the tensor-memory accelerator, one
-    mbarrier per ring buffer; 16-byte aligned tensors, else cp.async) or ``"cp_async"`` (per-thread copies, a
-    proxy fence and a CTA barrier per head). TMA was faster at T = 16384 (one document 3.99 against 4.13 ms,
-    documents 1.83 against 1.87) and 65536 (54.9 against 56.2), slower at 4096 (0.358 against 0.325;
-    ``dsa_indexer_sm90_0c41f0e_2026-12-02.md``)."""
+    mbarrier per ring buffer; 16-byte aligned tensors, else cp.async), ``"cp_async"`` (per-thread copies, a proxy
+    fence and a CTA barrier per head), or ``"auto"``: TMA from :data:`SM90_TMA_MIN_KEYS` keys up, cp.async below.
+    TMA was faster at T = 16384 (one document 3.99 against 4.13 ms, documents 1.83 against 1.87) and 65536 (54.9
+    against 56.2), slower at 4096 (0.358 against 0.325; ``dsa_indexer_sm90_0c41f0e_2026-12-02.md``)."""
 
     def __post_init__(self) -> None:
         if self.scores_impl not in ("auto", "sm90", "triton"):
@@ -237,8 +243,8 @@ class IndexerConfig:
         num_buf = self.sm90_num_buf
         if isinstance(num_buf, bool) or not isinstance(num_buf, int) or not 3 <= num_buf <= 8:
             raise ValueError(f"sm90_num_buf must be an int in [3, 8], got {self.sm90_num_buf!r}")
-        if self.sm90_loader not in ("cp_async", "tma"):
-            raise ValueError(f"sm90_loader must be one of 'cp_async', 'tma', got {self.sm90_loader!r}")
+        if self.sm90_loader not in ("auto", "cp_async", "tma"):
+            raise ValueError(f"sm90_loader must be one of 'auto', 'cp_async', 'tma', got {self.sm90_loader!r}")
         group = self.sm90_group
         if isinstance(group, bool) or not isinstance(group, int) or not 1 <= group <= 16:
             raise ValueError(f"sm90_group must be an int in [1, 16], got {group!r}")

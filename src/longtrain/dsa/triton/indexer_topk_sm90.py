@@ -250,7 +250,10 @@ def indexer_topk_fwd_sm90_scores(
     fp8 = k_scale is not None
     if fp8 and not aligned:
         raise ValueError("the SM90 scoring kernel reads FP8 codes by TMA only: it needs 16-byte aligned q and k codes")
-    tma = fp8 or (cfg.sm90_loader == "tma" and aligned)
+    from longtrain.dsa.triton._common import SM90_TMA_MIN_KEYS
+
+    wants_tma = cfg.sm90_loader == "tma" or (cfg.sm90_loader == "auto" and num_keys >= SM90_TMA_MIN_KEYS)
+    tma = fp8 or (wants_tma and aligned)
     # TMA: descriptors of q as [T_q, H_I * D_I] and k; cp.async: the tensors again, unused.
     descs = tma_descriptors(index_q, index_k, cfg.sm90_block_n) if tma else (index_q, index_k)
     grid = (triton.cdiv(row1 - row0, SM90_SCORES_BLOCK_M) * triton.cdiv(max(num_keys, 1), cfg.sm90_block_n),)
