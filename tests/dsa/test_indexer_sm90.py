@@ -109,3 +109,20 @@ def test_tma_descriptors_describe_one_head_and_one_key_tile():
     assert list(q_desc.shape) == [100, 32 * 128] and list(q_desc.block_shape) == [64, 128]
     assert list(k_desc.shape) == [100, 128] and list(k_desc.block_shape) == [256, 128]
     assert q_desc.layout.swizzle_byte_width == 128
+
+
+def test_cpu_route_does_not_import_the_gluon_module():
+    """Off CUDA the route is decided without importing the Gluon kernel's module (a Triton without Gluon still runs
+    the portable kernel)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from longtrain.dsa.triton import IndexerConfig\n"
+        "from longtrain.dsa.triton.indexer_topk import scores_route\n"
+        "assert scores_route(torch.zeros((4, 2, 128), dtype=torch.bfloat16), IndexerConfig(), False) == 'triton'\n"
+        "assert 'longtrain.dsa.triton.indexer_topk_sm90' not in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

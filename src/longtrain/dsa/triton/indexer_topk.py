@@ -386,11 +386,14 @@ def scores_route(index_q: torch.Tensor, cfg: IndexerConfig, fp8: bool) -> str:
         if cfg.scores_impl == "triton":
             route = "triton"
         else:
-            from longtrain.dsa.triton.indexer_topk_sm90 import sm90_scores_unfit
+            if index_q.device.type != "cuda":  # decided without importing the Gluon module (CPU, the interpreter)
+                reason = f"it runs on CUDA SM90 GPUs, not on {index_q.device.type}"
+            else:
+                from longtrain.dsa.triton.indexer_topk_sm90 import sm90_scores_unfit
 
-            reason = sm90_scores_unfit(
-                index_q.device, index_q.dtype, index_q.shape[-1], fp8, cfg.sm90_block_n, cfg.sm90_num_buf
-            )
+                reason = sm90_scores_unfit(
+                    index_q.device, index_q.dtype, index_q.shape[-1], fp8, cfg.sm90_block_n, cfg.sm90_num_buf
+                )
             if reason is not None and cfg.scores_impl == "sm90":
                 raise ValueError(
                     f"IndexerConfig(scores_impl='sm90'): the SM90 scoring kernel cannot run here: {reason}. Use "
