@@ -447,7 +447,8 @@ def memcheck() -> None:
     for sample in (64, 0):
         cfg_s = IndexerConfig(block_m=64, block_n=128, select_sample=sample, select_cand=256)
         indexer_topk_triton(iq, ik, iw, st600, ca600, 24, config=cfg_s)
-    # Both scoring kernels: the portable one forced, and on SM90 the Gluon one at both key tiles and ring depths.
+    # Both scoring kernels: the portable one forced, and on SM90 the Gluon one at both tile widths, three ring depths
+    # and both loaders.
     from longtrain.dsa.triton.indexer_topk_sm90 import sm90_scores_unfit
 
     scores_cfgs = [IndexerConfig(scores_impl="triton")]

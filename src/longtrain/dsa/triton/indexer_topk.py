@@ -420,10 +420,6 @@ def indexer_topk_fwd_scores(
     """Score query rows ``[row0, row1)`` into ``scratch: [>= row1 - row0, T_k] int32`` (row-relative order-preserving
     keys of the eligible scores of the rows wider than K; nothing else is written) with the kernel
     :func:`scores_route` picks. Inputs as :func:`indexer_topk_fwd` takes them."""
-    num_heads, head_dim = index_q.shape[1], index_q.shape[2]
-    num_keys = index_k.shape[0]
-    args = (index_q, index_k, head_weights, k_scale if k_scale is not None else head_weights, starts,
-            causal_lengths, scratch, row0, row1, num_keys, index_topk, scratch.stride(0))  # fmt: skip
     if scores_route(index_q, cfg, k_scale is not None) == "sm90":
         from longtrain.dsa.triton.indexer_topk_sm90 import indexer_topk_fwd_sm90_scores
 
@@ -431,11 +427,14 @@ def indexer_topk_fwd_scores(
             index_q, index_k, head_weights, k_scale, starts, causal_lengths, scratch, row0, row1, index_topk, cfg
         )
     else:
+        num_heads, head_dim = index_q.shape[1], index_q.shape[2]
+        num_keys = index_k.shape[0]
         grid = (triton.cdiv(row1 - row0, cfg.block_m) * triton.cdiv(max(num_keys, 1), cfg.block_n),)
         indexer_topk_fwd_kernel_scores[grid](
-            *args, H_I=num_heads, D_I=head_dim, BLOCK_D=next_pow2(head_dim), DOT_PREC=dot_precision(index_q.dtype),
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, K_SCALE=k_scale is not None, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            index_q, index_k, head_weights, k_scale if k_scale is not None else head_weights, starts, causal_lengths,
+            scratch, row0, row1, num_keys, index_topk, scratch.stride(0), H_I=num_heads, D_I=head_dim,
+            BLOCK_D=next_pow2(head_dim), DOT_PREC=dot_precision(index_q.dtype), BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n, K_SCALE=k_scale is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
 

@@ -7,8 +7,8 @@ key in the row-relative scratch), with the schedule written out:
 * the key tile ``[BLOCK_N, D_I]`` stays in shared memory; the two warpgroups split its keys, so each query head's
   ``[BLOCK_M, D_I]`` tile is loaded once for ``BLOCK_N`` keys (the L2 traffic of the queries halves against a
   ``[64, 128]`` tile);
-* the query tiles of the heads stream through a ring of ``NUM_BUF`` shared-memory buffers filled by ``cp.async``,
-  ``NUM_BUF - 2`` heads ahead;
+* the query tiles of the heads stream through a ring of ``NUM_BUF`` shared-memory buffers filled by TMA (one
+  mbarrier per buffer) or by ``cp.async`` (``IndexerConfig.sm90_loader``), ``NUM_BUF - 2`` heads ahead;
 * head ``h``'s logits wgmma is issued before head ``h - 1``'s ``relu`` and weighted sum run on the CUDA cores, so the
   tensor cores never wait for the epilogue (two logits tiles are live: 2 x 64 fp32 registers per thread at
   ``BLOCK_N = 256``). The head sum runs in the same order as the portable kernel's, so the scores are the same.
@@ -20,6 +20,7 @@ Gluon kernels do not run in Triton's CPU interpreter; :func:`sm90_scores_unfit` 
 from __future__ import annotations
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
@@ -31,6 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from longtrain.dsa.triton._common import SM90_TMA_MIN_KEYS
 from longtrain.dsa.triton.sparse_mla_fwd_sm90 import _async_load, _cta_barrier, _gather_layout
 
 __all__ = [
@@ -241,8 +243,6 @@ def indexer_topk_fwd_sm90_scores(
     With ``k_scale`` (FP8 codes, E4M3) the kernel runs its TMA loader and applies the key scales after the head sum.
     The library does not route FP8 codes here yet (``benchmarks/dsa_indexer_variants.py --sm90-sweep`` measures it
     against the portable kernel first)."""
-    import triton
-
     num_heads, head_dim = index_q.shape[1], index_q.shape[2]
     num_keys = index_k.shape[0]
     # TMA needs 16-byte aligned bases (a view at an odd offset takes the cp.async loader: the same scores).
@@ -250,8 +250,6 @@ def indexer_topk_fwd_sm90_scores(
     fp8 = k_scale is not None
     if fp8 and not aligned:
         raise ValueError("the SM90 scoring kernel reads FP8 codes by TMA only: it needs 16-byte aligned q and k codes")
-    from longtrain.dsa.triton._common import SM90_TMA_MIN_KEYS
-
     wants_tma = cfg.sm90_loader == "tma" or (cfg.sm90_loader == "auto" and num_keys >= SM90_TMA_MIN_KEYS)
     tma = fp8 or (wants_tma and aligned)
     # TMA: descriptors of q as [T_q, H_I * D_I] and k; cp.async: the tensors again, unused.
