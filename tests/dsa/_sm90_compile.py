@@ -11,21 +11,22 @@ import sys
 from pathlib import Path
 
 _SCRIPT = """
-import importlib, json, re, subprocess, sys, tempfile
+import importlib, json, os, re, subprocess, sys, tempfile
 from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 
-module, name, types, consts = json.loads(sys.argv[1])
+module, name, types, consts, opts = json.loads(sys.argv[1])
 kernel = getattr(importlib.import_module(module), name)
 sig = dict(zip(kernel.arg_names, types))
 sig.update({key: "constexpr" for key in consts})
-consts["num_warps"] = 8
+num_warps = opts.pop("num_warps", 8)
+consts["num_warps"] = num_warps
 sig["num_warps"] = "constexpr"
 attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(types) if t.startswith("*")}
 compiled = triton.compile(GluonASTSource(kernel, sig, constexprs=consts, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, **opts))
 tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
     f.write(compiled.asm["cubin"])
@@ -41,10 +42,12 @@ with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as f:
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     info = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"], capture_output=True,
                           text=True).stderr
+if os.environ.get("LONGTRAIN_PTX_DUMP"):
+    Path(os.environ["LONGTRAIN_PTX_DUMP"]).write_text(ptx)
 serialized = [line for line in info.splitlines() if "wgmma.mma_async instructions are serialized" in line]
 print(json.dumps(dict(shared=compiled.metadata.shared, regs=int(m[1]), stack=int(m[2]), local=int(m[3]),
                       cp_async="cp.async.cg.shared.global" in ptx, wgmma="wgmma.mma_async" in ptx,
-                      wgmma_serialized=serialized)))
+                      wgmma_serialized=serialized, setmaxnreg=re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx))))
 """
 
 
@@ -58,12 +61,13 @@ def cuobjdump() -> Path | None:
     return path if path.exists() else None
 
 
-def compile_sm90(module: str, name: str, types: list[str], consts: dict) -> dict:
-    """Compile ``module.name`` (a Gluon kernel, 8 warps) for sm_90a; its resource usage and instruction flags."""
+def compile_sm90(module: str, name: str, types: list[str], consts: dict, **options) -> dict:
+    """Compile ``module.name`` (a Gluon kernel; ``options`` are compile options, 8 warps unless ``num_warps`` says
+    otherwise) for sm_90a; its resource usage and instruction flags."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2] / "src"),
                                                       env.get("PYTHONPATH")]))  # fmt: skip
-    arg = json.dumps([module, name, types, consts])
+    arg = json.dumps([module, name, types, consts, options])
     done = subprocess.run([sys.executable, "-c", _SCRIPT, arg], capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.stderr[-3000:] if not os.environ.get("LONGTRAIN_FULL_ERR") else done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -25,10 +25,14 @@ def _configs(fwd=None, ds=None, dq=None):
     (the portable kernel's stacked layout: logits and dO V^T in one matmul) or ``ds="sm90"`` (the SM90 stacked
     kernel, at the forward's block_k) or ``ds="fused"`` (the SM90 kernel that also computes dkv: no dkv kernel);
     with an SM90 forward the dkv kernel runs over two value-column groups; ``dq = (block_k, num_buf)`` forces the SM90
-    dq kernel."""
+    dq kernel; ``impl="sm90ws"`` is the warp-specialized SM90 forward."""
     from longtrain.dsa.triton import KernelConfig, SparseMLAConfig
 
     impl, block_k, stages = fwd or ("triton", 32, 3)
+    fwd_cfg = KernelConfig(impl=impl, block_k=block_k, num_warps=8, num_stages=stages) if impl != "sm90ws" else None
+    if impl == "sm90ws":
+        impl = "sm90"
+        fwd_cfg = KernelConfig(impl="sm90", layout="warp_specialized", block_k=block_k, num_warps=4, num_stages=stages)
     portable = KernelConfig(block_k=32, num_warps=8, num_stages=1)
     probabilities = {
         None: portable,
@@ -38,7 +42,7 @@ def _configs(fwd=None, ds=None, dq=None):
     }[ds]
     dkv = KernelConfig(block_k=32, num_warps=8, num_stages=1, col_groups=2 if impl == "sm90" else 1)
     return SparseMLAConfig(
-        fwd=KernelConfig(impl=impl, block_k=block_k, num_warps=8, num_stages=stages),
+        fwd=fwd_cfg,
         bwd=probabilities,
         bwd_dq=portable if dq is None else KernelConfig(impl="sm90", block_k=dq[0], num_stages=dq[1]),
         bwd_dkv=None if ds == "fused" else dkv,
@@ -120,6 +124,11 @@ _SM90 = pytest.mark.skipif(
             96, 2048, 128, 576, 512, 1024, False, ("sm90", 64, 2, "sm90", (64, 2)), torch.float16, marks=_SM90
         ),
         pytest.param(96, 1024, 96, 512, 512, 300, True, ("sm90", 64, 2, "fused", (32, 3)), torch.bfloat16, marks=_SM90),
+        pytest.param(160, 4096, 64, 576, 512, 2048, True, ("sm90ws", 64, 2, "fused"), torch.bfloat16, marks=_SM90),
+        pytest.param(96, 2048, 128, 576, 512, 1024, False, ("sm90ws", 32, 4), torch.bfloat16, marks=_SM90),
+        pytest.param(64, 1024, 96, 576, 512, 300, True, ("sm90ws", 64, 2), torch.float16, marks=_SM90),
+        pytest.param(96, 1024, 64, 512, 512, 512, True, ("sm90ws", 64, 2), torch.bfloat16, marks=_SM90),
+        pytest.param(64, 1024, 64, 320, 256, 200, False, ("sm90ws", 32, 3), torch.bfloat16, marks=_SM90),
     ],
     ids=[
         "glm",
@@ -144,6 +153,11 @@ _SM90 = pytest.mark.skipif(
         "sm90-dq-32x4-sink",
         "sm90-dq-H128-fp16",
         "sm90-dq-H96-D512",
+        "sm90ws-sink-fused",
+        "sm90ws-H128-32x4",
+        "sm90ws-H96-fp16",
+        "sm90ws-D512-sink",
+        "sm90ws-dv256-32x3",
     ],  # fmt: skip
 )
 def test_sparse_mla_bf16(T, T_k, H, D, d_v, K, with_sink, forced, dtype):
@@ -195,6 +209,11 @@ def test_forced_sm90_refuses_unsupported_shapes():
     q = torch.randn((8, 64, 576), device=dev, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="exceed the 227 KiB"):
         sparse_mla_triton(q, kv, idx, 0.1, config=KernelConfig(impl="sm90", block_k=64, num_stages=3))
+    ws = dict(impl="sm90", layout="warp_specialized", num_warps=4)
+    with pytest.raises(RuntimeError, match="exceed the 227 KiB"):
+        sparse_mla_triton(q, kv, idx, 0.1, config=KernelConfig(**ws, block_k=64, num_stages=3))
+    with pytest.raises(RuntimeError, match="d_v in \\[128, 512\\]"):
+        sparse_mla_triton(q[..., :128], kv[..., :128], idx, 0.1, d_v=64, config=KernelConfig(**ws, num_stages=2))
 
 
 @_SM90

@@ -51,6 +51,9 @@ def _check_pow2(name: str, value: int, low: int, high: int) -> None:
         raise ValueError(f"{name} must be a power of two in [{low}, {high}], got {value!r}")
 
 
+_LAYOUTS = ("heads", "keys", "keys_logits", "stacked", "fused", "warp_specialized")
+
+
 @dataclass(kw_only=True)
 class KernelConfig:
     """One launch configuration of a sparse MLA kernel (forward or backward)."""
@@ -69,7 +72,10 @@ class KernelConfig:
     backward's portable probabilities kernel: ``"heads"``, or ``"stacked"`` (the logits and ``dO V^T`` as one
     matmul of ``2 * block_h`` stacked rows). The backward with ``impl="sm90"``: ``"heads"`` (the SM90 probabilities
     kernel, logits and ``dO V^T`` stacked) or ``"fused"`` (the SM90 kernel that also computes dkv, in place of the
-    dkv kernel: ``block_k=64``, ``num_stages=1``)."""
+    dkv kernel: ``block_k=64``, ``num_stages=1``). The forward with ``impl="sm90"``: ``"heads"`` (two warpgroups
+    splitting the keys, then ``d_v``) or ``"warp_specialized"`` (a producer warpgroup gathering into a ring of
+    ``num_stages`` tiles, one warpgroup for the logits, softmax and the left half of ``d_v``, one for the right half;
+    ``num_warps=4``, the default partition; ``block_k`` 32 or 64)."""
     col_groups: int = 1
     """Backward dkv kernel only: programs per (row, head block), each owning ``d_v / col_groups`` value columns
     (1, 2 or 4; more than 1 gives the rope tail a launch of its own). Autotuned runs use
@@ -91,10 +97,8 @@ class KernelConfig:
             raise ValueError(f"num_stages must be an int in [1, 6], got {self.num_stages!r}")
         if self.col_groups not in (1, 2, 4):
             raise ValueError(f"col_groups must be 1, 2 or 4, got {self.col_groups!r}")
-        if self.layout not in ("heads", "keys", "keys_logits", "stacked", "fused"):
-            raise ValueError(
-                f"layout must be one of 'heads', 'keys', 'keys_logits', 'stacked', 'fused', got {self.layout!r}"
-            )
+        if self.layout not in _LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(map(repr, _LAYOUTS))}, got {self.layout!r}")
         if self.impl not in ("triton", "sm90"):
             raise ValueError(f"impl must be one of 'triton', 'sm90', got {self.impl!r}")
         if self.layout == "fused" and (
@@ -106,9 +110,18 @@ class KernelConfig:
                 f"num_stages=1, got impl={self.impl!r}, num_warps={self.num_warps}, block_k={self.block_k}, "
                 f"num_stages={self.num_stages}"
             )
+        if self.layout == "warp_specialized" and (
+            self.impl != "sm90" or self.num_warps != 4 or self.block_k not in (32, 64) or self.num_stages < 2
+        ):
+            raise ValueError(
+                "layout='warp_specialized' is the SM90 forward with a producer warpgroup and two consumer warpgroups "
+                "(num_warps counts the first consumer's): it needs impl='sm90', num_warps=4, block_k 32 or 64 and "
+                f"num_stages >= 2, got impl={self.impl!r}, num_warps={self.num_warps}, block_k={self.block_k}, "
+                f"num_stages={self.num_stages}"
+            )
         if (
             self.impl == "sm90"
-            and self.layout != "fused"
+            and self.layout not in ("fused", "warp_specialized")
             and (self.num_warps != 8 or self.num_stages < 2 or self.layout != "heads")
         ):
             raise ValueError(
@@ -139,7 +152,7 @@ class SparseMLAConfig:
         if self.fwd is not None and self.fwd.layout in ("stacked", "fused"):
             raise ValueError(
                 f"SparseMLAConfig.fwd: layout={self.fwd.layout!r} is the backward's probabilities kernel's (set it on "
-                "bwd); the forward takes 'heads', 'keys' or 'keys_logits'"
+                "bwd); the forward takes 'heads', 'keys', 'keys_logits' or 'warp_specialized'"
             )
         if self.bwd is not None and self.bwd.layout not in ("heads", "stacked", "fused"):
             raise ValueError(

@@ -28,8 +28,13 @@ _FWD_CANDIDATES = ((128, 8, 1, 1), (128, 8, 1, 2), (64, 8, 1, 0), (64, 8, 2, 0))
 # fastest of the same sweep first; 32-row tiles cover rope tails up to 128.
 _SM90_CANDIDATES = ((64, 2), (32, 4), (32, 3))
 _LAYOUTS = {"heads": 0, "keys": 1, "keys_logits": 2}
-# Shared memory an SM90 block may use (227 KiB) minus what the kernel needs beside its tiles.
-SM90_SMEM_BYTES = 232448 - 8192
+# Shared memory an SM90 block may use (227 KiB), and that minus what the two-warpgroup kernel needs beside its tiles.
+SM90_SMEM_LIMIT = 232448
+SM90_SMEM_BYTES = SM90_SMEM_LIMIT - 8192
+# The SM90 forward that config=None runs where it applies: "heads" (sparse_mla_fwd_sm90.py, autotuned over
+# _SM90_CANDIDATES) or "warp_specialized" (sparse_mla_fwd_sm90_ws.py at SM90_WS_DEFAULT = (block_k, tiles)).
+SM90_FWD_DEFAULT = "heads"
+SM90_WS_DEFAULT = (64, 2)
 
 
 @triton.jit
@@ -220,8 +225,20 @@ def _launch_sm90(q, kv2d, idx, qk_scale, d_v, topk_length, attn_sink, out, lse, 
         out, lse, kv2d.shape[0], idx.shape[1], qk_scale,
     )  # fmt: skip
     meta = dict(H=num_heads, D_V=d_v, D_R=d_qk - d_v, HAS_LEN=topk_length is not None, HAS_SINK=attn_sink is not None)
+    if config is None and SM90_FWD_DEFAULT == "warp_specialized" and _ws_reason(q, d_v, *SM90_WS_DEFAULT) is None:
+        _launch_sm90_ws(grid, args, meta, *SM90_WS_DEFAULT)
+        return
     if config is None:
         _autotuned_sm90()[grid](*args, **meta)
+        return
+    if config.layout == "warp_specialized":
+        reason = _ws_reason(q, d_v, config.block_k, config.num_stages)
+        if reason is not None:
+            raise RuntimeError(
+                f"KernelConfig(impl='sm90', layout='warp_specialized') cannot run here: {reason}; use layout='heads' "
+                "or impl='triton'"
+            )
+        _launch_sm90_ws(grid, args, meta, config.block_k, config.num_stages)
         return
     reason = "Gluon kernels do not run in Triton's interpreter (TRITON_INTERPRET=1)" if interpreting() else None
     reason = reason or sm90_unsupported_reason(q, d_v)
@@ -235,6 +252,30 @@ def _launch_sm90(q, kv2d, idx, qk_scale, d_v, topk_length, attn_sink, out, lse, 
     sparse_mla_fwd_sm90_kernel[grid](
         *args, **meta, BLOCK_K=config.block_k, NUM_BUF=config.num_stages, SPLIT_KEYS=True, num_warps=8
     )
+
+
+def _ws_reason(q: torch.Tensor, d_v: int, block_k: int, num_buf: int) -> str | None:
+    """``None`` when the warp-specialized SM90 forward runs ``q`` with this ring, else why not."""
+    if interpreting():
+        return "Gluon kernels do not run in Triton's interpreter (TRITON_INTERPRET=1)"
+    from longtrain.dsa.triton.sparse_mla_fwd_sm90_ws import ws_smem_bytes, ws_unsupported_reason
+
+    reason = ws_unsupported_reason(q, d_v)
+    if reason is None and ws_smem_bytes(block_k, num_buf, q.shape[2], q.element_size()) > SM90_SMEM_LIMIT:
+        reason = (
+            f"{num_buf} tiles of {block_k} rows plus 64 query heads of D_qk={q.shape[2]} and the shared P exceed the "
+            "227 KiB of shared memory; lower block_k or num_stages"
+        )
+    return reason
+
+
+def _launch_sm90_ws(grid, args, meta, block_k: int, num_buf: int) -> None:
+    from longtrain.dsa.triton.sparse_mla_fwd_sm90_ws import WS_MAXNREG, WS_NUM_REGS, sparse_mla_fwd_sm90_ws_kernel
+
+    sparse_mla_fwd_sm90_ws_kernel[grid](
+        *args, **meta, BLOCK_K=block_k, NUM_BUF=num_buf, REGS_RIGHT=WS_NUM_REGS[0], REGS_PRODUCER=WS_NUM_REGS[1],
+        num_warps=4, maxnreg=WS_MAXNREG,
+    )  # fmt: skip
 
 
 def sparse_mla_fwd(

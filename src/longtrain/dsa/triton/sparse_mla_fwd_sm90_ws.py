@@ -1,0 +1,354 @@
+"""Sparse MLA forward for Hopper (SM90) in Gluon, warp-specialized: a producer warpgroup gathers, one warpgroup owns
+the logits, the softmax and the left half of the values, another the right half.
+
+Same contract and math as :func:`longtrain.dsa.triton.sparse_mla_fwd.sparse_mla_fwd_kernel` (one program per
+(query row, block of 64 heads), fp32 online softmax in base 2, invalid slots masked, exact zeros for rows without
+keys). The schedule is the one the best public Hopper kernels use for this op (1 producer + 2 consumer warpgroups,
+``d_v`` split between the consumers); the code is ours:
+
+* the **producer** (4 warps, few registers) cp.asyncs the queries once and then the row's gathered latent rows into
+  a ring of ``NUM_BUF`` tiles of ``BLOCK_K`` rows, each tile kept as three shared-memory blocks (left and right value
+  halves, rope tail) so every matmul operand is a whole block; a tile's completion is signalled by
+  ``cp.async.mbarrier.arrive`` (every producer thread arrives when its own copies have landed), and a buffer is
+  refilled once both consumers have released it;
+* the **softmax warpgroup** (the default partition) computes ``S = Q K^T`` for all ``BLOCK_K`` keys (one wgmma chain
+  per part), the online softmax, writes ``P`` (bf16/fp16) and the rescale factors to shared memory for the other
+  consumer, then ``O_left += P V_left`` with ``P`` in registers;
+* the **right warpgroup** rescales its accumulator and computes ``O_right += P V_right`` from the shared ``P``, so it
+  runs under the softmax warpgroup's next logits.
+
+Barriers: ``ready[b]`` (the producer's 128 threads), ``free[b]`` (one arrive per consumer), ``p_ready`` / ``p_free``
+(the single shared ``P`` and its factors; after the loop ``p_ready`` once more hands over ``1 / denominator``).
+Shared memory at the GLM shape (64 heads, D_qk 576, 2 tiles of 64 rows): 72 + 144 + 8 KiB.
+
+Gluon kernels do not run in Triton's CPU interpreter; ``sparse_mla_fwd`` uses this kernel only where
+:func:`ws_unsupported_reason` returns ``None``.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+__all__ = ["WS_NUM_REGS", "sparse_mla_fwd_sm90_ws_kernel", "ws_smem_bytes", "ws_unsupported_reason"]
+
+# Triton 3.6 names the cp.async copy ``async_copy_global_to_shared``; later releases call it ``async_load``.
+_async_load = cp.async_load if hasattr(cp, "async_load") else cp.async_copy_global_to_shared
+
+_BLOCK_H = gl.constexpr(64)
+# setmaxnreg budgets of the worker partitions (right-half consumer, producer); the softmax warpgroup gets the rest of
+# the 168 x 3 per thread that one 384-thread program may hold on an SM (64K registers).
+WS_NUM_REGS = (160, 96)
+WS_MAXNREG = 168
+
+
+@gluon.constexpr_function
+def _rows_layout(width, num_warps):
+    """Blocked layout of a ``[rows, width]`` tile: 16-byte (8 x 16-bit) vectors, a warp spans a row."""
+    tpw_c = min(32, max(width, 8) // 8)
+    return gl.BlockedLayout([1, 8], [32 // tpw_c, tpw_c], [num_warps, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _mma_layout(n):
+    """wgmma accumulator layout of ``[64, n]`` for one warpgroup."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
+@gluon.jit
+def _slots(idx_row, k0, n_slots, T_k, BLOCK_K: gl.constexpr, layout: gl.constexpr):
+    """Slot indices ``[k0, k0 + BLOCK_K)`` of a row (``-1`` past ``n_slots``) and their validity."""
+    offs = k0 + gl.arange(0, BLOCK_K, layout=layout)
+    in_len = offs < n_slots
+    idx = gl.load(idx_row + offs, mask=in_len, other=-1)  # [BLOCK_K]
+    return idx, in_len & (idx >= 0) & (idx < T_k)
+
+
+@gluon.jit
+def _gather(dst, base, rows, valid, col0, WIDTH: gl.constexpr, L: gl.constexpr):
+    """cp.async ``base[rows, col0:col0+WIDTH]`` into ``dst`` (rows: element offsets; invalid rows zero-filled)."""
+    offs = col0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, L))
+    _async_load(dst, base + rows[:, None] + offs[None, :], mask=valid[:, None])  # [rows, WIDTH]
+
+
+@gluon.jit
+def _producer(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr,
+              BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr):  # fmt: skip
+    """Worker partition: the queries, then every tile of the row into the ring."""
+    q_ptr, kv_ptr, idx_row, out_ptr, lse_ptr, sink_ptr, t, hb, n_slots, T_k, qk_scale = sc
+    q_l, q_r, q_t, kl_bufs, kr_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_bar = sm
+    DH: gl.constexpr = D_V // 2
+    D_QK: gl.constexpr = D_V + D_R
+    LH: gl.constexpr = _rows_layout(DH, 4)
+    LT: gl.constexpr = _rows_layout(max(D_R, 16), 4)
+
+    q_row = q_ptr + t * (H * D_QK)
+    hh = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, LH))
+    _gather(q_l, q_row, hh * D_QK, hh < H, 0, DH, LH)  # [64, DH]
+    _gather(q_r, q_row, hh * D_QK, hh < H, DH, DH, LH)  # [64, DH]
+    if D_R > 0:
+        ht = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, LT))
+        _gather(q_t, q_row, ht * D_QK, ht < H, D_V, D_R, LT)  # [64, D_R]
+    cp.mbarrier_arrive(q_bar, increment_count=False)
+
+    for i in range(gl.cdiv(n_slots, BLOCK_K)):
+        b = i % NUM_BUF
+        mbarrier.wait(free.index(b), ((i // NUM_BUF) & 1) ^ 1)
+        idx, valid = _slots(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, gl.SliceLayout(1, LH))  # [BLOCK_K] x 2
+        rows = gl.where(valid, idx, 0).to(gl.int64) * D_QK
+        _gather(kl_bufs.index(b), kv_ptr, rows, valid, 0, DH, LH)  # [BLOCK_K, DH]
+        _gather(kr_bufs.index(b), kv_ptr, rows, valid, DH, DH, LH)  # [BLOCK_K, DH]
+        if D_R > 0:
+            idx_t, valid_t = _slots(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, gl.SliceLayout(1, LT))
+            rows_t = gl.where(valid_t, idx_t, 0).to(gl.int64) * D_QK
+            _gather(kt_bufs.index(b), kv_ptr, rows_t, valid_t, D_V, D_R, LT)  # [BLOCK_K, D_R]
+        cp.mbarrier_arrive(ready.index(b), increment_count=False)
+
+
+@gluon.jit
+def _right_half(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr,
+                BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr):  # fmt: skip
+    """Worker partition: ``O[:, D_V/2:] = sum_i P_i V_i[:, D_V/2:]`` from the shared ``P``."""
+    q_ptr, kv_ptr, idx_row, out_ptr, lse_ptr, sink_ptr, t, hb, n_slots, T_k, qk_scale = sc
+    q_l, q_r, q_t, kl_bufs, kr_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_bar = sm
+    DH: gl.constexpr = D_V // 2
+    o_layout: gl.constexpr = _mma_layout(DH)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    acc = gl.zeros([_BLOCK_H, DH], gl.float32, layout=o_layout)
+    n_tiles = gl.cdiv(n_slots, BLOCK_K)
+    for i in range(n_tiles):
+        b = i % NUM_BUF
+        mbarrier.wait(p_ready, i & 1)
+        alpha = a_smem.load(row_o)  # [64]
+        acc = acc * alpha[:, None]
+        acc = warpgroup_mma(p_smem, kr_bufs.index(b), acc, is_async=True)  # [64, DH]
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(p_free)
+        mbarrier.arrive(free.index(b))
+    mbarrier.wait(p_ready, n_tiles & 1)
+    inv = a_smem.load(row_o)  # [64]: 1 / denominator, 0 for rows without keys
+    out = (acc * inv[:, None]).to(out_ptr.dtype.element_ty)
+    oh = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=row_o)
+    oc = DH + gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
+    gl.store(out_ptr + t * (H * D_V) + oh[:, None] * D_V + oc[None, :], out, mask=(oh < H)[:, None])
+
+
+@gluon.jit
+def _logits(sm, b, s_zero, D_R: gl.constexpr):
+    """Issue ``S = Q K_b^T`` (async): one wgmma chain per part (left values, right values, rope tail)."""
+    q_l, q_r, q_t, kl_bufs, kr_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_bar = sm
+    s = warpgroup_mma(q_l, kl_bufs.index(b).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma(q_r, kr_bufs.index(b).permute((1, 0)), s, is_async=True)
+    if D_R > 0:
+        s = warpgroup_mma(q_t, kt_bufs.index(b).permute((1, 0)), s, is_async=True)  # [64, BLOCK_K]
+    return s
+
+
+@gluon.jit
+def _softmax_step(sm, s, valid, m_i, l_i, qk_scale, i):
+    """Online softmax of tile ``i``'s logits; hands ``P`` and the rescale factors to the right warpgroup.
+
+    Returns the new row max and sum, ``P`` in fp32 (the logits' layout) and the factors."""
+    q_l, q_r, q_t, kl_bufs, kr_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_bar = sm
+    s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    # A row that has seen no valid slot yet keeps m = -inf; shifting by 0 gives p = alpha = 0, not NaN.
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_use)
+    p32 = gl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + gl.sum(p32, 1)
+    # The right warpgroup has finished with the previous P and factors (its wgmma has completed).
+    mbarrier.wait(p_free, (i & 1) ^ 1)
+    p_smem.store(p32.to(p_smem.dtype))
+    a_smem.store(alpha)
+    fence_async_shared()
+    mbarrier.arrive(p_ready)
+    return m_new, l_i, p32, alpha
+
+
+@gluon.jit
+def _softmax_left(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr,
+                  BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr):  # fmt: skip
+    """Default partition: logits, online softmax, the shared ``P``, ``O[:, :D_V/2]`` and the LSE.
+
+    With two tiles in the ring, tile i's ``P V`` runs right after its softmax. With three or more, it is deferred:
+    tile i+1's logits and tile i's ``P V`` are issued together, so the softmax of tile i+1 runs while the tensor
+    cores do tile i's ``P V`` (and the right warpgroup its half); two tiles are then in use while the producer
+    fills the others."""
+    q_ptr, kv_ptr, idx_row, out_ptr, lse_ptr, sink_ptr, t, hb, n_slots, T_k, qk_scale = sc
+    q_l, q_r, q_t, kl_bufs, kr_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_bar = sm
+    DH: gl.constexpr = D_V // 2
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    s_layout: gl.constexpr = _mma_layout(BLOCK_K)
+    o_layout: gl.constexpr = _mma_layout(DH)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    m_i = gl.full([_BLOCK_H], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([_BLOCK_H], gl.float32, layout=row_s)
+    acc = gl.zeros([_BLOCK_H, DH], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([_BLOCK_H, BLOCK_K], gl.float32, layout=s_layout)
+    mbarrier.wait(q_bar, 0)
+    n_tiles = gl.cdiv(n_slots, BLOCK_K)
+    if NUM_BUF >= 3:
+        if n_tiles > 0:
+            mbarrier.wait(ready.index(0), 0)
+            fence_async_shared()
+            s = _logits(sm, 0, s_zero, D_R)
+            _, valid = _slots(idx_row, 0, n_slots, T_k, BLOCK_K, col_s)  # [BLOCK_K]
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            m_i, l_i, p, alpha = _softmax_step(sm, s, valid, m_i, l_i, qk_scale, 0)
+            for i in range(1, n_tiles):
+                b = i % NUM_BUF
+                bp = (i - 1) % NUM_BUF
+                # Every input register of the wgmmas issued together is defined before the first of them, and none is
+                # written while they run (else ptxas serializes them, C7513): P is carried in fp32 and rounded here,
+                # so the softmax below, which runs while this wgmma reads P, writes other registers.
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                mbarrier.wait(ready.index(b), (i // NUM_BUF) & 1)
+                fence_async_shared()
+                s = _logits(sm, b, s_zero, D_R)
+                acc = warpgroup_mma(p_op, kl_bufs.index(bp), acc, is_async=True)  # [64, DH]: tile i-1
+                _, valid = _slots(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, col_s)  # [BLOCK_K]
+                s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+                m_i, l_i, p, alpha = _softmax_step(sm, s, valid, m_i, l_i, qk_scale, i)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(free.index(bp))
+                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            b_last = (n_tiles - 1) % NUM_BUF
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), kl_bufs.index(b_last), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(free.index(b_last))
+    else:
+        for i in range(n_tiles):
+            b = i % NUM_BUF
+            mbarrier.wait(ready.index(b), (i // NUM_BUF) & 1)
+            fence_async_shared()
+            s = _logits(sm, b, s_zero, D_R)
+            _, valid = _slots(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, col_s)  # [BLOCK_K]
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            m_i, l_i, p, alpha = _softmax_step(sm, s, valid, m_i, l_i, qk_scale, i)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), kl_bufs.index(b), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(free.index(b))
+
+    offs_h = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=row_s)
+    mask_h = offs_h < H
+    has_keys = l_i > 0.0
+    denom = l_i
+    if HAS_SINK:
+        # The sink is one more logit with a zero value: it only enlarges the denominator.
+        sink = gl.load(sink_ptr + offs_h, mask=mask_h, other=float("-inf")) * 1.4426950408889634  # [64]
+        denom = l_i + gl.exp2(sink - gl.where(m_i == float("-inf"), 0.0, m_i))
+    inv = gl.where(has_keys, 1.0 / gl.where(has_keys, denom, 1.0), 0.0)
+    lse = gl.where(has_keys, (m_i + gl.log2(gl.where(has_keys, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    gl.store(lse_ptr + t * H + offs_h, lse, mask=mask_h)
+    mbarrier.wait(p_free, (n_tiles & 1) ^ 1)
+    a_smem.store(inv)
+    mbarrier.arrive(p_ready)
+
+    out = (acc * gl.convert_layout(inv, row_o)[:, None]).to(out_ptr.dtype.element_ty)
+    oh = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=row_o)
+    oc = gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
+    gl.store(out_ptr + t * (H * D_V) + oh[:, None] * D_V + oc[None, :], out, mask=(oh < H)[:, None])
+
+
+@gluon.jit(do_not_specialize=["T_k", "K_slots"])
+def sparse_mla_fwd_sm90_ws_kernel(
+    q_ptr, kv_ptr, idx_ptr, len_ptr, sink_ptr, out_ptr, lse_ptr,
+    T_k, K_slots, qk_scale,
+    H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
+    HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr,
+    BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, REGS_RIGHT: gl.constexpr, REGS_PRODUCER: gl.constexpr,
+    num_warps: gl.constexpr,
+):  # fmt: skip
+    DH: gl.constexpr = D_V // 2
+    NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    gl.static_assert(num_warps == 4, "the default partition is one warpgroup")
+
+    # Shared memory: queries and the ring, each as (left values, right values, rope tail); P and its factors.
+    qh_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BLOCK_H, DH], dtype)
+    kh_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, DH], dtype)
+    q_l = gl.allocate_shared_memory(dtype, [_BLOCK_H, DH], qh_sl)
+    q_r = gl.allocate_shared_memory(dtype, [_BLOCK_H, DH], qh_sl)
+    kl_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_K, DH], kh_sl)
+    kr_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_K, DH], kh_sl)
+    if D_R > 0:
+        qt_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BLOCK_H, D_R], dtype)
+        kt_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, D_R], dtype)
+        q_t = gl.allocate_shared_memory(dtype, [_BLOCK_H, D_R], qt_sl)
+        kt_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_K, D_R], kt_sl)
+    else:
+        q_t = q_l
+        kt_bufs = kl_bufs
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BLOCK_H, BLOCK_K], dtype)
+    p_smem = gl.allocate_shared_memory(dtype, [_BLOCK_H, BLOCK_K], p_sl)
+    a_smem = gl.allocate_shared_memory(gl.float32, [_BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(NUM_BUF):
+        mbarrier.init(ready.index(j), count=128)  # every producer thread, when its copies have landed
+        mbarrier.init(free.index(j), count=2)  # both consumers
+    mbarrier.init(p_ready, count=1)
+    mbarrier.init(p_free, count=1)
+    mbarrier.init(q_bar, count=128)
+
+    pid = gl.program_id(0)
+    t = (pid // NUM_HB).to(gl.int64)
+    hb = pid % NUM_HB
+    if HAS_LEN:
+        n_slots = gl.minimum(gl.maximum(gl.load(len_ptr + t).to(gl.int32), 0), K_slots)  # scalar
+    else:
+        n_slots = K_slots
+    sc = (q_ptr, kv_ptr, idx_ptr + t * K_slots, out_ptr, lse_ptr, sink_ptr, t, hb, n_slots, T_k, qk_scale)
+    sm = (q_l, q_r, q_t, kl_bufs, kr_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_bar)
+    gl.warp_specialize(
+        [
+            (_softmax_left, (sc, sm, H, D_V, D_R, HAS_SINK, BLOCK_K, NUM_BUF)),
+            (_right_half, (sc, sm, H, D_V, D_R, HAS_SINK, BLOCK_K, NUM_BUF)),
+            (_producer, (sc, sm, H, D_V, D_R, HAS_SINK, BLOCK_K, NUM_BUF)),
+        ],
+        [4, 4],
+        [REGS_RIGHT, REGS_PRODUCER],
+    )
+
+
+def ws_smem_bytes(block_k: int, num_buf: int, d_qk: int, itemsize: int) -> int:
+    """Shared memory of one program: queries, the ring, ``P``, the factors and the barriers."""
+    return (_BLOCK_H + num_buf * block_k) * d_qk * itemsize + _BLOCK_H * block_k * itemsize + 4 * _BLOCK_H + 64
+
+
+def ws_unsupported_reason(q: torch.Tensor, d_v: int) -> str | None:
+    """``None`` when this kernel handles ``q [T, H, D_qk]`` with value width ``d_v``, else why not."""
+    num_heads, d_qk = q.shape[1], q.shape[2]
+    d_r = d_qk - d_v
+    if q.device.type != "cuda":
+        return f"it runs on CUDA SM90 GPUs, not on {q.device.type}"
+    major, minor = torch.cuda.get_device_capability(q.device)
+    if major != 9:
+        return f"it needs an SM90 (Hopper) GPU, {q.device} is SM{major}{minor}"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"it takes bf16/fp16 inputs, got {q.dtype}"
+    if num_heads < _BLOCK_H:
+        return f"it needs at least {_BLOCK_H} heads (one wgmma tile), got H={num_heads}"
+    if d_v & (d_v - 1) or not 128 <= d_v <= 512:
+        return f"it needs a power-of-two d_v in [128, 512] (two halves of 64..256), got d_v={d_v}"
+    if d_r and (d_r & (d_r - 1) or not 16 <= d_r <= 128):
+        return f"it needs a rope tail D_qk - d_v of 0 or a power of two in [16, 128], got {d_r}"
+    return None
