@@ -45,7 +45,7 @@ def main(out_dir: Path, total: int, heads_list: tuple[int, ...]) -> None:
             try:
                 out, lse = run_fwd(q, kv, idx, length, cfg)
                 torch.cuda.synchronize()
-                ms = bench(lambda cfg=cfg: run_fwd(q, kv, idx, length, cfg), rep_ms=300)
+                ms = bench(lambda cfg=cfg, q=q, kv=kv: run_fwd(q, kv, idx, length, cfg), rep_ms=300)
                 finite = torch.isfinite(ref_lse)
                 row.update(ms=ms[0], p20=ms[1], p80=ms[2], tflops=flops / ms[0] / 1e9,
                            max_diff=(out.float() - ref_out.float()).abs().max().item(),

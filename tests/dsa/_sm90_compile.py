@@ -42,12 +42,13 @@ with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as f:
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     info = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"], capture_output=True,
                           text=True).stderr
+setmaxnreg = [int(n) for n in re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx)]
 if os.environ.get("LONGTRAIN_PTX_DUMP"):
     Path(os.environ["LONGTRAIN_PTX_DUMP"]).write_text(ptx)
 serialized = [line for line in info.splitlines() if "wgmma.mma_async instructions are serialized" in line]
 print(json.dumps(dict(shared=compiled.metadata.shared, regs=int(m[1]), stack=int(m[2]), local=int(m[3]),
                       cp_async="cp.async.cg.shared.global" in ptx, wgmma="wgmma.mma_async" in ptx,
-                      wgmma_serialized=serialized, setmaxnreg=re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx))))
+                      wgmma_serialized=serialized, setmaxnreg=setmaxnreg)))
 """
 
 

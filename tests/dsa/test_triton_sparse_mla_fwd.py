@@ -139,3 +139,76 @@ def test_sm90_kernel_compiles_for_hopper_without_spills():
     assert stats["cp_async"] and stats["wgmma"], stats
     assert stats["shared"] <= 232448, stats
     assert stats["stack"] == 0 and stats["local"] == 0, stats
+
+
+@pytest.mark.parametrize(
+    "cap,kwargs,d_v,match",
+    [
+        ((9, 0), {}, 512, None),
+        ((9, 0), dict(D=512), 512, None),  # K = V, no rope tail
+        ((9, 0), dict(D=320), 256, None),
+        ((9, 0), dict(H=96, dtype=torch.float16), 512, None),
+        ((8, 0), {}, 512, "needs an SM90 \\(Hopper\\) GPU, cuda:0 is SM80"),
+        ((9, 0), dict(dtype=torch.float32), 512, "bf16/fp16"),
+        ((9, 0), dict(H=32), 512, "at least 64 heads"),
+        ((9, 0), dict(D=128), 64, "d_v in \\[128, 512\\]"),
+        ((9, 0), dict(D=560), 512, "rope tail .* got 48"),
+    ],
+)
+def test_warp_specialized_support_rules(monkeypatch, cap, kwargs, d_v, match):
+    from longtrain.dsa.triton import sparse_mla_fwd_sm90_ws as ws
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+    reason = ws.ws_unsupported_reason(_fake_q(**kwargs), d_v)
+    if match is None:
+        assert reason is None
+    else:
+        assert re.search(match, reason), reason
+    assert "not on cpu" in ws.ws_unsupported_reason(torch.zeros(1, 64, 576, dtype=torch.bfloat16), 512)
+
+
+def test_warp_specialized_config_rules():
+    from longtrain.dsa.triton import KernelConfig, SparseMLAConfig
+
+    ws = dict(impl="sm90", layout="warp_specialized")
+    KernelConfig(**ws, num_warps=4, block_k=32, num_stages=4)
+    KernelConfig(**ws, num_warps=4, block_k=64, num_stages=2)
+    for bad in (dict(num_warps=8), dict(num_warps=4, block_k=128), dict(num_warps=4, num_stages=1)):
+        with pytest.raises(ValueError, match="layout='warp_specialized' is the SM90 forward"):
+            KernelConfig(**{**ws, **bad})
+    with pytest.raises(ValueError, match="needs impl='sm90'"):
+        KernelConfig(layout="warp_specialized", num_warps=4)
+    with pytest.raises(ValueError, match="is the forward's"):
+        SparseMLAConfig(bwd=KernelConfig(**ws, num_warps=4))
+    with pytest.raises(ValueError, match="layout must be one of .*'warp_specialized'"):
+        KernelConfig(layout="ws")
+
+
+def test_warp_specialized_default_ring_fits_shared_memory():
+    from longtrain.dsa.triton.sparse_mla_fwd import SM90_SMEM_LIMIT, SM90_WS_DEFAULT
+    from longtrain.dsa.triton.sparse_mla_fwd_sm90_ws import ws_smem_bytes
+
+    assert ws_smem_bytes(*SM90_WS_DEFAULT, 576, 2) <= SM90_SMEM_LIMIT
+    assert ws_smem_bytes(64, 2, 576, 2) <= SM90_SMEM_LIMIT
+    assert ws_smem_bytes(64, 3, 576, 2) > SM90_SMEM_LIMIT  # 64 queries + 3 x 64 rows of 576 bf16 = 288 KiB
+    assert ws_smem_bytes(32, 4, 640, 2) > SM90_SMEM_LIMIT  # a rope tail of 128: the default ring falls back
+
+
+@pytest.mark.skipif(cuobjdump() is None, reason="needs triton with its bundled NVIDIA toolchain (ptxas, cuobjdump)")
+@pytest.mark.parametrize("block_k,num_buf", [(32, 4), (64, 2)], ids=["32x4-deferred", "64x2"])
+def test_warp_specialized_kernel_compiles_for_hopper(block_k, num_buf):
+    """The warp-specialized forward compiled for sm_90a on this CPU-only machine: three partitions with their
+    register budgets (setmaxnreg), cp.async + wgmma, no spills, no serialized wgmma (ptxas C7510-C7520), shared memory
+    within 227 KiB and within what ``ws_smem_bytes`` (the launcher's fit check) counts."""
+    from longtrain.dsa.triton.sparse_mla_fwd_sm90_ws import WS_MAXNREG, WS_NUM_REGS, ws_smem_bytes
+
+    types = ["*bf16", "*bf16", "*i32", "*i32", "*fp32", "*bf16", "*fp32", "i32", "i32", "fp32"]
+    consts = dict(H=64, D_V=512, D_R=64, HAS_LEN=True, HAS_SINK=True, BLOCK_K=block_k, NUM_BUF=num_buf,
+                  REGS_RIGHT=WS_NUM_REGS[0], REGS_PRODUCER=WS_NUM_REGS[1])  # fmt: skip
+    stats = compile_sm90("longtrain.dsa.triton.sparse_mla_fwd_sm90_ws", "sparse_mla_fwd_sm90_ws_kernel", types,
+                         consts, num_warps=4, maxnreg=WS_MAXNREG)  # fmt: skip
+    assert stats["cp_async"] and stats["wgmma"], stats
+    assert stats["stack"] == 0 and stats["local"] == 0, stats
+    assert stats["wgmma_serialized"] == [], stats
+    assert set(WS_NUM_REGS) <= set(stats["setmaxnreg"]), stats
+    assert stats["shared"] <= ws_smem_bytes(block_k, num_buf, 576, 2) <= 232448, stats

@@ -438,6 +438,12 @@ def memcheck() -> None:
             for ln in (length, None):
                 o90, _ = sparse_mla_fwd(q.detach(), kv.detach().view(90, -1), idx, 0.1, D_V, ln, sink.detach(), c90)
                 assert bool(torch.isfinite(o90).all())
+        # The warp-specialized kernel: every ring depth the benchmark times, with and without lengths.
+        for bk, nb in ((32, 4), (32, 3), (64, 2)):
+            cws = KernelConfig(impl="sm90", layout="warp_specialized", num_warps=4, block_k=bk, num_stages=nb)
+            for ln in (length, None):
+                ows, _ = sparse_mla_fwd(q.detach(), kv.detach().view(90, -1), idx, 0.1, D_V, ln, sink.detach(), cws)
+                assert bool(torch.isfinite(ows).all())
     iq, ik, iw = indexer_inputs(90, dev)
     sel = indexer_topk_triton(iq, ik, iw, starts, causal, 16, config=IndexerConfig(block_m=64, block_n=128))
     # The sampled select (rows wider than select_cand) and its whole-row fallback (zero-weight rows tie throughout).
@@ -492,12 +498,20 @@ def _mla_case(add, total: int, heads: int, topk: int, layout: str) -> None:
     def bwd():
         return run_bwd(q, kv, out, dout, lse, idx, length)
 
-    from longtrain.dsa.triton.sparse_mla_fwd import _sm90_default
+    from longtrain.dsa.triton.sparse_mla_fwd import _sm90_default, sm90_forward_kind
 
     ms = bench(fwd)
-    impl = "triton (ours, SM90 Gluon kernel)" if _sm90_default(q, D_V) else "triton (ours)"
+    kind = sm90_forward_kind(q, D_V)
+    ws_default = kind == "warp_specialized"
+    impl = {None: "triton (ours)", "heads": "triton (ours, SM90 Gluon kernel)",
+            "warp_specialized": "triton (ours, SM90 warp-specialized kernel)"}[kind]  # fmt: skip
     add(op="sparse_mla_fwd", impl=impl, shape=shape, ms=ms[0], p20=ms[1], p80=ms[2],
         tflops=fwd_flops / ms[0] / 1e9, peak_mib=peak_mib(fwd))  # fmt: skip
+    if ws_default:  # the two-warpgroup SM90 kernel (the previous default) on the same inputs
+        c90 = _kcfg((64, 8, 2, 0, "sm90"))
+        ms = bench(lambda: run_fwd(q, kv, idx, length, c90))
+        add(op="sparse_mla_fwd", impl="triton (ours, SM90 two-warpgroup kernel, 64 keys x 2 tiles)", shape=shape,
+            ms=ms[0], p20=ms[1], p80=ms[2], tflops=fwd_flops / ms[0] / 1e9)  # fmt: skip
     if _sm90_default(q, D_V) and total == 16384 and topk == TOPK and layout == "1doc":
         # The portable kernel on the same inputs: its best config here, and its previous default.
         for c, what in (((64, 8, 2, 0), "64 keys x 2 stages, idx ahead"), ((128, 8, 1, 2), "128 keys x 1 stage")):

@@ -15,7 +15,15 @@ import triton.language as tl
 
 from longtrain.dsa.triton._common import KernelConfig, dot_precision, interpreting, next_pow2
 
-__all__ = ["SM90_SMEM_BYTES", "fwd_block_h", "sparse_mla_fwd", "sparse_mla_fwd_kernel"]
+__all__ = [
+    "SM90_FWD_DEFAULT",
+    "SM90_SMEM_BYTES",
+    "SM90_WS_DEFAULT",
+    "fwd_block_h",
+    "sm90_forward_kind",
+    "sparse_mla_fwd",
+    "sparse_mla_fwd_kernel",
+]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -33,8 +41,8 @@ SM90_SMEM_LIMIT = 232448
 SM90_SMEM_BYTES = SM90_SMEM_LIMIT - 8192
 # The SM90 forward that config=None runs where it applies: "heads" (sparse_mla_fwd_sm90.py, autotuned over
 # _SM90_CANDIDATES) or "warp_specialized" (sparse_mla_fwd_sm90_ws.py at SM90_WS_DEFAULT = (block_k, tiles)).
-SM90_FWD_DEFAULT = "heads"
-SM90_WS_DEFAULT = (64, 2)
+SM90_FWD_DEFAULT = "warp_specialized"
+SM90_WS_DEFAULT = (32, 4)
 
 
 @triton.jit
@@ -225,7 +233,7 @@ def _launch_sm90(q, kv2d, idx, qk_scale, d_v, topk_length, attn_sink, out, lse, 
         out, lse, kv2d.shape[0], idx.shape[1], qk_scale,
     )  # fmt: skip
     meta = dict(H=num_heads, D_V=d_v, D_R=d_qk - d_v, HAS_LEN=topk_length is not None, HAS_SINK=attn_sink is not None)
-    if config is None and SM90_FWD_DEFAULT == "warp_specialized" and _ws_reason(q, d_v, *SM90_WS_DEFAULT) is None:
+    if config is None and sm90_forward_kind(q, d_v) == "warp_specialized":
         _launch_sm90_ws(grid, args, meta, *SM90_WS_DEFAULT)
         return
     if config is None:
@@ -270,11 +278,11 @@ def _ws_reason(q: torch.Tensor, d_v: int, block_k: int, num_buf: int) -> str | N
 
 
 def _launch_sm90_ws(grid, args, meta, block_k: int, num_buf: int) -> None:
-    from longtrain.dsa.triton.sparse_mla_fwd_sm90_ws import WS_MAXNREG, WS_NUM_REGS, sparse_mla_fwd_sm90_ws_kernel
+    from longtrain.dsa.triton import sparse_mla_fwd_sm90_ws as ws
 
-    sparse_mla_fwd_sm90_ws_kernel[grid](
-        *args, **meta, BLOCK_K=block_k, NUM_BUF=num_buf, REGS_RIGHT=WS_NUM_REGS[0], REGS_PRODUCER=WS_NUM_REGS[1],
-        num_warps=4, maxnreg=WS_MAXNREG,
+    ws.sparse_mla_fwd_sm90_ws_kernel[grid](
+        *args, **meta, BLOCK_K=block_k, NUM_BUF=num_buf, REGS_RIGHT=ws.WS_NUM_REGS[0],
+        REGS_PRODUCER=ws.WS_NUM_REGS[1], num_warps=4, maxnreg=ws.WS_MAXNREG,
     )  # fmt: skip
 
 
@@ -345,6 +353,17 @@ def sparse_mla_fwd(
     else:
         _autotuned_fwd()[grid](*args, **meta)
     return out, lse
+
+
+def sm90_forward_kind(q: torch.Tensor, d_v: int) -> str | None:
+    """The SM90 forward ``config=None`` runs for ``q [T, H, D_qk]``: ``"warp_specialized"``
+    (``sparse_mla_fwd_sm90_ws.py`` at ``SM90_WS_DEFAULT``), ``"heads"`` (``sparse_mla_fwd_sm90.py``, autotuned), or
+    ``None`` where neither applies (the portable kernel runs)."""
+    if not _sm90_default(q, d_v):
+        return None
+    if SM90_FWD_DEFAULT == "warp_specialized" and _ws_reason(q, d_v, *SM90_WS_DEFAULT) is None:
+        return "warp_specialized"
+    return "heads"
 
 
 def _sm90_default(q: torch.Tensor, d_v: int) -> bool:

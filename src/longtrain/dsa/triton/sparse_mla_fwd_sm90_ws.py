@@ -17,8 +17,10 @@ keys). The schedule is the one the best public Hopper kernels use for this op (1
 * the **right warpgroup** rescales its accumulator and computes ``O_right += P V_right`` from the shared ``P``, so it
   runs under the softmax warpgroup's next logits.
 
-Barriers: ``ready[b]`` (the producer's 128 threads), ``free[b]`` (one arrive per consumer), ``p_ready`` / ``p_free``
-(the single shared ``P`` and its factors; after the loop ``p_ready`` once more hands over ``1 / denominator``).
+Barriers: ``ready[b]`` (the producer's 128 threads), ``free[b]`` (one arrive per consumer), ``p_ready[j]`` /
+``p_free[j]`` (the shared ``P`` and its factors, one buffer, or two with a ring of three or more tiles, so that the
+softmax warpgroup can hand over tile i+1 before the right warpgroup has finished tile i; after the loop ``p_ready``
+once more hands over ``1 / denominator``).
 Shared memory at the GLM shape (64 heads, D_qk 576, 2 tiles of 64 rows): 72 + 144 + 8 KiB.
 
 Gluon kernels do not run in Triton's CPU interpreter; ``sparse_mla_fwd`` uses this kernel only where
@@ -38,14 +40,21 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-__all__ = ["WS_NUM_REGS", "sparse_mla_fwd_sm90_ws_kernel", "ws_smem_bytes", "ws_unsupported_reason"]
+__all__ = [
+    "WS_MAXNREG",
+    "WS_NUM_REGS",
+    "sparse_mla_fwd_sm90_ws_kernel",
+    "ws_smem_bytes",
+    "ws_unsupported_reason",
+]
 
 # Triton 3.6 names the cp.async copy ``async_copy_global_to_shared``; later releases call it ``async_load``.
 _async_load = cp.async_load if hasattr(cp, "async_load") else cp.async_copy_global_to_shared
 
-_BLOCK_H = gl.constexpr(64)
-# setmaxnreg budgets of the worker partitions (right-half consumer, producer); the softmax warpgroup gets the rest of
-# the 168 x 3 per thread that one 384-thread program may hold on an SM (64K registers).
+_HEADS = 64  # heads per program (one wgmma tile of M)
+_BLOCK_H = gl.constexpr(_HEADS)
+# setmaxnreg budgets of the worker partitions (the right half, the producer); the softmax warpgroup gets the rest
+# of the 168 x 3 per thread that one 384-thread program may hold on an SM (64K registers).
 WS_NUM_REGS = (160, 96)
 WS_MAXNREG = 168
 
@@ -116,10 +125,11 @@ def _producer(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS
 @gluon.jit
 def _right_half(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr,
                 BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr):  # fmt: skip
-    """Worker partition: ``O[:, D_V/2:] = sum_i P_i V_i[:, D_V/2:]`` from the shared ``P``."""
+    """Worker partition: ``O[:, D_V/2:] = sum_i P_i V_i[:, D_V/2:]`` from the shared ``P`` and factors."""
     q_ptr, kv_ptr, idx_row, out_ptr, lse_ptr, sink_ptr, t, hb, n_slots, T_k, qk_scale = sc
     q_l, q_r, q_t, kl_bufs, kr_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_bar = sm
     DH: gl.constexpr = D_V // 2
+    NUM_P: gl.constexpr = p_smem.type.shape[0]
     o_layout: gl.constexpr = _mma_layout(DH)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
@@ -127,15 +137,16 @@ def _right_half(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, H
     n_tiles = gl.cdiv(n_slots, BLOCK_K)
     for i in range(n_tiles):
         b = i % NUM_BUF
-        mbarrier.wait(p_ready, i & 1)
-        alpha = a_smem.load(row_o)  # [64]
+        j = i % NUM_P
+        mbarrier.wait(p_ready.index(j), (i // NUM_P) & 1)
+        alpha = a_smem.index(j).load(row_o)  # [64]
         acc = acc * alpha[:, None]
-        acc = warpgroup_mma(p_smem, kr_bufs.index(b), acc, is_async=True)  # [64, DH]
+        acc = warpgroup_mma(p_smem.index(j), kr_bufs.index(b), acc, is_async=True)  # [64, DH]
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(p_free)
+        mbarrier.arrive(p_free.index(j))
         mbarrier.arrive(free.index(b))
-    mbarrier.wait(p_ready, n_tiles & 1)
-    inv = a_smem.load(row_o)  # [64]: 1 / denominator, 0 for rows without keys
+    mbarrier.wait(p_ready.index(n_tiles % NUM_P), (n_tiles // NUM_P) & 1)
+    inv = a_smem.index(n_tiles % NUM_P).load(row_o)  # [64]: 1 / denominator, 0 for rows without keys
     out = (acc * inv[:, None]).to(out_ptr.dtype.element_ty)
     oh = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=row_o)
     oc = DH + gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
@@ -167,12 +178,37 @@ def _softmax_step(sm, s, valid, m_i, l_i, qk_scale, i):
     p32 = gl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + gl.sum(p32, 1)
     # The right warpgroup has finished with the previous P and factors (its wgmma has completed).
-    mbarrier.wait(p_free, (i & 1) ^ 1)
-    p_smem.store(p32.to(p_smem.dtype))
-    a_smem.store(alpha)
+    NUM_P: gl.constexpr = p_smem.type.shape[0]
+    j = i % NUM_P
+    mbarrier.wait(p_free.index(j), ((i // NUM_P) & 1) ^ 1)
+    p_smem.index(j).store(p32.to(p_smem.dtype))
+    a_smem.index(j).store(alpha)
     fence_async_shared()
-    mbarrier.arrive(p_ready)
+    mbarrier.arrive(p_ready.index(j))
     return m_new, l_i, p32, alpha
+
+
+@gluon.jit
+def _finish(sc, sm, m_i, l_i, n_tiles, H: gl.constexpr, HAS_SINK: gl.constexpr, row_s: gl.constexpr):
+    """Store the LSE and hand ``1 / denominator`` (0 for rows without keys) to the right warpgroup."""
+    q_ptr, kv_ptr, idx_row, out_ptr, lse_ptr, sink_ptr, t, hb, n_slots, T_k, qk_scale = sc
+    q_l, q_r, q_t, kl_bufs, kr_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_bar = sm
+    offs_h = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=row_s)
+    mask_h = offs_h < H
+    has_keys = l_i > 0.0
+    denom = l_i
+    if HAS_SINK:
+        # The sink is one more logit with a zero value: it only enlarges the denominator.
+        sink = gl.load(sink_ptr + offs_h, mask=mask_h, other=float("-inf")) * 1.4426950408889634  # [64]
+        denom = l_i + gl.exp2(sink - gl.where(m_i == float("-inf"), 0.0, m_i))
+    inv = gl.where(has_keys, 1.0 / gl.where(has_keys, denom, 1.0), 0.0)
+    lse = gl.where(has_keys, (m_i + gl.log2(gl.where(has_keys, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    gl.store(lse_ptr + t * H + offs_h, lse, mask=mask_h)
+    NUM_P: gl.constexpr = p_smem.type.shape[0]
+    mbarrier.wait(p_free.index(n_tiles % NUM_P), ((n_tiles // NUM_P) & 1) ^ 1)
+    a_smem.index(n_tiles % NUM_P).store(inv)
+    mbarrier.arrive(p_ready.index(n_tiles % NUM_P))
+    return inv
 
 
 @gluon.jit
@@ -244,21 +280,7 @@ def _softmax_left(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(free.index(b))
 
-    offs_h = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=row_s)
-    mask_h = offs_h < H
-    has_keys = l_i > 0.0
-    denom = l_i
-    if HAS_SINK:
-        # The sink is one more logit with a zero value: it only enlarges the denominator.
-        sink = gl.load(sink_ptr + offs_h, mask=mask_h, other=float("-inf")) * 1.4426950408889634  # [64]
-        denom = l_i + gl.exp2(sink - gl.where(m_i == float("-inf"), 0.0, m_i))
-    inv = gl.where(has_keys, 1.0 / gl.where(has_keys, denom, 1.0), 0.0)
-    lse = gl.where(has_keys, (m_i + gl.log2(gl.where(has_keys, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    gl.store(lse_ptr + t * H + offs_h, lse, mask=mask_h)
-    mbarrier.wait(p_free, (n_tiles & 1) ^ 1)
-    a_smem.store(inv)
-    mbarrier.arrive(p_ready)
-
+    inv = _finish(sc, sm, m_i, l_i, n_tiles, H, HAS_SINK, row_s)
     out = (acc * gl.convert_layout(inv, row_o)[:, None]).to(out_ptr.dtype.element_ty)
     oh = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=row_o)
     oc = gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
@@ -295,18 +317,20 @@ def sparse_mla_fwd_sm90_ws_kernel(
         q_t = q_l
         kt_bufs = kl_bufs
     p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BLOCK_H, BLOCK_K], dtype)
-    p_smem = gl.allocate_shared_memory(dtype, [_BLOCK_H, BLOCK_K], p_sl)
-    a_smem = gl.allocate_shared_memory(gl.float32, [_BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    NUM_P: gl.constexpr = 2 if NUM_BUF >= 3 else 1
+    p_smem = gl.allocate_shared_memory(dtype, [NUM_P, _BLOCK_H, BLOCK_K], p_sl)
+    a_smem = gl.allocate_shared_memory(gl.float32, [NUM_P, _BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [NUM_P, 1], mbarrier.MBarrierLayout())
+    p_free = gl.allocate_shared_memory(gl.int64, [NUM_P, 1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for j in gl.static_range(NUM_BUF):
         mbarrier.init(ready.index(j), count=128)  # every producer thread, when its copies have landed
         mbarrier.init(free.index(j), count=2)  # both consumers
-    mbarrier.init(p_ready, count=1)
-    mbarrier.init(p_free, count=1)
+    for j in gl.static_range(NUM_P):
+        mbarrier.init(p_ready.index(j), count=1)
+        mbarrier.init(p_free.index(j), count=1)  # the right warpgroup
     mbarrier.init(q_bar, count=128)
 
     pid = gl.program_id(0)
@@ -331,7 +355,8 @@ def sparse_mla_fwd_sm90_ws_kernel(
 
 def ws_smem_bytes(block_k: int, num_buf: int, d_qk: int, itemsize: int) -> int:
     """Shared memory of one program: queries, the ring, ``P``, the factors and the barriers."""
-    return (_BLOCK_H + num_buf * block_k) * d_qk * itemsize + _BLOCK_H * block_k * itemsize + 4 * _BLOCK_H + 64
+    num_p = 2 if num_buf >= 3 else 1
+    return (_HEADS + num_buf * block_k) * d_qk * itemsize + num_p * _HEADS * (block_k * itemsize + 4) + 512
 
 
 def ws_unsupported_reason(q: torch.Tensor, d_v: int) -> str | None:
@@ -345,8 +370,8 @@ def ws_unsupported_reason(q: torch.Tensor, d_v: int) -> str | None:
         return f"it needs an SM90 (Hopper) GPU, {q.device} is SM{major}{minor}"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"it takes bf16/fp16 inputs, got {q.dtype}"
-    if num_heads < _BLOCK_H:
-        return f"it needs at least {_BLOCK_H} heads (one wgmma tile), got H={num_heads}"
+    if num_heads < _HEADS:
+        return f"it needs at least {_HEADS} heads (one wgmma tile), got H={num_heads}"
     if d_v & (d_v - 1) or not 128 <= d_v <= 512:
         return f"it needs a power-of-two d_v in [128, 512] (two halves of 64..256), got d_v={d_v}"
     if d_r and (d_r & (d_r - 1) or not 16 <= d_r <= 128):
