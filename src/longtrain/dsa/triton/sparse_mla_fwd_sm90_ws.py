@@ -93,16 +93,14 @@ def _producer(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS
               BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr):  # fmt: skip
     """Worker partition: the queries, then every tile of the row into the ring."""
     q_ptr, kv_ptr, idx_row, out_ptr, lse_ptr, sink_ptr, t, hb, n_slots, T_k, qk_scale = sc
-    q_l, q_r, q_t, kl_bufs, kr_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_bar = sm
-    DH: gl.constexpr = D_V // 2
+    q_v, q_t, kv_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_bar = sm
     D_QK: gl.constexpr = D_V + D_R
-    LH: gl.constexpr = _rows_layout(DH, 4)
+    LV: gl.constexpr = _rows_layout(D_V, 4)
     LT: gl.constexpr = _rows_layout(max(D_R, 16), 4)
 
     q_row = q_ptr + t * (H * D_QK)
-    hh = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, LH))
-    _gather(q_l, q_row, hh * D_QK, hh < H, 0, DH, LH)  # [64, DH]
-    _gather(q_r, q_row, hh * D_QK, hh < H, DH, DH, LH)  # [64, DH]
+    hh = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, LV))
+    _gather(q_v, q_row, hh * D_QK, hh < H, 0, D_V, LV)  # [64, D_V]
     if D_R > 0:
         ht = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, LT))
         _gather(q_t, q_row, ht * D_QK, ht < H, D_V, D_R, LT)  # [64, D_R]
@@ -111,10 +109,9 @@ def _producer(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS
     for i in range(gl.cdiv(n_slots, BLOCK_K)):
         b = i % NUM_BUF
         mbarrier.wait(free.index(b), ((i // NUM_BUF) & 1) ^ 1)
-        idx, valid = _slots(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, gl.SliceLayout(1, LH))  # [BLOCK_K] x 2
+        idx, valid = _slots(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, gl.SliceLayout(1, LV))  # [BLOCK_K] x 2
         rows = gl.where(valid, idx, 0).to(gl.int64) * D_QK
-        _gather(kl_bufs.index(b), kv_ptr, rows, valid, 0, DH, LH)  # [BLOCK_K, DH]
-        _gather(kr_bufs.index(b), kv_ptr, rows, valid, DH, DH, LH)  # [BLOCK_K, DH]
+        _gather(kv_bufs.index(b), kv_ptr, rows, valid, 0, D_V, LV)  # [BLOCK_K, D_V]
         if D_R > 0:
             idx_t, valid_t = _slots(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, gl.SliceLayout(1, LT))
             rows_t = gl.where(valid_t, idx_t, 0).to(gl.int64) * D_QK
@@ -127,7 +124,7 @@ def _right_half(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, H
                 BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr):  # fmt: skip
     """Worker partition: ``O[:, D_V/2:] = sum_i P_i V_i[:, D_V/2:]`` from the shared ``P`` and factors."""
     q_ptr, kv_ptr, idx_row, out_ptr, lse_ptr, sink_ptr, t, hb, n_slots, T_k, qk_scale = sc
-    q_l, q_r, q_t, kl_bufs, kr_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_bar = sm
+    q_v, q_t, kv_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_bar = sm
     DH: gl.constexpr = D_V // 2
     NUM_P: gl.constexpr = p_smem.type.shape[0]
     o_layout: gl.constexpr = _mma_layout(DH)
@@ -141,7 +138,7 @@ def _right_half(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, H
         mbarrier.wait(p_ready.index(j), (i // NUM_P) & 1)
         alpha = a_smem.index(j).load(row_o)  # [64]
         acc = acc * alpha[:, None]
-        acc = warpgroup_mma(p_smem.index(j), kr_bufs.index(b), acc, is_async=True)  # [64, DH]
+        acc = warpgroup_mma(p_smem.index(j), kv_bufs.index(b).slice(DH, DH, dim=1), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(p_free.index(j))
         mbarrier.arrive(free.index(b))
@@ -155,10 +152,9 @@ def _right_half(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, H
 
 @gluon.jit
 def _logits(sm, b, s_zero, D_R: gl.constexpr):
-    """Issue ``S = Q K_b^T`` (async): one wgmma chain per part (left values, right values, rope tail)."""
-    q_l, q_r, q_t, kl_bufs, kr_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_bar = sm
-    s = warpgroup_mma(q_l, kl_bufs.index(b).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    s = warpgroup_mma(q_r, kr_bufs.index(b).permute((1, 0)), s, is_async=True)
+    """Issue ``S = Q K_b^T`` (async): one wgmma chain per part (values, rope tail)."""
+    q_v, q_t, kv_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_bar = sm
+    s = warpgroup_mma(q_v, kv_bufs.index(b).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     if D_R > 0:
         s = warpgroup_mma(q_t, kt_bufs.index(b).permute((1, 0)), s, is_async=True)  # [64, BLOCK_K]
     return s
@@ -169,7 +165,7 @@ def _softmax_step(sm, s, valid, m_i, l_i, qk_scale, i):
     """Online softmax of tile ``i``'s logits; hands ``P`` and the rescale factors to the right warpgroup.
 
     Returns the new row max and sum, ``P`` in fp32 (the logits' layout) and the factors."""
-    q_l, q_r, q_t, kl_bufs, kr_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_bar = sm
+    q_v, q_t, kv_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_bar = sm
     s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1))
     # A row that has seen no valid slot yet keeps m = -inf; shifting by 0 gives p = alpha = 0, not NaN.
@@ -189,10 +185,73 @@ def _softmax_step(sm, s, valid, m_i, l_i, qk_scale, i):
 
 
 @gluon.jit
+def _deferred_step(sm, idx_row, n_slots, T_k, qk_scale, i, p, acc, m_i, l_i, s_zero, D_R: gl.constexpr,
+                   BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, p_layout: gl.constexpr, col_s: gl.constexpr,
+                   row_o: gl.constexpr):  # fmt: skip
+    """Tile i's logits and tile i-1's ``P V`` issued together; tile i's softmax while the ``P V`` runs."""
+    q_v, q_t, kv_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_bar = sm
+    DH: gl.constexpr = kv_bufs.type.shape[2] // 2
+    b = i % NUM_BUF
+    bp = (i - 1) % NUM_BUF
+    # Every input register of the wgmmas issued together is defined before the first of them, and none is written
+    # while they run (else ptxas serializes them, C7513): P is carried in fp32 and rounded here, so the softmax
+    # below, which runs while this wgmma reads P, writes other registers.
+    p_op = gl.convert_layout(p.to(p_smem.dtype), p_layout)
+    mbarrier.wait(ready.index(b), (i // NUM_BUF) & 1)
+    fence_async_shared()
+    s = _logits(sm, b, s_zero, D_R)
+    acc = warpgroup_mma(p_op, kv_bufs.index(bp).slice(0, DH, dim=1), acc, is_async=True)  # [64, DH]: tile i-1
+    _, valid = _slots(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, col_s)  # [BLOCK_K]
+    s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+    m_i, l_i, p, alpha = _softmax_step(sm, s, valid, m_i, l_i, qk_scale, i)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(free.index(bp))
+    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+    return acc, m_i, l_i, p
+
+
+@gluon.jit
+def _pair_step(sm, idx_row, n_slots, T_k, qk_scale, a, p, acc, m_i, l_i, s_zero, D_R: gl.constexpr,
+               BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, p_layout: gl.constexpr, col_s: gl.constexpr,
+               row_o: gl.constexpr):  # fmt: skip
+    """Tiles a and a+1 (a ring of four or more tiles: a-1, a and a+1 are in use at once).
+
+    Tile a's logits with tile a-1's ``P V``; then tile a+1's logits, issued before tile a's softmax, which runs under
+    them; then tile a's ``P V``, under tile a+1's softmax. Nothing is in flight across the loop's back edge."""
+    q_v, q_t, kv_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_bar = sm
+    DH: gl.constexpr = kv_bufs.type.shape[2] // 2
+    ba = a % NUM_BUF
+    bb = (a + 1) % NUM_BUF
+    bp = (a - 1) % NUM_BUF
+    p_op = gl.convert_layout(p.to(p_smem.dtype), p_layout)
+    mbarrier.wait(ready.index(ba), (a // NUM_BUF) & 1)
+    fence_async_shared()
+    s_a = _logits(sm, ba, s_zero, D_R)
+    acc = warpgroup_mma(p_op, kv_bufs.index(bp).slice(0, DH, dim=1), acc, is_async=True)  # [64, DH]: tile a-1
+    _, valid_a = _slots(idx_row, a * BLOCK_K, n_slots, T_k, BLOCK_K, col_s)  # [BLOCK_K]
+    s_a = warpgroup_mma_wait(num_outstanding=1, deps=(s_a,))
+    mbarrier.wait(ready.index(bb), ((a + 1) // NUM_BUF) & 1)
+    fence_async_shared()
+    s_b = _logits(sm, bb, s_zero, D_R)
+    _, valid_b = _slots(idx_row, (a + 1) * BLOCK_K, n_slots, T_k, BLOCK_K, col_s)  # [BLOCK_K]
+    m_i, l_i, p_a, alpha_a = _softmax_step(sm, s_a, valid_a, m_i, l_i, qk_scale, a)
+    s_b, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_b, acc))
+    mbarrier.arrive(free.index(bp))
+    acc = acc * gl.convert_layout(alpha_a, row_o)[:, None]
+    p_op = gl.convert_layout(p_a.to(p_smem.dtype), p_layout)
+    acc = warpgroup_mma(p_op, kv_bufs.index(ba).slice(0, DH, dim=1), acc, is_async=True)  # [64, DH]: tile a
+    m_i, l_i, p_b, alpha_b = _softmax_step(sm, s_b, valid_b, m_i, l_i, qk_scale, a + 1)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(free.index(ba))
+    acc = acc * gl.convert_layout(alpha_b, row_o)[:, None]
+    return acc, m_i, l_i, p_b
+
+
+@gluon.jit
 def _finish(sc, sm, m_i, l_i, n_tiles, H: gl.constexpr, HAS_SINK: gl.constexpr, row_s: gl.constexpr):
     """Store the LSE and hand ``1 / denominator`` (0 for rows without keys) to the right warpgroup."""
     q_ptr, kv_ptr, idx_row, out_ptr, lse_ptr, sink_ptr, t, hb, n_slots, T_k, qk_scale = sc
-    q_l, q_r, q_t, kl_bufs, kr_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_bar = sm
+    q_v, q_t, kv_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_bar = sm
     offs_h = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=row_s)
     mask_h = offs_h < H
     has_keys = l_i > 0.0
@@ -221,7 +280,7 @@ def _softmax_left(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
     cores do tile i's ``P V`` (and the right warpgroup its half); two tiles are then in use while the producer
     fills the others."""
     q_ptr, kv_ptr, idx_row, out_ptr, lse_ptr, sink_ptr, t, hb, n_slots, T_k, qk_scale = sc
-    q_l, q_r, q_t, kl_bufs, kr_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_bar = sm
+    q_v, q_t, kv_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_bar = sm
     DH: gl.constexpr = D_V // 2
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     s_layout: gl.constexpr = _mma_layout(BLOCK_K)
@@ -245,25 +304,16 @@ def _softmax_left(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
             _, valid = _slots(idx_row, 0, n_slots, T_k, BLOCK_K, col_s)  # [BLOCK_K]
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             m_i, l_i, p, alpha = _softmax_step(sm, s, valid, m_i, l_i, qk_scale, 0)
-            for i in range(1, n_tiles):
-                b = i % NUM_BUF
-                bp = (i - 1) % NUM_BUF
-                # Every input register of the wgmmas issued together is defined before the first of them, and none is
-                # written while they run (else ptxas serializes them, C7513): P is carried in fp32 and rounded here,
-                # so the softmax below, which runs while this wgmma reads P, writes other registers.
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
-                mbarrier.wait(ready.index(b), (i // NUM_BUF) & 1)
-                fence_async_shared()
-                s = _logits(sm, b, s_zero, D_R)
-                acc = warpgroup_mma(p_op, kl_bufs.index(bp), acc, is_async=True)  # [64, DH]: tile i-1
-                _, valid = _slots(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, col_s)  # [BLOCK_K]
-                s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-                m_i, l_i, p, alpha = _softmax_step(sm, s, valid, m_i, l_i, qk_scale, i)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(free.index(bp))
-                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            n_pairs = (n_tiles - 1) // 2 if NUM_BUF >= 4 else 0
+            for j in range(n_pairs):
+                acc, m_i, l_i, p = _pair_step(sm, idx_row, n_slots, T_k, qk_scale, 1 + 2 * j, p, acc, m_i, l_i,
+                                              s_zero, D_R, BLOCK_K, NUM_BUF, p_layout, col_s, row_o)  # fmt: skip
+            for i in range(1 + 2 * n_pairs, n_tiles):
+                acc, m_i, l_i, p = _deferred_step(sm, idx_row, n_slots, T_k, qk_scale, i, p, acc, m_i, l_i, s_zero,
+                                                  D_R, BLOCK_K, NUM_BUF, p_layout, col_s, row_o)  # fmt: skip
             b_last = (n_tiles - 1) % NUM_BUF
-            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), kl_bufs.index(b_last), acc, is_async=True)
+            v_last = kv_bufs.index(b_last).slice(0, DH, dim=1)
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_last, acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(free.index(b_last))
     else:
@@ -276,7 +326,8 @@ def _softmax_left(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             m_i, l_i, p, alpha = _softmax_step(sm, s, valid, m_i, l_i, qk_scale, i)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), kl_bufs.index(b), acc, is_async=True)
+            v_left = kv_bufs.index(b).slice(0, DH, dim=1)
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_left, acc, is_async=True)  # [64, DH]
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(free.index(b))
 
@@ -296,26 +347,23 @@ def sparse_mla_fwd_sm90_ws_kernel(
     BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, REGS_RIGHT: gl.constexpr, REGS_PRODUCER: gl.constexpr,
     num_warps: gl.constexpr,
 ):  # fmt: skip
-    DH: gl.constexpr = D_V // 2
     NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     gl.static_assert(num_warps == 4, "the default partition is one warpgroup")
 
     # Shared memory: queries and the ring, each as (left values, right values, rope tail); P and its factors.
-    qh_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BLOCK_H, DH], dtype)
-    kh_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, DH], dtype)
-    q_l = gl.allocate_shared_memory(dtype, [_BLOCK_H, DH], qh_sl)
-    q_r = gl.allocate_shared_memory(dtype, [_BLOCK_H, DH], qh_sl)
-    kl_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_K, DH], kh_sl)
-    kr_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_K, DH], kh_sl)
+    qv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BLOCK_H, D_V], dtype)
+    kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, D_V], dtype)
+    q_v = gl.allocate_shared_memory(dtype, [_BLOCK_H, D_V], qv_sl)
+    kv_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_K, D_V], kv_sl)
     if D_R > 0:
         qt_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BLOCK_H, D_R], dtype)
         kt_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, D_R], dtype)
         q_t = gl.allocate_shared_memory(dtype, [_BLOCK_H, D_R], qt_sl)
         kt_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_K, D_R], kt_sl)
     else:
-        q_t = q_l
-        kt_bufs = kl_bufs
+        q_t = q_v
+        kt_bufs = kv_bufs
     p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BLOCK_H, BLOCK_K], dtype)
     NUM_P: gl.constexpr = 2 if NUM_BUF >= 3 else 1
     p_smem = gl.allocate_shared_memory(dtype, [NUM_P, _BLOCK_H, BLOCK_K], p_sl)
@@ -341,7 +389,7 @@ def sparse_mla_fwd_sm90_ws_kernel(
     else:
         n_slots = K_slots
     sc = (q_ptr, kv_ptr, idx_ptr + t * K_slots, out_ptr, lse_ptr, sink_ptr, t, hb, n_slots, T_k, qk_scale)
-    sm = (q_l, q_r, q_t, kl_bufs, kr_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_bar)
+    sm = (q_v, q_t, kv_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_bar)
     gl.warp_specialize(
         [
             (_softmax_left, (sc, sm, H, D_V, D_R, HAS_SINK, BLOCK_K, NUM_BUF)),
