@@ -42,7 +42,7 @@ SM90_SMEM_BYTES = SM90_SMEM_LIMIT - 8192
 # The SM90 forward that config=None runs where it applies: "heads" (sparse_mla_fwd_sm90.py, autotuned over
 # _SM90_CANDIDATES) or "warp_specialized" (sparse_mla_fwd_sm90_ws.py at SM90_WS_DEFAULT = (block_k, tiles)).
 SM90_FWD_DEFAULT = "warp_specialized"
-SM90_WS_DEFAULT = (32, 4)
+SM90_WS_DEFAULT = (64, 2)
 
 
 @triton.jit
