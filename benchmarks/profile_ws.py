@@ -1,16 +1,21 @@
-"""One warp-specialized SM90 forward launch at the GLM-5.2 shape, for ``ncu`` (profiling helper, experiment)."""
+"""Three warp-specialized SM90 forward launches at the GLM-5.2 shape (T = 16384, H = 64, K = 2048), for ``ncu``.
+
+``ncu --set full -k regex:ws_kernel -s 2 -c 1 -o prof python benchmarks/profile_ws.py 32x4`` profiles the third (the
+argument is ``block_k x num_stages``, default 64x2); ``logs/ncu_dsa_fwd_ws_32x4_b0a921f_details.txt`` came from it.
+"""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 
-sys.path.insert(0, "benchmarks")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from longtrain.bench_suites.dsa import TOPK, causal_index_sets, mla_inputs, run_fwd  # noqa: E402
 from longtrain.dsa.triton import KernelConfig  # noqa: E402
 
-block_k, num_buf = (int(x) for x in sys.argv[1].split("x")) if len(sys.argv) > 1 else (32, 4)
+block_k, num_buf = (int(x) for x in sys.argv[1].split("x")) if len(sys.argv) > 1 else (64, 2)
 dev = torch.device("cuda")
 idx, length, _, _ = causal_index_sets([16384], TOPK, dev)
 q, kv = mla_inputs(16384, 64, dev)

@@ -76,16 +76,16 @@ class RouteRow(NamedTuple):
 
 # The FP8 indexer's figure for `longtrain doctor` (its route follows the same table, without cudnn).
 _FP8_FIGURE = (
-    "3.96 ms against 4.08 ms in bf16 at T=16384 H_I=32 D_I=128 K=2048, one document; selection overlap with the "
-    "bf16 selection 0.978 (dsa_indexer_a9e623b_2026-12-02.md)"
+    "3.98 ms against 4.00 ms in bf16 at T=16384 H_I=32 D_I=128 K=2048, one document; selection overlap with the "
+    "bf16 selection 0.978 (dsa_indexer_c2c800f_2026-12-02.md)"
 )
 
 #: What ``"auto"`` chooses from, per op and direction fastest first (a test keeps the measured rows in order).
 ROUTE_TABLE: tuple[RouteRow, ...] = (
     RouteRow(
-        "sparse_mla", "fwd", "triton", "90", 337.9,
-        "12.97 ms, 337.9 TFLOP/s (SM90 Gluon kernel); T=16384 H=64 D_qk=576 d_v=512 K=2048, one document",
-        "benchmarks/results/dsa_2026-11-29.md",
+        "sparse_mla", "fwd", "triton", "90", 454.7,
+        "9.64 ms, 454.7 TFLOP/s (SM90 warp-specialized kernel); T=16384 H=64 D_qk=576 d_v=512 K=2048, one document",
+        "benchmarks/results/dsa_mla_c2c800f_2026-12-02.md",
     ),
     RouteRow(
         "sparse_mla", "fwd", "flash_mla", "-", None,
@@ -116,10 +116,10 @@ ROUTE_TABLE: tuple[RouteRow, ...] = (
         "benchmarks/results/dsa_2026-11-29.md",
     ),
     RouteRow(
-        "indexer_topk", "fwd", "triton", "90", 269.2,
-        "4.08 ms, 269.2 TFLOP/s of logits (SM90 Gluon scores + union radix select); T=16384 H_I=32 D_I=128 "
+        "indexer_topk", "fwd", "triton", "90", 274.9,
+        "4.00 ms, 274.9 TFLOP/s of logits (SM90 Gluon scores, TMA, + union radix select); T=16384 H_I=32 D_I=128 "
         "K=2048, one document",
-        "benchmarks/results/dsa_indexer_a9e623b_2026-12-02.md",
+        "benchmarks/results/dsa_indexer_c2c800f_2026-12-02.md",
     ),
     RouteRow(
         "indexer_topk", "fwd", "cudnn", "-", None,
