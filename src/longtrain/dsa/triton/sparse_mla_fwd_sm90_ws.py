@@ -7,15 +7,17 @@ keys). The schedule is the one the best public Hopper kernels use for this op (1
 ``d_v`` split between the consumers); the code is ours:
 
 * the **producer** (4 warps, few registers) cp.asyncs the queries once and then the row's gathered latent rows into
-  a ring of ``NUM_BUF`` tiles of ``BLOCK_K`` rows, each tile kept as three shared-memory blocks (left and right value
-  halves, rope tail) so every matmul operand is a whole block; a tile's completion is signalled by
-  ``cp.async.mbarrier.arrive`` (every producer thread arrives when its own copies have landed), and a buffer is
-  refilled once both consumers have released it;
-* the **softmax warpgroup** (the default partition) computes ``S = Q K^T`` for all ``BLOCK_K`` keys (one wgmma chain
-  per part), the online softmax, writes ``P`` (bf16/fp16) and the rescale factors to shared memory for the other
-  consumer, then ``O_left += P V_left`` with ``P`` in registers;
-* the **right warpgroup** rescales its accumulator and computes ``O_right += P V_right`` from the shared ``P``, so it
-  runs under the softmax warpgroup's next logits.
+  a ring of ``NUM_BUF`` tiles of ``BLOCK_K`` rows, each tile kept as two shared-memory blocks (values ``[BLOCK_K,
+  D_V]``, rope tail ``[BLOCK_K, D_R]``); a tile's completion is signalled by ``cp.async.mbarrier.arrive`` (every
+  producer thread arrives when its own copies have landed), and a buffer is refilled once both consumers have
+  released it;
+* the **softmax warpgroup** (the default partition) computes ``S = Q K^T`` for all ``BLOCK_K`` keys as two wgmma
+  chains (values, rope tail: each chain boundary drains the tensor pipe, so the value halves are one block, not two),
+  the online softmax, writes ``P`` (bf16/fp16) and the rescale factors to shared memory for the other consumer, then
+  ``O_left += P V[:, :D_V/2]`` with ``P`` in registers (with 3 tiles deferred under the next tile's logits, with 4 or
+  more tiles paired, see :func:`_softmax_left`);
+* the **right warpgroup** rescales its accumulator and computes ``O_right += P V[:, D_V/2:]`` (a column slice of the
+  value block) from the shared ``P``, so it runs under the softmax warpgroup's next logits.
 
 Barriers: ``ready[b]`` (the producer's 128 threads), ``free[b]`` (one arrive per consumer), ``p_ready[j]`` /
 ``p_free[j]`` (the shared ``P`` and its factors, one buffer, or two with a ring of three or more tiles, so that the
@@ -278,7 +280,7 @@ def _softmax_left(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
     With two tiles in the ring, tile i's ``P V`` runs right after its softmax. With three or more, it is deferred:
     tile i+1's logits and tile i's ``P V`` are issued together, so the softmax of tile i+1 runs while the tensor
     cores do tile i's ``P V`` (and the right warpgroup its half); two tiles are then in use while the producer
-    fills the others."""
+    fills the others. With four or more, tiles go in pairs (:func:`_pair_step`), a remainder tile deferred."""
     q_ptr, kv_ptr, idx_row, out_ptr, lse_ptr, sink_ptr, t, hb, n_slots, T_k, qk_scale = sc
     q_v, q_t, kv_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_bar = sm
     DH: gl.constexpr = D_V // 2
