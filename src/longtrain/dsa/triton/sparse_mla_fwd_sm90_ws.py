@@ -42,6 +42,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from longtrain.dsa.triton.sparse_mla_fwd_sm90 import _async_load, _gather_layout, _load_idx, sm90_unsupported_reason
+
 __all__ = [
     "WS_MAXNREG",
     "WS_NUM_REGS",
@@ -49,9 +51,6 @@ __all__ = [
     "ws_smem_bytes",
     "ws_unsupported_reason",
 ]
-
-# Triton 3.6 names the cp.async copy ``async_copy_global_to_shared``; later releases call it ``async_load``.
-_async_load = cp.async_load if hasattr(cp, "async_load") else cp.async_copy_global_to_shared
 
 _HEADS = 64  # heads per program (one wgmma tile of M)
 _BLOCK_H = gl.constexpr(_HEADS)
@@ -62,25 +61,9 @@ WS_MAXNREG = 168
 
 
 @gluon.constexpr_function
-def _rows_layout(width, num_warps):
-    """Blocked layout of a ``[rows, width]`` tile: 16-byte (8 x 16-bit) vectors, a warp spans a row."""
-    tpw_c = min(32, max(width, 8) // 8)
-    return gl.BlockedLayout([1, 8], [32 // tpw_c, tpw_c], [num_warps, 1], [1, 0])
-
-
-@gluon.constexpr_function
 def _mma_layout(n):
     """wgmma accumulator layout of ``[64, n]`` for one warpgroup."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
-
-
-@gluon.jit
-def _slots(idx_row, k0, n_slots, T_k, BLOCK_K: gl.constexpr, layout: gl.constexpr):
-    """Slot indices ``[k0, k0 + BLOCK_K)`` of a row (``-1`` past ``n_slots``) and their validity."""
-    offs = k0 + gl.arange(0, BLOCK_K, layout=layout)
-    in_len = offs < n_slots
-    idx = gl.load(idx_row + offs, mask=in_len, other=-1)  # [BLOCK_K]
-    return idx, in_len & (idx >= 0) & (idx < T_k)
 
 
 @gluon.jit
@@ -97,8 +80,8 @@ def _producer(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS
     q_ptr, kv_ptr, idx_row, out_ptr, lse_ptr, sink_ptr, t, hb, n_slots, T_k, qk_scale = sc
     q_v, q_t, kv_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_bar = sm
     D_QK: gl.constexpr = D_V + D_R
-    LV: gl.constexpr = _rows_layout(D_V, 4)
-    LT: gl.constexpr = _rows_layout(max(D_R, 16), 4)
+    LV: gl.constexpr = _gather_layout(D_V, 4)
+    LT: gl.constexpr = _gather_layout(max(D_R, 16), 4)
 
     q_row = q_ptr + t * (H * D_QK)
     hh = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, LV))
@@ -111,11 +94,11 @@ def _producer(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS
     for i in range(gl.cdiv(n_slots, BLOCK_K)):
         b = i % NUM_BUF
         mbarrier.wait(free.index(b), ((i // NUM_BUF) & 1) ^ 1)
-        idx, valid = _slots(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, gl.SliceLayout(1, LV))  # [BLOCK_K] x 2
+        idx, valid = _load_idx(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, gl.SliceLayout(1, LV))  # [BLOCK_K] x 2
         rows = gl.where(valid, idx, 0).to(gl.int64) * D_QK
         _gather(kv_bufs.index(b), kv_ptr, rows, valid, 0, D_V, LV)  # [BLOCK_K, D_V]
         if D_R > 0:
-            idx_t, valid_t = _slots(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, gl.SliceLayout(1, LT))
+            idx_t, valid_t = _load_idx(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, gl.SliceLayout(1, LT))
             rows_t = gl.where(valid_t, idx_t, 0).to(gl.int64) * D_QK
             _gather(kt_bufs.index(b), kv_ptr, rows_t, valid_t, D_V, D_R, LT)  # [BLOCK_K, D_R]
         cp.mbarrier_arrive(ready.index(b), increment_count=False)
@@ -203,7 +186,7 @@ def _deferred_step(sm, idx_row, n_slots, T_k, qk_scale, i, p, acc, m_i, l_i, s_z
     fence_async_shared()
     s = _logits(sm, b, s_zero, D_R)
     acc = warpgroup_mma(p_op, kv_bufs.index(bp).slice(0, DH, dim=1), acc, is_async=True)  # [64, DH]: tile i-1
-    _, valid = _slots(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, col_s)  # [BLOCK_K]
+    _, valid = _load_idx(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, col_s)  # [BLOCK_K]
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
     m_i, l_i, p, alpha = _softmax_step(sm, s, valid, m_i, l_i, qk_scale, i)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -230,12 +213,12 @@ def _pair_step(sm, idx_row, n_slots, T_k, qk_scale, a, p, acc, m_i, l_i, s_zero,
     fence_async_shared()
     s_a = _logits(sm, ba, s_zero, D_R)
     acc = warpgroup_mma(p_op, kv_bufs.index(bp).slice(0, DH, dim=1), acc, is_async=True)  # [64, DH]: tile a-1
-    _, valid_a = _slots(idx_row, a * BLOCK_K, n_slots, T_k, BLOCK_K, col_s)  # [BLOCK_K]
+    _, valid_a = _load_idx(idx_row, a * BLOCK_K, n_slots, T_k, BLOCK_K, col_s)  # [BLOCK_K]
     s_a = warpgroup_mma_wait(num_outstanding=1, deps=(s_a,))
     mbarrier.wait(ready.index(bb), ((a + 1) // NUM_BUF) & 1)
     fence_async_shared()
     s_b = _logits(sm, bb, s_zero, D_R)
-    _, valid_b = _slots(idx_row, (a + 1) * BLOCK_K, n_slots, T_k, BLOCK_K, col_s)  # [BLOCK_K]
+    _, valid_b = _load_idx(idx_row, (a + 1) * BLOCK_K, n_slots, T_k, BLOCK_K, col_s)  # [BLOCK_K]
     m_i, l_i, p_a, alpha_a = _softmax_step(sm, s_a, valid_a, m_i, l_i, qk_scale, a)
     s_b, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_b, acc))
     mbarrier.arrive(free.index(bp))
@@ -303,7 +286,7 @@ def _softmax_left(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
             mbarrier.wait(ready.index(0), 0)
             fence_async_shared()
             s = _logits(sm, 0, s_zero, D_R)
-            _, valid = _slots(idx_row, 0, n_slots, T_k, BLOCK_K, col_s)  # [BLOCK_K]
+            _, valid = _load_idx(idx_row, 0, n_slots, T_k, BLOCK_K, col_s)  # [BLOCK_K]
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             m_i, l_i, p, alpha = _softmax_step(sm, s, valid, m_i, l_i, qk_scale, 0)
             n_pairs = (n_tiles - 1) // 2 if NUM_BUF >= 4 else 0
@@ -324,7 +307,7 @@ def _softmax_left(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
             mbarrier.wait(ready.index(b), (i // NUM_BUF) & 1)
             fence_async_shared()
             s = _logits(sm, b, s_zero, D_R)
-            _, valid = _slots(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, col_s)  # [BLOCK_K]
+            _, valid = _load_idx(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, col_s)  # [BLOCK_K]
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             m_i, l_i, p, alpha = _softmax_step(sm, s, valid, m_i, l_i, qk_scale, i)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -410,20 +393,10 @@ def ws_smem_bytes(block_k: int, num_buf: int, d_qk: int, itemsize: int) -> int:
 
 
 def ws_unsupported_reason(q: torch.Tensor, d_v: int) -> str | None:
-    """``None`` when this kernel handles ``q [T, H, D_qk]`` with value width ``d_v``, else why not."""
-    num_heads, d_qk = q.shape[1], q.shape[2]
-    d_r = d_qk - d_v
-    if q.device.type != "cuda":
-        return f"it runs on CUDA SM90 GPUs, not on {q.device.type}"
-    major, minor = torch.cuda.get_device_capability(q.device)
-    if major != 9:
-        return f"it needs an SM90 (Hopper) GPU, {q.device} is SM{major}{minor}"
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        return f"it takes bf16/fp16 inputs, got {q.dtype}"
-    if num_heads < _HEADS:
-        return f"it needs at least {_HEADS} heads (one wgmma tile), got H={num_heads}"
-    if d_v & (d_v - 1) or not 128 <= d_v <= 512:
+    """``None`` when this kernel handles ``q [T, H, D_qk]`` with value width ``d_v``, else why not: the two-warpgroup
+    kernel's rules (:func:`~longtrain.dsa.triton.sparse_mla_fwd_sm90.sm90_unsupported_reason`), and two halves of
+    ``d_v`` of at least 64 each."""
+    reason = sm90_unsupported_reason(q, d_v)
+    if reason is None and d_v < 128:
         return f"it needs a power-of-two d_v in [128, 512] (two halves of 64..256), got d_v={d_v}"
-    if d_r and (d_r & (d_r - 1) or not 16 <= d_r <= 128):
-        return f"it needs a rope tail D_qk - d_v of 0 or a power of two in [16, 128], got {d_r}"
-    return None
+    return reason
