@@ -1,5 +1,8 @@
 """Offline compilation of the Gluon SM90 kernels for sm_90a on a CPU-only machine, in a fresh process (the
-interpreter tests leave Triton's language patched): shared memory, registers, spills and the instructions used."""
+interpreter tests leave Triton's language patched): shared memory, registers, spills and the instructions used.
+
+For developing a kernel: ``LONGTRAIN_PTX_DUMP=<file>`` writes the PTX there, ``LONGTRAIN_FULL_ERR=1`` keeps the whole
+compiler error instead of its last 3000 characters."""
 
 from __future__ import annotations
 

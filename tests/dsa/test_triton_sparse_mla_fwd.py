@@ -83,6 +83,17 @@ def test_forced_sm90_refuses_the_interpreter(triton_interpret):
         sparse_mla_triton(q, kv[:, None], idx, 0.1, d_v=512, config=cfg)
 
 
+def test_forced_warp_specialized_refuses_the_interpreter(triton_interpret):
+    from longtrain.dsa.triton import sparse_mla_triton
+    from longtrain.dsa.triton.sparse_mla_fwd import sm90_forward_kind
+
+    q, kv, idx = _inputs(3, 64, 576, 8, 16, torch.float32, seed=1)
+    cfg = KernelConfig(impl="sm90", layout="warp_specialized", num_warps=4, num_stages=2)
+    with pytest.raises(RuntimeError, match="layout='warp_specialized'.*interpreter.*layout='heads' or impl='triton'"):
+        sparse_mla_triton(q, kv[:, None], idx, 0.1, d_v=512, config=cfg)
+    assert sm90_forward_kind(q.to(torch.bfloat16), 512) is None
+
+
 def test_default_path_never_picks_sm90_off_gpu(triton_interpret):
     from longtrain.dsa.triton.sparse_mla_fwd import _sm90_default
 
