@@ -184,13 +184,20 @@ def test_warp_specialized_config_rules():
     ws = dict(impl="sm90", layout="warp_specialized")
     KernelConfig(**ws, num_warps=4, block_k=32, num_stages=4)
     KernelConfig(**ws, num_warps=4, block_k=64, num_stages=2)
-    for bad in (dict(num_warps=8), dict(num_warps=4, block_k=128), dict(num_warps=4, num_stages=1)):
-        with pytest.raises(ValueError, match="layout='warp_specialized' is the SM90 forward"):
+    for bad in (dict(num_warps=8), dict(num_warps=4, block_k=128)):
+        with pytest.raises(ValueError, match="layout='warp_specialized' is an SM90 kernel"):
             KernelConfig(**{**ws, **bad})
     with pytest.raises(ValueError, match="needs impl='sm90'"):
         KernelConfig(layout="warp_specialized", num_warps=4)
-    with pytest.raises(ValueError, match="is the forward's"):
-        SparseMLAConfig(bwd=KernelConfig(**ws, num_warps=4))
+    # One tile is the backward's ring; the forward's needs two or more.
+    one_tile = KernelConfig(**ws, num_warps=4, block_k=64, num_stages=1)
+    assert SparseMLAConfig(bwd=one_tile).backward_configs() == (one_tile, None, None)
+    with pytest.raises(ValueError, match="the warp-specialized forward streams a ring of num_stages >= 2"):
+        SparseMLAConfig(fwd=one_tile)
+    with pytest.raises(ValueError, match="the warp-specialized backward gathers one tile of 64 slots"):
+        SparseMLAConfig(bwd=KernelConfig(**ws, num_warps=4, block_k=64, num_stages=2))
+    with pytest.raises(ValueError, match="no dkv kernel for bwd_dkv"):
+        SparseMLAConfig(bwd=one_tile, bwd_dkv=KernelConfig())
     with pytest.raises(ValueError, match="layout must be one of .*'warp_specialized'"):
         KernelConfig(layout="ws")
 

@@ -23,7 +23,8 @@ def _configs(fwd=None, ds=None, dq=None):
     """Forced configs: the portable forward (pipelined, 3 stages) or ``fwd = (impl, block_k, num_stages)``; the
     portable backward kernels at 32 slots, 8 warps, 1 stage, except the probabilities kernel with ``ds="stacked"``
     (the portable kernel's stacked layout: logits and dO V^T in one matmul) or ``ds="sm90"`` (the SM90 stacked
-    kernel, at the forward's block_k) or ``ds="fused"`` (the SM90 kernel that also computes dkv: no dkv kernel);
+    kernel, at the forward's block_k) or ``ds="fused"`` (the SM90 kernel that also computes dkv: no dkv kernel) or
+    ``ds="ws"`` (its warp-specialized twin);
     with an SM90 forward the dkv kernel runs over two value-column groups; ``dq = (block_k, num_buf)`` forces the SM90
     dq kernel; ``impl="sm90ws"`` is the warp-specialized SM90 forward."""
     from longtrain.dsa.triton import KernelConfig, SparseMLAConfig
@@ -39,13 +40,14 @@ def _configs(fwd=None, ds=None, dq=None):
         "stacked": KernelConfig(block_k=32, num_warps=8, num_stages=1, layout="stacked"),
         "sm90": KernelConfig(impl="sm90", block_k=block_k, num_stages=2 if block_k == 64 else 3),
         "fused": KernelConfig(impl="sm90", layout="fused", block_k=64, num_stages=1),
+        "ws": KernelConfig(impl="sm90", layout="warp_specialized", num_warps=4, block_k=64, num_stages=1),
     }[ds]
     dkv = KernelConfig(block_k=32, num_warps=8, num_stages=1, col_groups=2 if impl == "sm90" else 1)
     return SparseMLAConfig(
         fwd=fwd_cfg,
         bwd=probabilities,
         bwd_dq=portable if dq is None else KernelConfig(impl="sm90", block_k=dq[0], num_stages=dq[1]),
-        bwd_dkv=None if ds == "fused" else dkv,
+        bwd_dkv=None if ds in ("fused", "ws") else dkv,
     )
 
 
@@ -129,6 +131,11 @@ _SM90 = pytest.mark.skipif(
         pytest.param(64, 1024, 96, 576, 512, 300, True, ("sm90ws", 64, 2), torch.float16, marks=_SM90),
         pytest.param(96, 1024, 64, 512, 512, 512, True, ("sm90ws", 64, 2), torch.bfloat16, marks=_SM90),
         pytest.param(64, 1024, 64, 320, 256, 200, False, ("sm90ws", 32, 3), torch.bfloat16, marks=_SM90),
+        pytest.param(160, 4096, 64, 576, 512, 2048, True, ("sm90", 64, 2, "ws"), torch.bfloat16, marks=_SM90),
+        pytest.param(96, 2048, 128, 576, 512, 1024, False, ("sm90", 32, 3, "ws", (64, 2)), torch.bfloat16, marks=_SM90),
+        pytest.param(64, 1024, 96, 576, 512, 300, False, ("sm90", 64, 2, "ws"), torch.float16, marks=_SM90),
+        pytest.param(96, 1024, 64, 512, 512, 512, True, ("sm90", 64, 2, "ws"), torch.bfloat16, marks=_SM90),
+        pytest.param(64, 1024, 64, 320, 256, 200, False, ("sm90ws", 32, 3, "ws"), torch.bfloat16, marks=_SM90),
     ],
     ids=[
         "glm",
@@ -158,6 +165,11 @@ _SM90 = pytest.mark.skipif(
         "sm90ws-H96-fp16",
         "sm90ws-D512-sink",
         "sm90ws-dv256-32x3",
+        "bwd_ws-sink",
+        "bwd_ws-H128-dq64x2",
+        "bwd_ws-H96-fp16",
+        "bwd_ws-D512-sink",
+        "bwd_ws-dv256",
     ],  # fmt: skip
 )
 def test_sparse_mla_bf16(T, T_k, H, D, d_v, K, with_sink, forced, dtype):
@@ -278,6 +290,26 @@ def test_sparse_mla_deterministic_bitwise():
         assert torch.equal(runs[0][1], runs[1][1]) and torch.equal(runs[0][0], runs[1][0])
         # Deterministic and atomic dkv sum the same fp32 terms in different orders, then round to bf16.
         torch.testing.assert_close(runs[0][1].float(), runs[2][1].float(), rtol=2**-7, atol=2**-7)
+
+
+@_SM90
+@pytest.mark.parametrize("H", [64, 128])
+def test_sparse_mla_bwd_ws_deterministic_bitwise(H):
+    """The warp-specialized backward in deterministic mode: two runs equal bit for bit, and dkv equal to the atomic
+    mode's up to the order of its fp32 sums; dq equal bit for bit (the same dS either way)."""
+    from longtrain.dsa.triton import KernelConfig, SparseMLAConfig, sparse_mla_triton
+
+    q, kv, idx, length, dout = _deterministic_case(64, H, seed=9)
+    ws = KernelConfig(impl="sm90", layout="warp_specialized", num_warps=4, block_k=64, num_stages=1)
+    runs = []
+    for det in (True, True, False):
+        out = sparse_mla_triton(q, kv, idx, 0.07, d_v=512, topk_length=length, deterministic=det,
+                                config=SparseMLAConfig(bwd=ws))  # fmt: skip
+        runs.append(torch.autograd.grad(out, (q, kv), dout))
+    assert torch.equal(runs[0][1], runs[1][1]) and torch.equal(runs[0][0], runs[1][0])
+    assert torch.equal(runs[0][0], runs[2][0])
+    # Deterministic and atomic dkv sum the same fp32 terms in different orders, then round to bf16.
+    torch.testing.assert_close(runs[0][1].float(), runs[2][1].float(), rtol=2**-7, atol=2**-7)
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])

@@ -522,7 +522,8 @@ def _mla_case(add, total: int, heads: int, topk: int, layout: str) -> None:
     from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_backward_plan
 
     plan = sm90_backward_plan(q, D_V, None, compute_dkv=True, dkv_forced=False)
-    kind = {None: "", "fused": ", SM90 fused probabilities + dkv kernel", "ds": ", SM90 probabilities kernel"}
+    kind = {None: "", "fused": ", SM90 fused probabilities + dkv kernel", "ds": ", SM90 probabilities kernel",
+            "fused_ws": ", SM90 warp-specialized probabilities + dkv kernel"}
     add(op="sparse_mla_bwd", impl=f"triton (ours{kind[plan and plan[0]]})", shape=shape, ms=ms[0], p20=ms[1],
         p80=ms[2], tflops=bwd_flops / ms[0] / 1e9, peak_mib=peak_mib(bwd))  # fmt: skip
     if _sm90_default(q, D_V) and layout == "1doc":

@@ -52,6 +52,9 @@ def _check_pow2(name: str, value: int, low: int, high: int) -> None:
 
 
 _LAYOUTS = ("heads", "keys", "keys_logits", "stacked", "fused", "warp_specialized")
+# The backward's probabilities-kernel layouts, and those of them that compute dkv too (no dkv kernel runs).
+_BWD_LAYOUTS = ("heads", "stacked", "fused", "warp_specialized")
+_FUSED_LAYOUTS = ("fused", "warp_specialized")
 
 
 @dataclass(kw_only=True)
@@ -75,7 +78,9 @@ class KernelConfig:
     dkv kernel: ``block_k=64``, ``num_stages=1``). The forward with ``impl="sm90"``: ``"heads"`` (two warpgroups
     splitting the keys, then ``d_v``) or ``"warp_specialized"`` (a producer warpgroup gathering into a ring of
     ``num_stages`` tiles, one warpgroup for the logits, softmax and the left half of ``d_v``, one for the right half;
-    ``num_warps=4``, the default partition; ``block_k`` 32 or 64)."""
+    ``num_warps=4``, the default partition; ``block_k`` 32 or 64, ``num_stages >= 2``). The backward with
+    ``impl="sm90"`` and ``layout="warp_specialized"``: the warp-specialized fused kernel (a producer warpgroup, one
+    for the probabilities, one for dkv and its atomics; ``num_warps=4``, ``block_k=64``, ``num_stages=1``)."""
     col_groups: int = 1
     """Backward dkv kernel only: programs per (row, head block), each owning ``d_v / col_groups`` value columns
     (1, 2 or 4; more than 1 gives the rope tail a launch of its own). Autotuned runs use
@@ -111,13 +116,13 @@ class KernelConfig:
                 f"num_stages={self.num_stages}"
             )
         if self.layout == "warp_specialized" and (
-            self.impl != "sm90" or self.num_warps != 4 or self.block_k not in (32, 64) or self.num_stages < 2
+            self.impl != "sm90" or self.num_warps != 4 or self.block_k not in (32, 64)
         ):
             raise ValueError(
-                "layout='warp_specialized' is the SM90 forward with a producer warpgroup and two consumer warpgroups "
-                "(num_warps counts the first consumer's): it needs impl='sm90', num_warps=4, block_k 32 or 64 and "
-                f"num_stages >= 2, got impl={self.impl!r}, num_warps={self.num_warps}, block_k={self.block_k}, "
-                f"num_stages={self.num_stages}"
+                "layout='warp_specialized' is an SM90 kernel with a producer warpgroup and two consumer warpgroups "
+                "(num_warps counts the default partition's): it needs impl='sm90', num_warps=4 and block_k 32 or 64 "
+                f"(the forward: num_stages >= 2; the backward: block_k=64, num_stages=1), got impl={self.impl!r}, "
+                f"num_warps={self.num_warps}, block_k={self.block_k}"
             )
         if (
             self.impl == "sm90"
@@ -154,15 +159,29 @@ class SparseMLAConfig:
                 f"SparseMLAConfig.fwd: layout={self.fwd.layout!r} is the backward's probabilities kernel's (set it on "
                 "bwd); the forward takes 'heads', 'keys', 'keys_logits' or 'warp_specialized'"
             )
-        if self.bwd is not None and self.bwd.layout not in ("heads", "stacked", "fused"):
+        if self.fwd is not None and self.fwd.layout == "warp_specialized" and self.fwd.num_stages < 2:
+            raise ValueError(
+                "SparseMLAConfig.fwd: the warp-specialized forward streams a ring of num_stages >= 2 tiles, got "
+                f"num_stages={self.fwd.num_stages}"
+            )
+        if self.bwd is not None and self.bwd.layout not in _BWD_LAYOUTS:
             raise ValueError(
                 f"SparseMLAConfig.bwd: layout={self.bwd.layout!r} is the forward's; the backward's probabilities "
-                "kernel takes 'heads', 'stacked' or 'fused'"
+                f"kernel takes {', '.join(map(repr, _BWD_LAYOUTS))}"
             )
-        if self.bwd is not None and self.bwd.layout == "fused" and self.bwd_dkv is not None:
+        if self.bwd is not None and self.bwd.layout in _FUSED_LAYOUTS and self.bwd_dkv is not None:
             raise ValueError(
-                "SparseMLAConfig: bwd=KernelConfig(layout='fused') computes dkv in the probabilities kernel, so there "
-                "is no dkv kernel for bwd_dkv to configure; drop bwd_dkv or use another bwd layout"
+                f"SparseMLAConfig: bwd=KernelConfig(layout={self.bwd.layout!r}) computes dkv in the probabilities "
+                "kernel, so there is no dkv kernel for bwd_dkv to configure; drop bwd_dkv or use another bwd layout"
+            )
+        if (
+            self.bwd is not None
+            and self.bwd.layout == "warp_specialized"
+            and (self.bwd.block_k != 64 or self.bwd.num_stages != 1)
+        ):
+            raise ValueError(
+                "SparseMLAConfig.bwd: the warp-specialized backward gathers one tile of 64 slots at a time: it needs "
+                f"block_k=64 and num_stages=1, got block_k={self.bwd.block_k}, num_stages={self.bwd.num_stages}"
             )
         if self.bwd_dq is not None and self.bwd_dq.layout != "heads":
             raise ValueError(
@@ -176,7 +195,7 @@ class SparseMLAConfig:
 
     def backward_configs(self) -> tuple[KernelConfig | None, KernelConfig | None, KernelConfig | None]:
         """Configs of the (probabilities, dq, dkv) backward kernels."""
-        if self.bwd is not None and self.bwd.layout == "fused":  # dq: the portable kernel, autotuned unless given
+        if self.bwd is not None and self.bwd.layout in _FUSED_LAYOUTS:  # dq: the default dq kernel unless given
             return self.bwd, self.bwd_dq, None
         return self.bwd, self.bwd_dq or self.bwd, self.bwd_dkv or self.bwd
 

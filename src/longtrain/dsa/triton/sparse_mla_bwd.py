@@ -482,7 +482,7 @@ def sparse_mla_bwd(
     dsink = dsink_rows.sum(0) if attn_sink is not None else None
 
     ds_sm90 = sm90_backward_plan(q, d_v, configs[0], compute_dkv=compute_dkv, dkv_forced=configs[2] is not None)
-    fused = ds_sm90 is not None and ds_sm90[0] == "fused"
+    fused = ds_sm90 is not None and ds_sm90[0] in ("fused", "fused_ws")
     dq_sm90 = sm90_dq_plan(q, d_v, configs[1])
     if interpreting():
         configs = tuple(c or KernelConfig(block_k=16, num_warps=4, num_stages=1) for c in configs)
@@ -518,7 +518,16 @@ def sparse_mla_bwd(
         common = (idx, len_arg)
         ds_args = (q, kv2d, dout, *common, lse2, delta, p_buf, ds_buf, row0, num_keys, k_slots, softmax_scale,
                    softmax_scale * LOG2E)  # fmt: skip
-        if fused:
+        if fused and ds_sm90[0] == "fused_ws":
+            from longtrain.dsa.triton import sparse_mla_bwd_sm90_ws as ws
+
+            ws.sparse_mla_bwd_sm90_ws_kernel[(rows * triton.cdiv(num_heads, 64),)](
+                q, kv2d, dout, *common, lse2, delta, ds_buf, contrib if deterministic else dkv_acc, row0, num_keys,
+                k_slots, softmax_scale, softmax_scale * LOG2E, H=num_heads, D_V=d_v, D_R=d_r,
+                HAS_LEN=topk_length is not None, DETERMINISTIC=deterministic, REGS_PROB=ws.WS_BWD_NUM_REGS[0],
+                REGS_PRODUCER=ws.WS_BWD_NUM_REGS[1], num_warps=4, maxnreg=ws.WS_BWD_MAXNREG,
+            )  # fmt: skip
+        elif fused:
             from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sparse_mla_bwd_sm90_kernel_ds_dkv
 
             sparse_mla_bwd_sm90_kernel_ds_dkv[(rows * triton.cdiv(num_heads, 64),)](

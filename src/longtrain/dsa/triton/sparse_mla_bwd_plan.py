@@ -9,10 +9,21 @@ from __future__ import annotations
 import torch
 
 from longtrain.dsa.triton._common import KernelConfig, interpreting
-from longtrain.dsa.triton.sparse_mla_fwd import SM90_SMEM_BYTES
+from longtrain.dsa.triton.sparse_mla_fwd import SM90_SMEM_BYTES, SM90_SMEM_LIMIT
 
-__all__ = ["sm90_backward_plan", "sm90_dq_plan", "sm90_dq_smem_bytes", "sm90_ds_dkv_smem_bytes", "sm90_ds_smem_bytes"]
+__all__ = [
+    "SM90_BWD_DEFAULT",
+    "sm90_backward_plan",
+    "sm90_dq_plan",
+    "sm90_dq_smem_bytes",
+    "sm90_ds_dkv_smem_bytes",
+    "sm90_ds_smem_bytes",
+    "sm90_ws_bwd_smem_bytes",
+]
 
+# The fused SM90 kernel that config=None runs where it applies: "warp_specialized" (sparse_mla_bwd_sm90_ws.py) or
+# "fused" (the two-warpgroup kernel in sparse_mla_bwd_sm90.py).
+SM90_BWD_DEFAULT = "fused"
 # Heads per program of the SM90 kernels, and gathered slots per step of the fused one.
 _STACK_H = 64
 _DKV_BLOCK_K = 64
@@ -28,6 +39,13 @@ def sm90_ds_dkv_smem_bytes(d_qk: int, d_v: int, itemsize: int) -> int:
     """Shared memory of the fused probabilities + dkv kernel: the stacked ``[Q; dO]`` operand (128 rows of ``D_qk``)
     and one gathered tile of 64 rows (the ``[dS; P]`` tile lives in the tile's buffer)."""
     return (2 * _STACK_H + _DKV_BLOCK_K) * d_qk * itemsize
+
+
+def sm90_ws_bwd_smem_bytes(d_qk: int, d_v: int, itemsize: int) -> int:
+    """Shared memory of the warp-specialized fused kernel: the stacked ``[Q_v; dO]`` operand (128 rows of ``d_v``), the
+    rope queries (64 rows), one gathered tile of 64 rows, the ``[dS; P]`` tile (128 x 64) and the barriers."""
+    elements = 2 * _STACK_H * d_v + _STACK_H * (d_qk - d_v) + _DKV_BLOCK_K * d_qk + 2 * _STACK_H * _DKV_BLOCK_K
+    return elements * itemsize + 512
 
 
 def sm90_dq_smem_bytes(block_k: int, num_buf: int, d_qk: int, itemsize: int) -> int:
@@ -47,12 +65,13 @@ def sm90_backward_plan(
     """``(kernel, block_k, num_buf)`` of the SM90 probabilities kernel for this call, or None for the portable one.
 
     ``kernel`` is ``"fused"`` (probabilities and dkv in one kernel, the dkv kernel skipped; deterministic: it stores
-    per-slot pieces for the fixed-order reduction) or ``"ds"`` (the stacked probabilities kernel). ``config=None``
-    takes the fused kernel on an SM90 GPU wherever it applies (dkv wanted, no forced dkv config, shape within its
-    support rules), else the stacked probabilities kernel where that applies, else the portable kernel. A forced
-    ``KernelConfig(impl="sm90")`` (``layout="fused"`` for the fused kernel) takes it or raises saying why it cannot
-    run here; with no dkv wanted the fused kernel's probabilities half runs (the stacked kernel, 64 slots x 2
-    tiles). ``impl="triton"`` keeps the portable kernel.
+    per-slot pieces for the fixed-order reduction), ``"fused_ws"`` (the same, warp-specialized:
+    :mod:`.sparse_mla_bwd_sm90_ws`) or ``"ds"`` (the stacked probabilities kernel). ``config=None`` takes the fused
+    kernel of ``SM90_BWD_DEFAULT`` on an SM90 GPU wherever it applies (dkv wanted, no forced dkv config, shape within
+    its support rules; else the other fused kernel), else the stacked probabilities kernel where that applies, else
+    the portable kernel. A forced ``KernelConfig(impl="sm90")`` (``layout="fused"`` or ``"warp_specialized"`` for a
+    fused kernel) takes it or raises saying why it cannot run here; with no dkv wanted a fused kernel's
+    probabilities half runs (the stacked kernel, 64 slots x 2 tiles). ``impl="triton"`` keeps the portable kernel.
     """
     from longtrain.dsa.triton.sparse_mla_fwd_sm90 import sm90_unsupported_reason
 
@@ -67,12 +86,28 @@ def sm90_backward_plan(
     fused_smem = sm90_ds_dkv_smem_bytes(d_qk, d_v, size)
     if fused_reason is None and fused_smem > SM90_SMEM_BYTES:
         fused_reason = f"the fused kernel's {fused_smem} bytes of shared memory at D_qk={d_qk} exceed 227 KiB"
+    ws_reason = reason
+    if ws_reason is None and d_v < 128:
+        ws_reason = f"the warp-specialized kernel needs d_v >= 128, got d_v={d_v}"
+    ws_smem = sm90_ws_bwd_smem_bytes(d_qk, d_v, size)
+    if ws_reason is None and ws_smem > SM90_SMEM_LIMIT:
+        ws_reason = f"the warp-specialized kernel's {ws_smem} bytes of shared memory at D_qk={d_qk} exceed 227 KiB"
     if config is None:
-        if fused_reason is None and compute_dkv and not dkv_forced:
-            return "fused", 64, 1
+        fused_kinds = {"fused_ws": ws_reason, "fused": fused_reason}
+        order = ("fused_ws", "fused") if SM90_BWD_DEFAULT == "warp_specialized" else ("fused", "fused_ws")
+        for kind in order if compute_dkv and not dkv_forced else ():
+            if fused_kinds[kind] is None:
+                return kind, 64, 1
         if reason is None and sm90_ds_smem_bytes(64, 2, d_qk, d_v, size) <= SM90_SMEM_BYTES:
             return "ds", 64, 2
         return None
+    if config.layout == "warp_specialized":
+        if ws_reason is not None:
+            raise RuntimeError(
+                f"backward KernelConfig(impl='sm90', layout='warp_specialized') cannot run here: {ws_reason}; use "
+                "layout='fused' or impl='triton'"
+            )
+        return ("fused_ws", 64, 1) if compute_dkv else ("ds", 64, 2)
     if config.layout == "fused":
         if fused_reason is not None:
             raise RuntimeError(f"backward KernelConfig(impl='sm90', layout='fused') cannot run here: {fused_reason}")

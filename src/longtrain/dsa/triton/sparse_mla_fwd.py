@@ -269,6 +269,8 @@ def _ws_reason(q: torch.Tensor, d_v: int, block_k: int, num_buf: int) -> str | N
     from longtrain.dsa.triton.sparse_mla_fwd_sm90_ws import ws_smem_bytes, ws_unsupported_reason
 
     reason = ws_unsupported_reason(q, d_v)
+    if reason is None and num_buf < 2:
+        reason = f"it streams a ring of num_stages >= 2 tiles, got num_stages={num_buf}"
     if reason is None and ws_smem_bytes(block_k, num_buf, q.shape[2], q.element_size()) > SM90_SMEM_LIMIT:
         reason = (
             f"{num_buf} tiles of {block_k} rows plus 64 query heads of D_qk={q.shape[2]} and the shared P exceed the "

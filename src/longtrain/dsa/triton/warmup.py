@@ -104,6 +104,7 @@ def warmup(
         None: ["sparse_mla_bwd_kernel_ds", "sparse_mla_bwd_kernel_dkv"],
         "ds": ["sparse_mla_bwd_sm90_kernel_ds", "sparse_mla_bwd_kernel_dkv"],
         "fused": ["sparse_mla_bwd_sm90_kernel_ds_dkv"],
+        "fused_ws": ["sparse_mla_bwd_sm90_ws_kernel"],
     }[plan and plan[0]]
     dq_kernel = "sparse_mla_bwd_sm90_kernel_dq" if sm90_dq_plan(q, d_v, None) else "sparse_mla_bwd_kernel_dq"
     # The bf16/fp16 scores run the SM90 kernel where it applies; the FP8 codes always score on the portable kernel.

@@ -1,0 +1,307 @@
+"""Sparse MLA backward for Hopper (SM90) in Gluon, warp-specialized: the probabilities and dkv in one pass, with a
+producer warpgroup for the gathers, one warpgroup for the probabilities and one for dkv and its fp32 atomics.
+
+Same contract as :func:`longtrain.dsa.triton.sparse_mla_bwd_sm90.sparse_mla_bwd_sm90_kernel_ds_dkv` (one program
+per (query row, block of 64 heads); ``dS`` stored for the dq kernel; ``dkv[idx] += [dS; P]^T [Q; dO 0]`` with fp32
+atomics, or each slot's piece stored in deterministic mode at scratch row ``(t_local * K_slots + slot) * NUM_HB +
+hb``). The two-warpgroup kernel runs each step in lockstep (wgmma, softmax, transpose, wgmma, atomics), so the
+tensor cores wait while the atomics drain and the atomics wait while the tensor cores work. Here the roles run on
+different warps:
+
+* the **producer** (4 warps, few registers) cp.asyncs the stacked operand ``[Q_v; dO]`` (``[128, D_V]``) and the
+  rope queries ``Q_r`` (``[64, D_R]``) once, then each tile of ``BLOCK_K`` gathered latent rows into one buffer,
+  signalled by ``cp.async.mbarrier.arrive`` (every producer thread arrives when its own copies have landed);
+* the **probabilities warpgroup** (a worker) computes ``S = Q K^T`` (``[64, BLOCK_K]``: the value and rope parts,
+  one wgmma chain) and ``dP = dO V^T`` (a second chain on the same tile), releases the tile to the producer as soon
+  as both have completed, forms ``P = exp2(S * qk_scale - lse2)`` and ``dS = sm_scale * P * (dP - delta)`` in
+  registers (the two accumulators hold the same (head, slot) pairs in the same threads), stores ``dS`` (the dq
+  kernel's input) and hands ``y = [dS; P]`` (``[128, BLOCK_K]``) to the dkv warpgroup through shared memory;
+* the **dkv warpgroup** (the default partition) loads ``y^T`` into registers, releases ``y``, and computes
+  ``dkv = y^T [Q_v; dO]`` in column chunks of 128 (K = 128) and ``y[:64]^T Q_r`` for the rope columns, each chunk's
+  atomics issued while the next chunk's wgmma runs. Its atomics run while the other warps compute the next tile.
+
+Shared memory at the GLM shape (64 heads, D_qk 576, one tile of 64 rows): 128 + 8 + 72 + 16 KiB.
+
+Gluon kernels do not run in Triton's CPU interpreter; ``sparse_mla_bwd_plan.sm90_backward_plan`` says where this
+kernel applies; its routing and sm_90a compilation are tested on CPU, its numerics on the GPU.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from longtrain.dsa.triton.sparse_mla_fwd_sm90 import _gather_layout, _load_idx
+from longtrain.dsa.triton.sparse_mla_fwd_sm90_ws import _gather, _mma_layout
+
+__all__ = [
+    "WS_BWD_MAXNREG",
+    "WS_BWD_NUM_REGS",
+    "sparse_mla_bwd_sm90_ws_kernel",
+]
+
+_HEADS = 64  # heads per program (one wgmma tile of M)
+_BLOCK_H = gl.constexpr(_HEADS)
+_SLOTS = 64  # gathered slots per tile
+_BLOCK_K = gl.constexpr(_SLOTS)
+# setmaxnreg budgets of the worker partitions (probabilities, producer); the dkv warpgroup gets the rest of the
+# 168 x 3 per thread that one 384-thread program may hold on an SM (64K registers).
+WS_BWD_NUM_REGS = (152, 96)
+WS_BWD_MAXNREG = 168
+
+
+@gluon.jit
+def _producer(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr,
+              DETERMINISTIC: gl.constexpr):  # fmt: skip
+    """Worker partition: the stacked operand and the rope queries, then every tile of the row."""
+    (
+        q_ptr,
+        kv_ptr,
+        dout_ptr,
+        idx_row,
+        ds_ptr,
+        dkv_ptr,
+        lse2_ptr,
+        delta_ptr,
+        t,
+        t_local,
+        hb,
+        n_slots,
+        T_k,
+        K_slots,
+        sm_scale,
+        qk_scale,
+    ) = sc
+    s_v, q_r, v_buf, r_buf, y_smem, ready, free, y_ready, y_free, q_bar = sm
+    D_QK: gl.constexpr = D_V + D_R
+    LV: gl.constexpr = _gather_layout(D_V, 4)
+    LR: gl.constexpr = _gather_layout(max(D_R, 16), 4)
+
+    hh = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, LV))
+    _gather(s_v.slice(0, _BLOCK_H, dim=0), q_ptr + t * (H * D_QK), hh * D_QK, hh < H, 0, D_V, LV)  # [64, D_V]
+    _gather(s_v.slice(_BLOCK_H, _BLOCK_H, dim=0), dout_ptr + t * (H * D_V), hh * D_V, hh < H, 0, D_V, LV)
+    if D_R > 0:
+        hr = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, LR))
+        _gather(q_r, q_ptr + t * (H * D_QK), hr * D_QK, hr < H, D_V, D_R, LR)  # [64, D_R]
+    cp.mbarrier_arrive(q_bar, increment_count=False)
+
+    for i in range(gl.cdiv(n_slots, BLOCK_K)):
+        mbarrier.wait(free, (i & 1) ^ 1)
+        idx, valid = _load_idx(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, gl.SliceLayout(1, LV))  # [BLOCK_K] x 2
+        _gather(v_buf, kv_ptr, gl.where(valid, idx, 0).to(gl.int64) * D_QK, valid, 0, D_V, LV)  # [BLOCK_K, D_V]
+        if D_R > 0:
+            idx_r, valid_r = _load_idx(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, gl.SliceLayout(1, LR))
+            _gather(r_buf, kv_ptr, gl.where(valid_r, idx_r, 0).to(gl.int64) * D_QK, valid_r, D_V, D_R, LR)
+        cp.mbarrier_arrive(ready, increment_count=False)
+
+
+@gluon.jit
+def _probabilities(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr,
+                   DETERMINISTIC: gl.constexpr):  # fmt: skip
+    """Worker partition: per tile, ``S`` and ``dP``, then ``P`` and ``dS``; ``dS`` stored, ``[dS; P]`` handed over."""
+    (
+        q_ptr,
+        kv_ptr,
+        dout_ptr,
+        idx_row,
+        ds_ptr,
+        dkv_ptr,
+        lse2_ptr,
+        delta_ptr,
+        t,
+        t_local,
+        hb,
+        n_slots,
+        T_k,
+        K_slots,
+        sm_scale,
+        qk_scale,
+    ) = sc
+    s_v, q_r, v_buf, r_buf, y_smem, ready, free, y_ready, y_free, q_bar = sm
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    s_layout: gl.constexpr = _mma_layout(BLOCK_K)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    offs_h = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=row_s)
+    mask_h = offs_h < H
+    # Rows without keys have lse2 = +inf: every probability below is exactly 0.
+    lse2 = gl.load(lse2_ptr + t * H + offs_h, mask=mask_h, other=float("inf"))  # [64]
+    delta = gl.load(delta_ptr + t * H + offs_h, mask=mask_h, other=0.0)  # [64]
+    ds_rows = (t_local * H + offs_h.to(gl.int64)) * K_slots  # [64]
+    zero = gl.zeros([_BLOCK_H, BLOCK_K], gl.float32, layout=s_layout)
+    q_v = s_v.slice(0, _BLOCK_H, dim=0)  # [64, D_V]
+    d_o = s_v.slice(_BLOCK_H, _BLOCK_H, dim=0)  # [64, D_V]
+
+    mbarrier.wait(q_bar, 0)
+    for i in range(gl.cdiv(n_slots, BLOCK_K)):
+        mbarrier.wait(ready, i & 1)
+        fence_async_shared()
+        s = warpgroup_mma(q_v, v_buf.permute((1, 0)), zero, use_acc=False, is_async=True)
+        if D_R > 0:
+            s = warpgroup_mma(q_r, r_buf.permute((1, 0)), s, is_async=True)  # [64, BLOCK_K]
+        dp = warpgroup_mma(d_o, v_buf.permute((1, 0)), zero, use_acc=False, is_async=True)  # [64, BLOCK_K]
+        _, valid = _load_idx(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, col_s)  # [BLOCK_K]
+        s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
+        mbarrier.arrive(free)
+
+        p = gl.where(valid[None, :], gl.exp2(s * qk_scale - lse2[:, None]), 0.0)  # [64, BLOCK_K]
+        ds = (p * (dp - delta[:, None]) * sm_scale).to(dtype)  # [64, BLOCK_K]
+        offs_k = i * BLOCK_K + gl.arange(0, BLOCK_K, layout=col_s)
+        mask = mask_h[:, None] & (offs_k < n_slots)[None, :]
+        gl.store(ds_ptr + ds_rows[:, None] + offs_k[None, :], ds, mask=mask)
+        mbarrier.wait(y_free, (i & 1) ^ 1)
+        y_smem.slice(0, _BLOCK_H, dim=0).store(ds)
+        y_smem.slice(_BLOCK_H, _BLOCK_H, dim=0).store(p.to(dtype))
+        fence_async_shared()
+        mbarrier.arrive(y_ready)
+
+
+@gluon.jit
+def _dkv_out(ptrs, value, mask, DETERMINISTIC: gl.constexpr):
+    """Add a dkv piece (fp32 atomics), or store it (the deterministic mode's per-slot scratch)."""
+    if DETERMINISTIC:
+        gl.store(ptrs, value, mask=mask)
+    else:
+        gl.atomic_add(ptrs, value, mask=mask, sem="relaxed")
+
+
+@gluon.jit
+def _dkv(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr,
+         DETERMINISTIC: gl.constexpr):  # fmt: skip
+    """Default partition: per tile, ``dkv[idx] += [dS; P]^T [Q_v; dO]`` (value columns, in chunks of 128) and
+    ``dS^T Q_r`` (rope columns), each chunk's atomics under the next chunk's wgmma."""
+    (
+        q_ptr,
+        kv_ptr,
+        dout_ptr,
+        idx_row,
+        ds_ptr,
+        dkv_ptr,
+        lse2_ptr,
+        delta_ptr,
+        t,
+        t_local,
+        hb,
+        n_slots,
+        T_k,
+        K_slots,
+        sm_scale,
+        qk_scale,
+    ) = sc
+    s_v, q_r, v_buf, r_buf, y_smem, ready, free, y_ready, y_free, q_bar = sm
+    D_QK: gl.constexpr = D_V + D_R
+    NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
+    CHUNK: gl.constexpr = 128 if D_V > 128 else D_V
+    NUM_C: gl.constexpr = D_V // CHUNK
+    c_layout: gl.constexpr = _mma_layout(CHUNK)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=c_layout, k_width=2)
+    row_c: gl.constexpr = gl.SliceLayout(1, c_layout)
+    cols = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, c_layout))
+    zero = gl.zeros([BLOCK_K, CHUNK], gl.float32, layout=c_layout)
+    if D_R > 0:
+        r_layout: gl.constexpr = _mma_layout(D_R)
+        ar_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=r_layout, k_width=2)
+        row_r: gl.constexpr = gl.SliceLayout(1, r_layout)
+        cols_r = D_V + gl.arange(0, D_R, layout=gl.SliceLayout(0, r_layout))
+        zero_r = gl.zeros([BLOCK_K, D_R], gl.float32, layout=r_layout)
+
+    mbarrier.wait(q_bar, 0)
+    for i in range(gl.cdiv(n_slots, BLOCK_K)):
+        k0 = i * BLOCK_K
+        keys, valid = _load_idx(idx_row, k0, n_slots, T_k, BLOCK_K, row_c)  # [BLOCK_K] x 2
+        if DETERMINISTIC:  # this row's slots in the per-slot scratch (one row per slot and head block)
+            slots = k0 + gl.arange(0, BLOCK_K, layout=row_c)
+            rows = ((t_local * K_slots + slots.to(gl.int64)) * NUM_HB + hb) * D_QK  # [BLOCK_K]
+        else:
+            rows = gl.where(valid, keys, 0).to(gl.int64) * D_QK  # [BLOCK_K]
+        mbarrier.wait(y_ready, i & 1)
+        a = y_smem.permute((1, 0)).load(a_layout)  # [BLOCK_K, 128]: [dS; P]^T
+        if D_R > 0:
+            a_r = y_smem.slice(0, _BLOCK_H, dim=0).permute((1, 0)).load(ar_layout)  # [BLOCK_K, 64]: dS^T
+        mbarrier.arrive(y_free)
+
+        acc = warpgroup_mma(a, s_v.slice(0, CHUNK, dim=1), zero, use_acc=False, is_async=True)  # [BLOCK_K, CHUNK]
+        for c in gl.static_range(1, NUM_C):
+            nxt = warpgroup_mma(a, s_v.slice(c * CHUNK, CHUNK, dim=1), zero, use_acc=False, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            _dkv_out(dkv_ptr + rows[:, None] + (c - 1) * CHUNK + cols[None, :], acc, valid[:, None], DETERMINISTIC)
+            acc = nxt
+        if D_R > 0:
+            acc_r = warpgroup_mma(a_r, q_r, zero_r, use_acc=False, is_async=True)  # [BLOCK_K, D_R]
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        else:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        _dkv_out(dkv_ptr + rows[:, None] + (NUM_C - 1) * CHUNK + cols[None, :], acc, valid[:, None], DETERMINISTIC)
+        if D_R > 0:
+            acc_r = warpgroup_mma_wait(num_outstanding=0, deps=(acc_r,))
+            rows_r = gl.convert_layout(rows, row_r)
+            valid_r = gl.convert_layout(valid, row_r)
+            _dkv_out(dkv_ptr + rows_r[:, None] + cols_r[None, :], acc_r, valid_r[:, None], DETERMINISTIC)
+
+
+@gluon.jit(do_not_specialize=["row_offset", "T_k", "K_slots"])
+def sparse_mla_bwd_sm90_ws_kernel(
+    q_ptr, kv_ptr, dout_ptr, idx_ptr, len_ptr, lse2_ptr, delta_ptr, ds_ptr, dkv_ptr,
+    row_offset, T_k, K_slots, sm_scale, qk_scale,
+    H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr, DETERMINISTIC: gl.constexpr,
+    REGS_PROB: gl.constexpr, REGS_PRODUCER: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
+    BLOCK_K: gl.constexpr = _BLOCK_K
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    gl.static_assert(num_warps == 4, "the default partition is one warpgroup")
+    gl.static_assert(D_V >= 128, "dkv's value columns go in chunks of up to 128")
+
+    sv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * _BLOCK_H, D_V], dtype)
+    kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, D_V], dtype)
+    y_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * _BLOCK_H, BLOCK_K], dtype)
+    s_v = gl.allocate_shared_memory(dtype, [2 * _BLOCK_H, D_V], sv_sl)
+    v_buf = gl.allocate_shared_memory(dtype, [BLOCK_K, D_V], kv_sl)
+    if D_R > 0:
+        qr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BLOCK_H, D_R], dtype)
+        kr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, D_R], dtype)
+        q_r = gl.allocate_shared_memory(dtype, [_BLOCK_H, D_R], qr_sl)
+        r_buf = gl.allocate_shared_memory(dtype, [BLOCK_K, D_R], kr_sl)
+    else:
+        q_r = s_v
+        r_buf = v_buf
+    y_smem = gl.allocate_shared_memory(dtype, [2 * _BLOCK_H, BLOCK_K], y_sl)
+    ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    y_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    y_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(ready, count=128)  # every producer thread, when its copies have landed
+    mbarrier.init(free, count=1)  # the probabilities warpgroup
+    mbarrier.init(y_ready, count=1)
+    mbarrier.init(y_free, count=1)  # the dkv warpgroup
+    mbarrier.init(q_bar, count=128)
+
+    pid = gl.program_id(0)
+    t_local = (pid // NUM_HB).to(gl.int64)
+    t = row_offset + t_local
+    hb = pid % NUM_HB
+    if HAS_LEN:
+        n_slots = gl.minimum(gl.maximum(gl.load(len_ptr + t).to(gl.int32), 0), K_slots)  # scalar
+    else:
+        n_slots = K_slots
+    sc = (q_ptr, kv_ptr, dout_ptr, idx_ptr + t * K_slots, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr, t, t_local, hb,
+          n_slots, T_k, K_slots, sm_scale, qk_scale)  # fmt: skip
+    sm = (s_v, q_r, v_buf, r_buf, y_smem, ready, free, y_ready, y_free, q_bar)
+    gl.warp_specialize(
+        [
+            (_dkv, (sc, sm, H, D_V, D_R, BLOCK_K, DETERMINISTIC)),
+            (_probabilities, (sc, sm, H, D_V, D_R, BLOCK_K, DETERMINISTIC)),
+            (_producer, (sc, sm, H, D_V, D_R, BLOCK_K, DETERMINISTIC)),
+        ],
+        [4, 4],
+        [REGS_PROB, REGS_PRODUCER],
+    )
