@@ -225,3 +225,100 @@ def test_sm90_dq_kernel_compiles_for_hopper(block_k, num_buf, d_qk):
     assert stats["cp_async"] and stats["wgmma"], stats
     assert stats["shared"] == sm90_dq_smem_bytes(block_k, num_buf, d_qk, 2), stats
     assert stats["local"] == 0, stats
+
+
+_WS = KernelConfig(impl="sm90", layout="warp_specialized", num_warps=4, block_k=64, num_stages=1)
+
+
+@pytest.mark.parametrize(
+    "default,config,D,d_v,flags,reason,expected",
+    [
+        ("warp_specialized", None, 576, 512, "", None, ("fused_ws", 64, 1)),
+        ("warp_specialized", None, 576, 512, "no-dkv", None, ("ds", 64, 2)),
+        ("warp_specialized", None, 576, 512, "dkv-forced", None, ("ds", 64, 2)),
+        ("warp_specialized", None, 512, 512, "", None, ("fused_ws", 64, 1)),  # no rope tail
+        ("warp_specialized", None, 128, 64, "", None, ("ds", 64, 2)),  # d_v < 128: neither fused kernel
+        ("warp_specialized", None, 640, 512, "", None, None),  # a rope tail of 128: nothing SM90 fits
+        ("warp_specialized", None, 576, 512, "", "it needs at least 64 heads", None),
+        ("fused", None, 576, 512, "", None, ("fused", 64, 1)),  # the other default: the two-warpgroup kernel
+        ("fused", _WS, 576, 512, "", None, ("fused_ws", 64, 1)),
+        ("fused", _WS, 576, 512, "no-dkv", None, ("ds", 64, 2)),
+        ("fused", _WS, 128, 64, "", None, "layout='warp_specialized'.*needs d_v >= 128.*layout='fused'"),
+        ("fused", _WS, 640, 512, "", None, "warp-specialized kernel's 2.* bytes .* exceed 227 KiB"),
+        ("fused", _WS, 576, 512, "", "it needs at least 64 heads", "warp_specialized'.*at least 64 heads"),
+    ],
+    ids=[
+        "default",
+        "no-dkv",
+        "dkv-forced",
+        "D512",
+        "dv64",
+        "rope128",
+        "heads",
+        "other-default",
+        "forced",
+        "forced-no-dkv",
+        "forced-dv64",
+        "forced-rope128",
+        "forced-heads",
+    ],  # fmt: skip
+)
+def test_sm90_backward_plan_warp_specialized(monkeypatch, default, config, D, d_v, flags, reason, expected):
+    from longtrain.dsa.triton import sparse_mla_bwd_plan as plan
+    from longtrain.dsa.triton import sparse_mla_fwd_sm90 as sm90
+
+    monkeypatch.setattr(plan, "interpreting", lambda: False)
+    monkeypatch.setattr(plan, "SM90_BWD_DEFAULT", default)
+    monkeypatch.setattr(sm90, "sm90_unsupported_reason", lambda q, d_v: reason)
+    kwargs = dict(compute_dkv=flags != "no-dkv", dkv_forced=flags == "dkv-forced")
+    if isinstance(expected, str):
+        with pytest.raises(RuntimeError, match=expected):
+            plan.sm90_backward_plan(_fake_q(D=D), d_v, config, **kwargs)
+    else:
+        assert plan.sm90_backward_plan(_fake_q(D=D), d_v, config, **kwargs) == expected
+
+
+def test_forced_warp_specialized_backward_refuses_the_interpreter(triton_interpret):
+    from longtrain.dsa.triton import sparse_mla_triton
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 64, 576, generator=g, requires_grad=True)
+    kv = torch.randn(8, 1, 576, generator=g, requires_grad=True)
+    idx = torch.randint(0, 8, (3, 16), generator=g, dtype=torch.int32)
+    cfg = SparseMLAConfig(fwd=KernelConfig(block_k=16, num_warps=4, num_stages=1), bwd=_WS)
+    out = sparse_mla_triton(q, kv, idx, 0.1, d_v=512, config=cfg)
+    with pytest.raises(RuntimeError, match=r"layout='warp_specialized'\) cannot run here.*interpreter"):
+        out.sum().backward()
+
+
+def test_smem_budget_of_the_warp_specialized_backward():
+    from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_ws_bwd_smem_bytes
+    from longtrain.dsa.triton.sparse_mla_fwd import SM90_SMEM_LIMIT
+
+    # [Q_v; dO] 128 KiB, Q_r 8 KiB, one tile of 64 rows 72 KiB, [dS; P] 16 KiB, barriers.
+    assert sm90_ws_bwd_smem_bytes(576, 512, 2) == (128 + 8 + 72 + 16) * 1024 + 512 <= SM90_SMEM_LIMIT
+    assert sm90_ws_bwd_smem_bytes(640, 512, 2) > SM90_SMEM_LIMIT
+
+
+@pytest.mark.skipif(cuobjdump() is None, reason="needs triton with its bundled NVIDIA toolchain (ptxas, cuobjdump)")
+@pytest.mark.parametrize(
+    "H,d_qk,d_v,deterministic",
+    [(64, 576, 512, False), (128, 512, 512, False), (64, 576, 512, True), (64, 320, 256, False)],
+    ids=["glm", "H128-D512", "det", "dv256"],
+)
+def test_warp_specialized_backward_compiles_for_hopper(H, d_qk, d_v, deterministic):
+    """The warp-specialized fused kernel compiled for sm_90a: cp.async + wgmma, shared memory within the budget (the
+    compiler adds nothing of its own beyond it), no spills, no serialized wgmma, the worker partitions' register
+    budgets as set."""
+    from longtrain.dsa.triton import sparse_mla_bwd_sm90_ws as ws
+    from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_ws_bwd_smem_bytes
+
+    types = _TYPES[:8] + ["*fp32"] + _TYPES[9:] + ["fp32", "fp32"]
+    consts = dict(H=H, D_V=d_v, D_R=d_qk - d_v, HAS_LEN=True, DETERMINISTIC=deterministic,
+                  REGS_PROB=ws.WS_BWD_NUM_REGS[0], REGS_PRODUCER=ws.WS_BWD_NUM_REGS[1])  # fmt: skip
+    stats = compile_sm90("longtrain.dsa.triton.sparse_mla_bwd_sm90_ws", "sparse_mla_bwd_sm90_ws_kernel", types, consts,
+                         num_warps=4, maxnreg=ws.WS_BWD_MAXNREG)  # fmt: skip
+    assert stats["cp_async"] and stats["wgmma"] and not stats["wgmma_serialized"], stats
+    assert stats["shared"] <= sm90_ws_bwd_smem_bytes(d_qk, d_v, 2), stats
+    assert stats["local"] == 0, stats
+    assert set(ws.WS_BWD_NUM_REGS) <= set(stats["setmaxnreg"]), stats
