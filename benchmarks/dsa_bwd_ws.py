@@ -12,10 +12,13 @@ each at T = 4096 (with whether two runs agree bit for bit). Correctness against 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
 import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import RESULTS_DIR, write_report  # noqa: E402
@@ -39,8 +42,14 @@ def _case(rows: list[dict], total: int, heads: int, deterministic: bool) -> None
     out, lse = run_fwd(q, kv, idx, length, None)
     dout = torch.randn_like(out)
     ref = run_bwd(q, kv, out, dout, lse, idx, length, deterministic=deterministic)
+    from longtrain.dsa.triton import sparse_mla_bwd_sm90_ws as ws
+
+    staged = ws.WS_BWD_STAGED
     for name, cfg in (("default (config=None)", None), ("sm90 fused (two warpgroups)", FUSED),
-                      ("sm90 warp_specialized", WS)):  # fmt: skip
+                      ("sm90 warp_specialized", WS), ("sm90 warp_specialized, other staging", WS)):  # fmt: skip
+        ws.WS_BWD_STAGED = staged if "other" not in name else not staged
+        if cfg is not None and cfg.layout == "warp_specialized":
+            name += ", staged atomics" if ws.WS_BWD_STAGED else ", atomics from the accumulator"
         cfgs = (cfg, None, None)
         row = dict(shape=f"T={total} H={heads} K={TOPK} 1doc", mode="deterministic" if deterministic else "atomic",
                    kernel=name)  # fmt: skip
@@ -57,6 +66,61 @@ def _case(rows: list[dict], total: int, heads: int, deterministic: bool) -> None
             row.update(note=f"{type(exc).__name__}: {exc}"[:200])
         print(row, flush=True)
         rows.append(row)
+    ws.WS_BWD_STAGED = staged
+
+
+@gluon.jit
+def _pattern_kernel(dst_ptr, keys_ptr, n_tiles, D: gl.constexpr, W: gl.constexpr, MMA: gl.constexpr,
+                    num_warps: gl.constexpr):  # fmt: skip
+    """Add [64, D] fp32 pieces (value row*1e-3 + col*1e-4) into 64 random rows per tile, W columns per access, from
+    a wgmma accumulator's layout (MMA) or a blocked one (each warp-wide access whole row segments)."""
+    if MMA:
+        L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, W, 16])
+    else:
+        L: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // W, W // 4], [4, 1], [1, 0])
+    rows = gl.arange(0, 64, layout=gl.SliceLayout(1, L))
+    cols = gl.arange(0, W, layout=gl.SliceLayout(0, L))
+    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        keys = gl.load(keys_ptr + tile * 64 + rows).to(gl.int64) * D  # [64]
+        for c in gl.static_range(D // W):
+            val = rows[:, None].to(gl.float32) * 1e-3 + (c * W + cols)[None, :].to(gl.float32) * 1e-4  # [64, W]
+            gl.atomic_add(dst_ptr + keys[:, None] + c * W + cols[None, :], val, sem="relaxed")
+
+
+def pattern_probe(out_dir: Path) -> None:
+    """fp32 atomics into random rows of an L2-resident ``[16384, D]`` table: the wgmma accumulator's access pattern
+    against whole row segments, one tile per program or one program (4 warps) per SM."""
+    dev = torch.device("cuda")
+    n_keys, n_items = 16384, 1 << 20
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    keys = torch.randint(0, n_keys, (n_items,), device=dev, dtype=torch.int32)
+    rows: list[dict] = []
+    for d, w in ((576, 64), (512, 128)):
+        dst = torch.zeros(n_keys, d, device=dev)
+        r = torch.arange(64, device=dev, dtype=torch.float32)[:, None] * 1e-3
+        src = r + torch.arange(d, device=dev, dtype=torch.float32)[None, :] * 1e-4
+        ref = torch.zeros_like(dst).index_add_(0, keys.long(), src[torch.arange(n_items, device=dev) % 64])
+        for mma in (True, False):
+            for grid, what in ((n_items // 64, "one tile per program"), (sms, f"{sms} programs (one per SM)")):
+                fn = functools.partial(_pattern_kernel[(grid,)], dst, keys, n_items // 64, D=d, W=w, MMA=mma,
+                                       num_warps=4)  # fmt: skip
+                dst.zero_()
+                fn()
+                torch.cuda.synchronize()
+                err = ((dst - ref).abs().max() / ref.abs().max()).item()
+                ms = bench(fn)[0]
+                row = dict(table=f"[{n_keys}, {d}] fp32", layout="wgmma accumulator" if mma else "row segments (v4)",
+                           cols=w, grid=what, ms=ms, GBps=n_items * d * 4 / ms / 1e6, rel_err=err)  # fmt: skip
+                print(row, flush=True)
+                rows.append(row)
+    write_report(
+        "dsa_reduce_pattern", rows, ["table", "layout", "cols", "grid", "ms", "GBps", "rel_err"],
+        f"{n_items} rows added into {n_keys} random rows in tiles of 64 rows, 4 warps per program, fp32 atomics "
+        "(`gl.atomic_add`, relaxed): the wgmma accumulator's layout (per warp-wide access 8 rows x 32 bytes) against "
+        "a blocked layout (whole row segments of W columns, v4). GB/s of added data; rel_err against torch "
+        "index_add_. Reproduce: `python benchmarks/dsa_bwd_ws.py --pattern-probe`.",
+        out_dir=out_dir, title="fp32 atomics into random rows: access pattern (H200)",
+    )  # fmt: skip
 
 
 def main(out_dir: Path, total: int, heads_list: tuple[int, ...]) -> None:
@@ -82,5 +146,9 @@ if __name__ == "__main__":
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--heads", default="64,128")
+    parser.add_argument("--pattern-probe", action="store_true")
     args = parser.parse_args()
-    main(args.out_dir, args.tokens, tuple(int(h) for h in args.heads.split(",")))
+    if args.pattern_probe:
+        pattern_probe(args.out_dir)
+    else:
+        main(args.out_dir, args.tokens, tuple(int(h) for h in args.heads.split(",")))
