@@ -42,14 +42,8 @@ def _case(rows: list[dict], total: int, heads: int, deterministic: bool) -> None
     out, lse = run_fwd(q, kv, idx, length, None)
     dout = torch.randn_like(out)
     ref = run_bwd(q, kv, out, dout, lse, idx, length, deterministic=deterministic)
-    from longtrain.dsa.triton import sparse_mla_bwd_sm90_ws as ws
-
-    staged = ws.WS_BWD_STAGED
     for name, cfg in (("default (config=None)", None), ("sm90 fused (two warpgroups)", FUSED),
-                      ("sm90 warp_specialized", WS), ("sm90 warp_specialized, other staging", WS)):  # fmt: skip
-        ws.WS_BWD_STAGED = staged if "other" not in name else not staged
-        if cfg is not None and cfg.layout == "warp_specialized":
-            name += ", staged atomics" if ws.WS_BWD_STAGED else ", atomics from the accumulator"
+                      ("sm90 warp_specialized", WS)):  # fmt: skip
         cfgs = (cfg, None, None)
         row = dict(shape=f"T={total} H={heads} K={TOPK} 1doc", mode="deterministic" if deterministic else "atomic",
                    kernel=name)  # fmt: skip
@@ -66,7 +60,6 @@ def _case(rows: list[dict], total: int, heads: int, deterministic: bool) -> None
             row.update(note=f"{type(exc).__name__}: {exc}"[:200])
         print(row, flush=True)
         rows.append(row)
-    ws.WS_BWD_STAGED = staged
 
 
 @gluon.jit

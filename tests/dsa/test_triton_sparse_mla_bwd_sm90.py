@@ -45,7 +45,7 @@ _FUSED = KernelConfig(impl="sm90", layout="fused", block_k=64, num_stages=1)
 @pytest.mark.parametrize(
     "config,D,d_v,flags,reason,expected",
     [
-        (None, 576, 512, "", None, ("fused", 64, 1)),  # the default on SM90: probabilities and dkv in one kernel
+        (None, 576, 512, "", None, ("fused_ws", 64, 1)),  # the default on SM90: probabilities and dkv in one kernel
         (None, 576, 512, "no-dkv", None, ("ds", 64, 2)),  # no dkv wanted
         (None, 576, 512, "dkv-forced", None, ("ds", 64, 2)),  # a forced dkv config keeps the dkv kernel
         (None, 128, 64, "", None, ("ds", 64, 2)),  # d_v < 128: the [dS; P] tile does not fit the value buffer
@@ -302,18 +302,11 @@ def test_smem_budget_of_the_warp_specialized_backward():
 
 @pytest.mark.skipif(cuobjdump() is None, reason="needs triton with its bundled NVIDIA toolchain (ptxas, cuobjdump)")
 @pytest.mark.parametrize(
-    "H,d_qk,d_v,deterministic,staged",
-    [
-        (64, 576, 512, False, True),
-        (64, 576, 512, False, False),
-        (128, 512, 512, False, True),
-        (64, 576, 512, True, True),
-        (64, 320, 256, False, True),
-        (64, 384, 256, False, True),
-    ],
-    ids=["glm", "glm-unstaged", "H128-D512", "det", "dv256", "rope128"],
+    "H,d_qk,d_v,deterministic",
+    [(64, 576, 512, False), (128, 512, 512, False), (64, 576, 512, True), (64, 320, 256, False), (64, 384, 256, False)],
+    ids=["glm", "H128-D512", "det", "dv256", "rope128"],
 )
-def test_warp_specialized_backward_compiles_for_hopper(H, d_qk, d_v, deterministic, staged):
+def test_warp_specialized_backward_compiles_for_hopper(H, d_qk, d_v, deterministic):
     """The warp-specialized fused kernel compiled for sm_90a: cp.async + wgmma, shared memory within the budget (the
     compiler adds nothing of its own beyond it), no spills, no serialized wgmma, the worker partitions' register
     budgets as set."""
@@ -322,7 +315,7 @@ def test_warp_specialized_backward_compiles_for_hopper(H, d_qk, d_v, determinist
 
     types = _TYPES[:8] + ["*fp32"] + _TYPES[9:] + ["fp32", "fp32"]
     consts = dict(H=H, D_V=d_v, D_R=d_qk - d_v, HAS_LEN=True, DETERMINISTIC=deterministic,
-                  REGS_PROB=ws.WS_BWD_NUM_REGS[0], REGS_PRODUCER=ws.WS_BWD_NUM_REGS[1], STAGED=staged)  # fmt: skip
+                  REGS_PROB=ws.WS_BWD_NUM_REGS[0], REGS_PRODUCER=ws.WS_BWD_NUM_REGS[1])  # fmt: skip
     stats = compile_sm90("longtrain.dsa.triton.sparse_mla_bwd_sm90_ws", "sparse_mla_bwd_sm90_ws_kernel", types, consts,
                          num_warps=4, maxnreg=ws.WS_BWD_MAXNREG)  # fmt: skip
     assert stats["cp_async"] and stats["wgmma"] and not stats["wgmma_serialized"], stats

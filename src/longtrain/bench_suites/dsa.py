@@ -229,16 +229,14 @@ def _fused_cfg() -> KernelConfig:
     return KernelConfig(impl="sm90", layout="fused", block_k=64, num_stages=1)
 
 
+def _ws_bwd_cfg() -> KernelConfig:
+    return KernelConfig(impl="sm90", layout="warp_specialized", num_warps=4, block_k=64, num_stages=1)
+
+
 def _portable_ds() -> tuple:
     from longtrain.dsa.triton import sparse_mla_bwd as mb
 
     return mb._DS_CANDIDATES[0]
-
-
-def _portable_dq() -> tuple:
-    from longtrain.dsa.triton import sparse_mla_bwd as mb
-
-    return mb._DQ_CANDIDATES[0]
 
 
 def _kcfg(t):
@@ -414,13 +412,15 @@ def memcheck() -> None:
 
     if _sm90_default(q, D_V):  # the SM90 and stacked probabilities kernels (forced), with and without lengths
         o90, lse90 = sparse_mla_fwd(q.detach(), kv.detach().view(90, -1), idx, 0.1, D_V, length, None, None)
-        for c in ((64, 8, 2, 0, "sm90"), (32, 8, 3, 0, "sm90"), (32, 8, 1, 3), "fused"):  # (32, 8, 1, 3): portable
+        fused = {"fused": _fused_cfg(), "ws": _ws_bwd_cfg()}
+        # (32, 8, 1, 3): the portable probabilities kernel
+        for c in ((64, 8, 2, 0, "sm90"), (32, 8, 3, 0, "sm90"), (32, 8, 1, 3), "fused", "ws"):
             for ln in (length, None):
                 dout90 = torch.randn_like(o90)
-                cfg90 = _fused_cfg() if c == "fused" else _kcfg(c)
+                cfg90 = fused[c] if c in fused else _kcfg(c)
                 dq90 = _kcfg((32, 8, 4, 0, "sm90")) if c == "fused" else None  # the SM90 dq kernel's deeper ring
                 run_bwd(q.detach(), kv.detach(), o90, dout90, lse90, idx, ln, cfgs=(cfg90, dq90, None))
-                if c == "fused":  # its deterministic mode (per-slot pieces, then the fixed-order reduction)
+                if c in fused:  # its deterministic mode (per-slot pieces, then the fixed-order reduction)
                     run_bwd(q.detach(), kv.detach(), o90, dout90, lse90, idx, ln, cfgs=(cfg90, None, None),
                             deterministic=True)  # fmt: skip
     for groups in (2, 4):  # the dkv kernel split over value-column groups (and the rope tail's own launch)
@@ -522,21 +522,24 @@ def _mla_case(add, total: int, heads: int, topk: int, layout: str) -> None:
     from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_backward_plan
 
     plan = sm90_backward_plan(q, D_V, None, compute_dkv=True, dkv_forced=False)
-    kind = {None: "", "fused": ", SM90 fused probabilities + dkv kernel", "ds": ", SM90 probabilities kernel",
-            "fused_ws": ", SM90 warp-specialized probabilities + dkv kernel"}
+    kind = {
+        None: "",
+        "fused": ", SM90 fused probabilities + dkv kernel",
+        "ds": ", SM90 probabilities kernel",
+        "fused_ws": ", SM90 warp-specialized probabilities + dkv kernel",
+    }
     add(op="sparse_mla_bwd", impl=f"triton (ours{kind[plan and plan[0]]})", shape=shape, ms=ms[0], p20=ms[1],
         p80=ms[2], tflops=bwd_flops / ms[0] / 1e9, peak_mib=peak_mib(bwd))  # fmt: skip
     if _sm90_default(q, D_V) and layout == "1doc":
         # The other probabilities kernels on the same inputs, forced (dq / dkv autotuned): the SM90 stacked one
-        # (then the dkv kernel), the portable one, and the fused one.
+        # (then the dkv kernel), the portable one, and the fused one that is not the default.
         variants = [(_kcfg((64, 8, 2, 0, "sm90")), "SM90 stacked probabilities kernel 64 keys x 2 tiles + dkv kernel"),
                     (_kcfg(_portable_ds()), "portable probabilities kernel {} keys x {} warps x {} stages + dkv "
                      "kernel".format(*_portable_ds()))]  # fmt: skip
         if plan is None or plan[0] != "fused":
-            variants.append((_fused_cfg(), "SM90 fused probabilities + dkv kernel"))
-        dq = _kcfg(_portable_dq())
-        variants.append(((_fused_cfg(), dq), "SM90 fused probabilities + dkv kernel, portable dq kernel {} keys x {} "
-                         "warps x {} stages".format(*_portable_dq())))  # fmt: skip
+            variants.append((_fused_cfg(), "SM90 two-warpgroup fused probabilities + dkv kernel"))
+        if plan is None or plan[0] != "fused_ws":
+            variants.append((_ws_bwd_cfg(), "SM90 warp-specialized probabilities + dkv kernel"))
         for cfg, what in variants:
             cfgs = (*cfg, None) if isinstance(cfg, tuple) else (cfg, None, None)
             what = f"triton (ours, {what})"
@@ -557,10 +560,10 @@ def _mla_case(add, total: int, heads: int, topk: int, layout: str) -> None:
     ms = bench(lambda: run_bwd(q, kv, out, dout, lse, idx, length, deterministic=True), rep_ms=200)
     add(op="sparse_mla_bwd", impl="triton (ours), deterministic", shape=shape, ms=ms[0], p20=ms[1], p80=ms[2],
         tflops=bwd_flops / ms[0] / 1e9)  # fmt: skip
-    if _sm90_default(q, D_V):  # the deterministic mode on the SM90 stacked probabilities kernel + the dkv kernel
-        cfgs = (_kcfg((64, 8, 2, 0, "sm90")), None, None)
+    if _sm90_default(q, D_V):  # the deterministic mode through the two-warpgroup fused kernel
+        cfgs = (_fused_cfg(), None, None)
         ms = bench(lambda: run_bwd(q, kv, out, dout, lse, idx, length, cfgs=cfgs, deterministic=True), rep_ms=200)
-        add(op="sparse_mla_bwd", impl="triton (ours), deterministic, SM90 stacked probabilities kernel + dkv kernel",
+        add(op="sparse_mla_bwd", impl="triton (ours), deterministic, SM90 two-warpgroup fused kernel",
             shape=shape, ms=ms[0], p20=ms[1], p80=ms[2], tflops=bwd_flops / ms[0] / 1e9)  # fmt: skip
     # The deterministic row chunk is set by its scratch (113 rows here, launches of 113 programs): a larger one.
     from longtrain.dsa.triton import sparse_mla_bwd as smb

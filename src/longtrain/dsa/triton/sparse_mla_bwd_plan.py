@@ -23,7 +23,7 @@ __all__ = [
 
 # The fused SM90 kernel that config=None runs where it applies: "warp_specialized" (sparse_mla_bwd_sm90_ws.py) or
 # "fused" (the two-warpgroup kernel in sparse_mla_bwd_sm90.py).
-SM90_BWD_DEFAULT = "fused"
+SM90_BWD_DEFAULT = "warp_specialized"
 # Heads per program of the SM90 kernels, and gathered slots per step of the fused one.
 _STACK_H = 64
 _DKV_BLOCK_K = 64

@@ -56,8 +56,6 @@ _BLOCK_K = gl.constexpr(_SLOTS)
 # 168 x 3 per thread that one 384-thread program may hold on an SM (64K registers).
 WS_BWD_NUM_REGS = (152, 96)
 WS_BWD_MAXNREG = 168
-# Whether the dkv warpgroup turns its pieces into whole row segments through shared memory before the atomics.
-WS_BWD_STAGED = True
 
 
 @gluon.jit
@@ -177,80 +175,6 @@ def _dkv_out(ptrs, value, mask, DETERMINISTIC: gl.constexpr):
 
 
 @gluon.jit
-def _dkv(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr,
-         DETERMINISTIC: gl.constexpr):  # fmt: skip
-    """Default partition: per tile, ``dkv[idx] += [dS; P]^T [Q_v; dO]`` (value columns, in chunks of 128) and
-    ``dS^T Q_r`` (rope columns), each chunk's atomics under the next chunk's wgmma."""
-    (
-        q_ptr,
-        kv_ptr,
-        dout_ptr,
-        idx_row,
-        ds_ptr,
-        dkv_ptr,
-        lse2_ptr,
-        delta_ptr,
-        t,
-        t_local,
-        hb,
-        n_slots,
-        T_k,
-        K_slots,
-        sm_scale,
-        qk_scale,
-    ) = sc
-    s_v, q_r, v_buf, r_buf, y_smem, ready, free, y_ready, y_free, q_bar = sm
-    D_QK: gl.constexpr = D_V + D_R
-    NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
-    CHUNK: gl.constexpr = 128 if D_V > 128 else D_V
-    NUM_C: gl.constexpr = D_V // CHUNK
-    c_layout: gl.constexpr = _mma_layout(CHUNK)
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=c_layout, k_width=2)
-    row_c: gl.constexpr = gl.SliceLayout(1, c_layout)
-    cols = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, c_layout))
-    zero = gl.zeros([BLOCK_K, CHUNK], gl.float32, layout=c_layout)
-    if D_R > 0:
-        r_layout: gl.constexpr = _mma_layout(D_R)
-        ar_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=r_layout, k_width=2)
-        row_r: gl.constexpr = gl.SliceLayout(1, r_layout)
-        cols_r = D_V + gl.arange(0, D_R, layout=gl.SliceLayout(0, r_layout))
-        zero_r = gl.zeros([BLOCK_K, D_R], gl.float32, layout=r_layout)
-
-    mbarrier.wait(q_bar, 0)
-    for i in range(gl.cdiv(n_slots, BLOCK_K)):
-        k0 = i * BLOCK_K
-        keys, valid = _load_idx(idx_row, k0, n_slots, T_k, BLOCK_K, row_c)  # [BLOCK_K] x 2
-        if DETERMINISTIC:  # this row's slots in the per-slot scratch (one row per slot and head block)
-            slots = k0 + gl.arange(0, BLOCK_K, layout=row_c)
-            rows = ((t_local * K_slots + slots.to(gl.int64)) * NUM_HB + hb) * D_QK  # [BLOCK_K]
-        else:
-            rows = gl.where(valid, keys, 0).to(gl.int64) * D_QK  # [BLOCK_K]
-        mbarrier.wait(y_ready, i & 1)
-        a = y_smem.permute((1, 0)).load(a_layout)  # [BLOCK_K, 128]: [dS; P]^T
-        if D_R > 0:
-            a_r = y_smem.slice(0, _BLOCK_H, dim=0).permute((1, 0)).load(ar_layout)  # [BLOCK_K, 64]: dS^T
-        mbarrier.arrive(y_free)
-
-        acc = warpgroup_mma(a, s_v.slice(0, CHUNK, dim=1), zero, use_acc=False, is_async=True)  # [BLOCK_K, CHUNK]
-        for c in gl.static_range(1, NUM_C):
-            nxt = warpgroup_mma(a, s_v.slice(c * CHUNK, CHUNK, dim=1), zero, use_acc=False, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            _dkv_out(dkv_ptr + rows[:, None] + (c - 1) * CHUNK + cols[None, :], acc, valid[:, None], DETERMINISTIC)
-            acc = nxt
-        if D_R > 0:
-            acc_r = warpgroup_mma(a_r, q_r, zero_r, use_acc=False, is_async=True)  # [BLOCK_K, D_R]
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-        else:
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        _dkv_out(dkv_ptr + rows[:, None] + (NUM_C - 1) * CHUNK + cols[None, :], acc, valid[:, None], DETERMINISTIC)
-        if D_R > 0:
-            acc_r = warpgroup_mma_wait(num_outstanding=0, deps=(acc_r,))
-            rows_r = gl.convert_layout(rows, row_r)
-            valid_r = gl.convert_layout(valid, row_r)
-            _dkv_out(dkv_ptr + rows_r[:, None] + cols_r[None, :], acc_r, valid_r[:, None], DETERMINISTIC)
-
-
-@gluon.jit
 def _staged_out(dkv_ptr, acc, stage, rows, valid, col0, DETERMINISTIC: gl.constexpr):
     """Add (or store) a ``[BLOCK_K, W]`` dkv piece through shared memory: the wgmma accumulator's threads hold 8
     rows x 32 bytes per warp-wide access, a blocked layout one whole row segment, which the L2 reduces faster."""
@@ -269,10 +193,12 @@ def _staged_out(dkv_ptr, acc, stage, rows, valid, col0, DETERMINISTIC: gl.conste
 
 
 @gluon.jit
-def _dkv_staged(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr,
-                DETERMINISTIC: gl.constexpr):  # fmt: skip
-    """Default partition, staged: as :func:`_dkv`, in column chunks of 64, each chunk's piece turned into whole row
-    segments through the ``[dS; P]`` buffer (read into registers first, released at the end of the tile)."""
+def _dkv(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr,
+         DETERMINISTIC: gl.constexpr):  # fmt: skip
+    """Default partition: per tile, ``dkv[idx] += [dS; P]^T [Q_v; dO]`` (value columns) and ``dS^T Q_r`` (rope
+    columns) in column chunks of 64, each chunk's wgmma issued before the previous chunk's piece is turned into whole
+    row segments through the ``[dS; P]`` buffer (read into registers first, released at the end of the tile) and
+    added."""
     (
         q_ptr,
         kv_ptr,
@@ -352,7 +278,7 @@ def sparse_mla_bwd_sm90_ws_kernel(
     q_ptr, kv_ptr, dout_ptr, idx_ptr, len_ptr, lse2_ptr, delta_ptr, ds_ptr, dkv_ptr,
     row_offset, T_k, K_slots, sm_scale, qk_scale,
     H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr, DETERMINISTIC: gl.constexpr,
-    REGS_PROB: gl.constexpr, REGS_PRODUCER: gl.constexpr, STAGED: gl.constexpr, num_warps: gl.constexpr,
+    REGS_PROB: gl.constexpr, REGS_PRODUCER: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
     BLOCK_K: gl.constexpr = _BLOCK_K
@@ -398,7 +324,7 @@ def sparse_mla_bwd_sm90_ws_kernel(
     sm = (s_v, q_r, v_buf, r_buf, y_smem, ready, free, y_ready, y_free, q_bar)
     gl.warp_specialize(
         [
-            (_dkv_staged if STAGED else _dkv, (sc, sm, H, D_V, D_R, BLOCK_K, DETERMINISTIC)),
+            (_dkv, (sc, sm, H, D_V, D_R, BLOCK_K, DETERMINISTIC)),
             (_probabilities, (sc, sm, H, D_V, D_R, BLOCK_K, DETERMINISTIC)),
             (_producer, (sc, sm, H, D_V, D_R, BLOCK_K, DETERMINISTIC)),
         ],
