@@ -1,7 +1,9 @@
-"""Three warp-specialized SM90 forward launches at the GLM-5.2 shape (T = 16384, H = 64, K = 2048), for ``ncu``.
+"""Three warp-specialized SM90 launches at the GLM-5.2 shape (T = 16384, H = 64, K = 2048), for ``ncu``: the forward
+(argument ``block_k x num_stages``, default 64x2) or, with the argument ``bwd``, the backward (its default on SM90,
+the warp-specialized probabilities + dkv kernel, then the dq kernel).
 
-``ncu --set full -k regex:ws_kernel -s 2 -c 1 -o prof python benchmarks/profile_ws.py 32x4`` profiles the third (the
-argument is ``block_k x num_stages``, default 64x2); ``logs/ncu_dsa_fwd_ws_32x4_b0a921f_details.txt`` came from it.
+``ncu --set full -k regex:ws_kernel -s 2 -c 1 -o prof python benchmarks/profile_ws.py 32x4`` profiles the third;
+``logs/ncu_dsa_fwd_ws_32x4_b0a921f_details.txt`` came from it.
 """
 
 from __future__ import annotations
@@ -12,14 +14,21 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from longtrain.bench_suites.dsa import TOPK, causal_index_sets, mla_inputs, run_fwd  # noqa: E402
+from longtrain.bench_suites.dsa import TOPK, causal_index_sets, mla_inputs, run_bwd, run_fwd  # noqa: E402
 from longtrain.dsa.triton import KernelConfig  # noqa: E402
 
-block_k, num_buf = (int(x) for x in sys.argv[1].split("x")) if len(sys.argv) > 1 else (64, 2)
+what = sys.argv[1] if len(sys.argv) > 1 else "64x2"
 dev = torch.device("cuda")
 idx, length, _, _ = causal_index_sets([16384], TOPK, dev)
 q, kv = mla_inputs(16384, 64, dev)
-cfg = KernelConfig(impl="sm90", layout="warp_specialized", num_warps=4, block_k=block_k, num_stages=num_buf)
-for _ in range(3):
-    run_fwd(q, kv, idx, length, cfg)
+if what == "bwd":
+    out, lse = run_fwd(q, kv, idx, length, None)
+    dout = torch.randn_like(out)
+    for _ in range(3):
+        run_bwd(q, kv, out, dout, lse, idx, length)
+else:
+    block_k, num_buf = (int(x) for x in what.split("x"))
+    cfg = KernelConfig(impl="sm90", layout="warp_specialized", num_warps=4, block_k=block_k, num_stages=num_buf)
+    for _ in range(3):
+        run_fwd(q, kv, idx, length, cfg)
 torch.cuda.synchronize()
