@@ -181,7 +181,9 @@ def _staged_out(dkv_ptr, acc, stage, rows, valid, col0, DETERMINISTIC: gl.conste
     W: gl.constexpr = acc.type.shape[1]
     BLOCK_K: gl.constexpr = acc.type.shape[0]
     L: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // W, W // 4], [4, 1], [1, 0])
-    view = _alias(stage, gl.float32, BLOCK_K, W, gl.SwizzledSharedLayout(2, 1, 8, order=[1, 0]))
+    # 32-byte vectors, row r's XOR-ed by r % 8: the accumulator's 8 rows x 32 bytes per store and the blocked
+    # layout's row segments per load each hit distinct banks (8-byte vectors conflicted 4-way on the store, ncu).
+    view = _alias(stage, gl.float32, BLOCK_K, W, gl.SwizzledSharedLayout(8, 1, min(8, W // 8), order=[1, 0]))
     _cta_barrier()  # the previous piece has been read back by every warp
     view.store(acc)
     _cta_barrier()
