@@ -32,6 +32,9 @@ its matmuls are wgmma of N = 32.
 
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -507,6 +510,8 @@ def sparse_mla_bwd(
     rows_per_chunk = max(1, _PDS_SCRATCH_BYTES // (2 * 2 * num_heads * k_slots))
     if compute_dkv and deterministic:
         rows_per_chunk = min(rows_per_chunk, max(1, DETERMINISTIC_SCRATCH_ELEMENTS // (k_slots * d_qk * n_hb[2])))
+    elif ds_sm90 is not None and dev.type == "cuda":
+        rows_per_chunk = _whole_waves(rows_per_chunk, triton.cdiv(num_heads, 64), dev)
     rows_per_chunk = min(rows_per_chunk, num_tokens)
     ds_buf = torch.empty((rows_per_chunk, num_heads, k_slots), dtype=q.dtype, device=dev)
     p_buf = torch.empty_like(ds_buf) if compute_dkv and not fused else ds_buf
@@ -578,6 +583,19 @@ def sparse_mla_bwd(
             _reduce_chunk(idx, topk_length, contrib, dkv_acc, row0, rows, num_keys, d_qk, n_hb[2])
     dkv = dkv_acc.to(kv2d.dtype) if compute_dkv else None
     return dq, dkv, dsink
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _whole_waves(rows: int, programs_per_row: int, device: torch.device) -> int:
+    """``rows`` moved to the nearest row count whose programs fill whole waves of the GPU's SMs (one SM90 program per
+    SM): a chunk of 1024 rows at 64 heads is 7.76 waves on 132 SMs, 1056 rows are 8."""
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    step = sms // math.gcd(sms, programs_per_row)
+    return max(step, round(rows / step) * step)
 
 
 def _reduce_chunk(idx, topk_length, contrib, dkv_acc, row0, rows, num_keys, d_qk, num_hb) -> None:
