@@ -19,10 +19,10 @@ Keeping the matmuls of a kernel independent of each other (no dot feeding anothe
 split the head block's logits between warpgroups instead of computing them twice (one per warpgroup), the
 price being the bf16 ``P`` / ``dS`` round trip through memory.
 
-On SM90 GPUs the default is ``sparse_mla_bwd_sm90.py`` instead (Gluon; which runs when:
-:mod:`longtrain.dsa.triton.sparse_mla_bwd_plan`): a fused probabilities + dkv kernel and a dq kernel, 50.25 ms
-against 59.5 for the kernels here at T = 16384, H = 64, K = 2048 on the H200
-(``benchmarks/results/dsa_mla_59698d0_2026-12-02.md``); the kernels here run everywhere else, in the CPU interpreter,
+On SM90 GPUs the default is ``sparse_mla_bwd_sm90_ws.py`` and ``sparse_mla_bwd_sm90.py`` instead (Gluon; which runs
+when: :mod:`longtrain.dsa.triton.sparse_mla_bwd_plan`): a warp-specialized probabilities + dkv kernel and a dq kernel,
+37.33 ms against 65.9 for the kernels here at T = 16384, H = 64, K = 2048 on the H200
+(``benchmarks/results/dsa_mla_920af72_2026-12-02.md``); the kernels here run everywhere else, in the CPU interpreter,
 and when forced (``impl="triton"``). Tried and removed: a Gluon
 port of the probabilities kernel on the forward SM90 kernel's schedule (commit a54b47f): the backward took 69.3 ms
 against 63.6 with the portable kernel at T = 16384, H = 64, K = 2048 on the H200

@@ -1,14 +1,16 @@
-"""Sparse MLA backward kernels for Hopper (SM90) in Gluon: the backward's default on SM90 GPUs.
+"""Sparse MLA backward kernels for Hopper (SM90) in Gluon (with :mod:`.sparse_mla_bwd_sm90_ws`, the backward's default
+on SM90 GPUs).
 
-- :func:`sparse_mla_bwd_sm90_kernel_ds_dkv`: probabilities and dkv in one pass (fp32 atomics, or per-slot pieces in
-  deterministic mode); the default whenever dkv is wanted.
+- :func:`sparse_mla_bwd_sm90_kernel_ds_dkv`: probabilities and dkv in one pass, two warpgroups in lockstep (fp32
+  atomics, or per-slot pieces in deterministic mode); forced with ``layout="fused"`` (the default whenever dkv is
+  wanted is its warp-specialized twin, :mod:`.sparse_mla_bwd_sm90_ws`).
 - :func:`sparse_mla_bwd_sm90_kernel_dq`: ``dq = dS K`` on the forward kernel's cp.async ring; the default dq kernel.
 - :func:`sparse_mla_bwd_sm90_kernel_ds`, below: the probabilities alone (P and dS stored for the portable dkv
   kernel), used when no dkv is wanted or the dkv kernel is forced.
 
 Which runs when: :mod:`longtrain.dsa.triton.sparse_mla_bwd_plan` (with each kernel's shared-memory budget). On the
-H200 at T = 16384, H = 64, K = 2048 the backward takes 50.25 ms with the first two
-(``benchmarks/results/dsa_mla_59698d0_2026-12-02.md``).
+H200 at T = 16384, H = 64, K = 2048 the backward takes 49.95 ms with the first two, 37.33 with the warp-specialized
+kernel and the dq kernel (``benchmarks/results/dsa_mla_920af72_2026-12-02.md``).
 
 The probabilities kernel has the same contract as
 :func:`longtrain.dsa.triton.sparse_mla_bwd.sparse_mla_bwd_kernel_ds` (one program per (query row, block of 64 heads);
