@@ -322,3 +322,18 @@ def test_warp_specialized_backward_compiles_for_hopper(H, d_qk, d_v, determinist
     assert stats["shared"] <= sm90_ws_bwd_smem_bytes(d_qk, d_v, 2), stats
     assert stats["local"] == 0, stats
     assert set(ws.WS_BWD_NUM_REGS) <= set(stats["setmaxnreg"]), stats
+
+
+@pytest.mark.parametrize(
+    "rows,per_row,sms,expected",
+    [(1024, 1, 132, 1056), (1024, 2, 132, 1056), (113, 1, 132, 132), (2048, 1, 132, 2112), (1000, 3, 78, 988)],
+    ids=["glm", "H128", "few-rows", "2048", "odd"],
+)
+def test_sm90_row_chunks_fill_whole_waves(monkeypatch, rows, per_row, sms, expected):
+    """The SM90 backward's row chunk (one program per row and head block, one program per SM) moves to the nearest
+    size whose programs fill whole waves of the GPU's SMs."""
+    from longtrain.dsa.triton import sparse_mla_bwd as mb
+
+    monkeypatch.setattr(mb, "_sm_count", lambda index: sms)
+    chunk = mb._whole_waves(rows, per_row, torch.device("cuda", 0))
+    assert chunk == expected and chunk * per_row % sms == 0
