@@ -325,15 +325,23 @@ def test_warp_specialized_backward_compiles_for_hopper(H, d_qk, d_v, determinist
 
 
 @pytest.mark.parametrize(
-    "rows,per_row,sms,expected",
-    [(1024, 1, 132, 1056), (1024, 2, 132, 1056), (113, 1, 132, 132), (2048, 1, 132, 2112), (1000, 3, 78, 988)],
-    ids=["glm", "H128", "few-rows", "2048", "odd"],
+    "tokens,rows,per_row,sms,expected",
+    [
+        (16384, 1024, 1, 132, 1056),  # 16 launches, 15 of them 8 whole waves
+        (16384, 1024, 2, 132, 1056),
+        (4096, 2048, 2, 132, 2112),  # still 2 launches (a chunk of 2046 rows would leave a third of 4)
+        (4096, 113, 1, 132, 132),  # chunks smaller than a wave: one wave each (fewer chunks)
+        (1000, 4096, 3, 78, 1014),  # one launch
+    ],
+    ids=["glm", "H128", "T4096-K512", "few-rows", "one-chunk"],
 )
-def test_sm90_row_chunks_fill_whole_waves(monkeypatch, rows, per_row, sms, expected):
-    """The SM90 backward's row chunk (one program per row and head block, one program per SM) moves to the nearest
-    size whose programs fill whole waves of the GPU's SMs."""
+def test_sm90_row_chunks_fill_whole_waves(monkeypatch, tokens, rows, per_row, sms, expected):
+    """The SM90 backward's row chunk (one program per row and head block, one program per SM): as many chunks as the
+    scratch gives, each rounded up to whole waves of the GPU's SMs."""
     from longtrain.dsa.triton import sparse_mla_bwd as mb
 
     monkeypatch.setattr(mb, "_sm_count", lambda index: sms)
-    chunk = mb._whole_waves(rows, per_row, torch.device("cuda", 0))
+    chunk = mb._whole_waves(tokens, rows, per_row, torch.device("cuda", 0))
     assert chunk == expected and chunk * per_row % sms == 0
+    if rows * per_row >= sms:
+        assert -(-tokens // chunk) == -(-tokens // rows)

@@ -511,7 +511,7 @@ def sparse_mla_bwd(
     if compute_dkv and deterministic:
         rows_per_chunk = min(rows_per_chunk, max(1, DETERMINISTIC_SCRATCH_ELEMENTS // (k_slots * d_qk * n_hb[2])))
     elif ds_sm90 is not None and dev.type == "cuda":
-        rows_per_chunk = _whole_waves(rows_per_chunk, triton.cdiv(num_heads, 64), dev)
+        rows_per_chunk = _whole_waves(num_tokens, rows_per_chunk, triton.cdiv(num_heads, 64), dev)
     rows_per_chunk = min(rows_per_chunk, num_tokens)
     ds_buf = torch.empty((rows_per_chunk, num_heads, k_slots), dtype=q.dtype, device=dev)
     p_buf = torch.empty_like(ds_buf) if compute_dkv and not fused else ds_buf
@@ -590,12 +590,14 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _whole_waves(rows: int, programs_per_row: int, device: torch.device) -> int:
-    """``rows`` moved to the nearest row count whose programs fill whole waves of the GPU's SMs (one SM90 program per
-    SM): a chunk of 1024 rows at 64 heads is 7.76 waves on 132 SMs, 1056 rows are 8."""
+def _whole_waves(num_tokens: int, rows: int, programs_per_row: int, device: torch.device) -> int:
+    """The row chunk for ``num_tokens`` rows in chunks of about ``rows``: as many chunks as ``rows`` gives, each
+    rounded up to a row count whose programs fill whole waves of the GPU's SMs (one SM90 program per SM), so no
+    launch ends on a partial wave but the last (1024-row chunks at 64 heads are 7.76 waves on 132 SMs, 1056 rows 8)."""
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     step = sms // math.gcd(sms, programs_per_row)
-    return max(step, round(rows / step) * step)
+    per_chunk = triton.cdiv(num_tokens, triton.cdiv(num_tokens, rows))
+    return triton.cdiv(per_chunk, step) * step
 
 
 def _reduce_chunk(idx, topk_length, contrib, dkv_acc, row0, rows, num_keys, d_qk, num_hb) -> None:
