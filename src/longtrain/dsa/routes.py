@@ -105,10 +105,10 @@ ROUTE_TABLE: tuple[RouteRow, ...] = (
         "benchmarks/results/blockdiag_cudnn_bwd_probe_2026-11-29.md (section 4)",
     ),
     RouteRow(
-        "sparse_mla", "bwd", "triton", "90", 296.8,
-        "37.33 ms, 296.8 TFLOP/s (SM90 warp-specialized probabilities + dkv kernel, SM90 dq kernel); T=16384 H=64 "
+        "sparse_mla", "bwd", "triton", "90", 299.5,
+        "37.00 ms, 299.5 TFLOP/s (SM90 warp-specialized probabilities + dkv kernel, SM90 dq kernel); T=16384 H=64 "
         "K=2048, one document",
-        "benchmarks/results/dsa_mla_920af72_2026-12-02.md",
+        "benchmarks/results/dsa_mla_a25ffab_2026-12-02.md",
     ),
     RouteRow(
         "sparse_mla", "bwd", "torch", "90", 1.299,
