@@ -38,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from longtrain.dsa.triton.sparse_mla_bwd_sm90 import _alias
+from longtrain.dsa.triton.sparse_mla_bwd_sm90 import _alias, _dkv_out
 from longtrain.dsa.triton.sparse_mla_fwd_sm90 import _cta_barrier, _gather_layout, _load_idx
 from longtrain.dsa.triton.sparse_mla_fwd_sm90_ws import _gather, _mma_layout
 
@@ -59,27 +59,11 @@ WS_BWD_MAXNREG = 168
 
 
 @gluon.jit
-def _producer(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr,
+def _producer(ptrs, row, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr,
               DETERMINISTIC: gl.constexpr):  # fmt: skip
     """Worker partition: the stacked operand and the rope queries, then every tile of the row."""
-    (
-        q_ptr,
-        kv_ptr,
-        dout_ptr,
-        idx_row,
-        ds_ptr,
-        dkv_ptr,
-        lse2_ptr,
-        delta_ptr,
-        t,
-        t_local,
-        hb,
-        n_slots,
-        T_k,
-        K_slots,
-        sm_scale,
-        qk_scale,
-    ) = sc
+    q_ptr, kv_ptr, dout_ptr, idx_row, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr = ptrs
+    t, t_local, hb, n_slots, T_k, K_slots, sm_scale, qk_scale = row
     s_v, q_r, v_buf, r_buf, y_smem, ready, free, y_ready, y_free, q_bar = sm
     D_QK: gl.constexpr = D_V + D_R
     LV: gl.constexpr = _gather_layout(D_V, 4)
@@ -104,27 +88,11 @@ def _producer(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLO
 
 
 @gluon.jit
-def _probabilities(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr,
+def _probabilities(ptrs, row, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr,
                    DETERMINISTIC: gl.constexpr):  # fmt: skip
     """Worker partition: per tile, ``S`` and ``dP``, then ``P`` and ``dS``; ``dS`` stored, ``[dS; P]`` handed over."""
-    (
-        q_ptr,
-        kv_ptr,
-        dout_ptr,
-        idx_row,
-        ds_ptr,
-        dkv_ptr,
-        lse2_ptr,
-        delta_ptr,
-        t,
-        t_local,
-        hb,
-        n_slots,
-        T_k,
-        K_slots,
-        sm_scale,
-        qk_scale,
-    ) = sc
+    q_ptr, kv_ptr, dout_ptr, idx_row, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr = ptrs
+    t, t_local, hb, n_slots, T_k, K_slots, sm_scale, qk_scale = row
     s_v, q_r, v_buf, r_buf, y_smem, ready, free, y_ready, y_free, q_bar = sm
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     s_layout: gl.constexpr = _mma_layout(BLOCK_K)
@@ -166,15 +134,6 @@ def _probabilities(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr
 
 
 @gluon.jit
-def _dkv_out(ptrs, value, mask, DETERMINISTIC: gl.constexpr):
-    """Add a dkv piece (fp32 atomics), or store it (the deterministic mode's per-slot scratch)."""
-    if DETERMINISTIC:
-        gl.store(ptrs, value, mask=mask)
-    else:
-        gl.atomic_add(ptrs, value, mask=mask, sem="relaxed")
-
-
-@gluon.jit
 def _staged_out(dkv_ptr, acc, stage, rows, valid, col0, DETERMINISTIC: gl.constexpr):
     """Add (or store) a ``[BLOCK_K, W]`` dkv piece through shared memory: the wgmma accumulator's threads hold 8
     rows x 32 bytes per warp-wide access, a blocked layout one whole row segment, which the L2 reduces faster."""
@@ -195,30 +154,14 @@ def _staged_out(dkv_ptr, acc, stage, rows, valid, col0, DETERMINISTIC: gl.conste
 
 
 @gluon.jit
-def _dkv(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr,
+def _dkv(ptrs, row, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr,
          DETERMINISTIC: gl.constexpr):  # fmt: skip
     """Default partition: per tile, ``dkv[idx] += [dS; P]^T [Q_v; dO]`` (value columns) and ``dS^T Q_r`` (rope
     columns) in column chunks of 64, each chunk's wgmma issued before the previous chunk's piece is turned into whole
     row segments through the ``[dS; P]`` buffer (read into registers first, released at the end of the tile) and
     added."""
-    (
-        q_ptr,
-        kv_ptr,
-        dout_ptr,
-        idx_row,
-        ds_ptr,
-        dkv_ptr,
-        lse2_ptr,
-        delta_ptr,
-        t,
-        t_local,
-        hb,
-        n_slots,
-        T_k,
-        K_slots,
-        sm_scale,
-        qk_scale,
-    ) = sc
+    q_ptr, kv_ptr, dout_ptr, idx_row, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr = ptrs
+    t, t_local, hb, n_slots, T_k, K_slots, sm_scale, qk_scale = row
     s_v, q_r, v_buf, r_buf, y_smem, ready, free, y_ready, y_free, q_bar = sm
     D_QK: gl.constexpr = D_V + D_R
     NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
@@ -321,14 +264,14 @@ def sparse_mla_bwd_sm90_ws_kernel(
         n_slots = gl.minimum(gl.maximum(gl.load(len_ptr + t).to(gl.int32), 0), K_slots)  # scalar
     else:
         n_slots = K_slots
-    sc = (q_ptr, kv_ptr, dout_ptr, idx_ptr + t * K_slots, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr, t, t_local, hb,
-          n_slots, T_k, K_slots, sm_scale, qk_scale)  # fmt: skip
+    ptrs = (q_ptr, kv_ptr, dout_ptr, idx_ptr + t * K_slots, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr)
+    row = (t, t_local, hb, n_slots, T_k, K_slots, sm_scale, qk_scale)
     sm = (s_v, q_r, v_buf, r_buf, y_smem, ready, free, y_ready, y_free, q_bar)
     gl.warp_specialize(
         [
-            (_dkv, (sc, sm, H, D_V, D_R, BLOCK_K, DETERMINISTIC)),
-            (_probabilities, (sc, sm, H, D_V, D_R, BLOCK_K, DETERMINISTIC)),
-            (_producer, (sc, sm, H, D_V, D_R, BLOCK_K, DETERMINISTIC)),
+            (_dkv, (ptrs, row, sm, H, D_V, D_R, BLOCK_K, DETERMINISTIC)),
+            (_probabilities, (ptrs, row, sm, H, D_V, D_R, BLOCK_K, DETERMINISTIC)),
+            (_producer, (ptrs, row, sm, H, D_V, D_R, BLOCK_K, DETERMINISTIC)),
         ],
         [4, 4],
         [REGS_PROB, REGS_PRODUCER],
