@@ -295,8 +295,8 @@ def test_smem_budget_of_the_warp_specialized_backward():
     from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_ws_bwd_smem_bytes
     from longtrain.dsa.triton.sparse_mla_fwd import SM90_SMEM_LIMIT
 
-    # [Q_v; dO] 128 KiB, Q_r 8 KiB, one tile of 64 rows 72 KiB, [dS; P] 16 KiB, barriers.
-    assert sm90_ws_bwd_smem_bytes(576, 512, 2) == (128 + 8 + 72 + 16 + 1) * 1024 <= SM90_SMEM_LIMIT
+    # [Q_v; dO] 128 KiB, Q_r 8 KiB, one tile of 64 rows 72 KiB, [dS; P] 16 KiB, delta 256 bytes, barriers.
+    assert sm90_ws_bwd_smem_bytes(576, 512, 2) == (128 + 8 + 72 + 16 + 1) * 1024 + 256 <= SM90_SMEM_LIMIT
     assert sm90_ws_bwd_smem_bytes(640, 512, 2) > SM90_SMEM_LIMIT
 
 
@@ -313,7 +313,7 @@ def test_warp_specialized_backward_compiles_for_hopper(H, d_qk, d_v, determinist
     from longtrain.dsa.triton import sparse_mla_bwd_sm90_ws as ws
     from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_ws_bwd_smem_bytes
 
-    types = _TYPES[:8] + ["*fp32"] + _TYPES[9:] + ["fp32", "fp32"]
+    types = _TYPES[:3] + ["*bf16"] + _TYPES[3:8] + ["*fp32"] + _TYPES[9:] + ["fp32", "fp32"]  # q kv dO O idx ...
     consts = dict(H=H, D_V=d_v, D_R=d_qk - d_v, HAS_LEN=True, DETERMINISTIC=deterministic,
                   REGS_PROB=ws.WS_BWD_NUM_REGS[0], REGS_PRODUCER=ws.WS_BWD_NUM_REGS[1])  # fmt: skip
     stats = compile_sm90("longtrain.dsa.triton.sparse_mla_bwd_sm90_ws", "sparse_mla_bwd_sm90_ws_kernel", types, consts,
@@ -345,3 +345,34 @@ def test_sm90_row_chunks_fill_whole_waves(monkeypatch, tokens, rows, per_row, sm
     assert chunk == expected and chunk * per_row % sms == 0
     if rows * per_row >= sms:
         assert -(-tokens // chunk) == -(-tokens // rows)
+
+
+@pytest.mark.parametrize("with_sink", [False, True], ids=["no-sink", "sink"])
+def test_lse_only_preprocess_and_the_sink_gradient_from_a_kernels_delta(triton_interpret, with_sink):
+    """Before the warp-specialized kernel (which forms delta itself) the preprocess reads lse alone: its lse2 equals
+    the full preprocess's bit for bit, delta stays as the caller left it, and ``sink_grad`` from (lse2, delta) equals
+    the full preprocess's per-row dsink terms summed. Rows without keys (lse = -inf) included."""
+    from longtrain.dsa.triton.sparse_mla_bwd import sink_grad, sparse_mla_bwd_kernel_preprocess
+
+    T, H, d_v = 5, 3, 16
+    out, dout = torch.randn(T, H, d_v), torch.randn(T, H, d_v)
+    lse = torch.randn(T, H)
+    lse[1] = float("-inf")
+    sink = torch.randn(H)
+
+    def run(with_delta):
+        delta, lse2, dsink_rows = torch.zeros(T, H), torch.full((T, H), float("nan")), torch.zeros(T, H)
+        sparse_mla_bwd_kernel_preprocess[(T,)](
+            out, dout, lse, sink if with_sink else lse, delta, lse2, dsink_rows,
+            H=H, D_V=d_v, BLOCK_H=16, BLOCK_DV=16, HAS_SINK=with_sink, WITH_DELTA=with_delta, num_warps=4,
+        )  # fmt: skip
+        return delta, lse2, dsink_rows
+
+    delta, lse2, dsink_rows = run(True)
+    torch.testing.assert_close(delta, (out.double() * dout.double()).sum(-1).float())
+    delta_lse_only, lse2_lse_only, _ = run(False)
+    assert torch.equal(lse2_lse_only, lse2) and bool((lse2[1] == float("inf")).all())
+    assert torch.equal(delta_lse_only, torch.zeros(T, H))
+    if with_sink:
+        # fp32 terms summed over 5 rows in two orders.
+        torch.testing.assert_close(sink_grad(sink, lse2, delta), dsink_rows.sum(0))

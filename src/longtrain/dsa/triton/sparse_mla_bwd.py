@@ -3,7 +3,8 @@
 Per row chunk (the bf16 ``P`` / ``dS`` scratch is ``[rows, H, K]``):
 
 - ``sparse_mla_bwd_kernel_preprocess``: ``delta = rowsum(out * dout)``, the sink-inclusive log-sum-exp
-  (base 2) and each row's share of ``dsink``.
+  (base 2) and each row's share of ``dsink`` (before the SM90 warp-specialized kernel, which forms delta itself:
+  the log-sum-exp alone, ``dsink`` from that kernel's delta after the chunks).
 - ``sparse_mla_bwd_kernel_ds``: per (row, head block) and ``BLOCK_K`` gathered slots, recomputes the logits
   and ``dO V^T`` and stores ``P`` and ``dS = scale * P * (dO V^T - delta)`` in bf16
   (``sparse_mla_bwd_kernel_ds_stacked``, ``KernelConfig(layout="stacked")``: the same with both as one matmul of
@@ -53,6 +54,7 @@ __all__ = [
     "sparse_mla_bwd_kernel_ds",
     "sparse_mla_bwd_kernel_ds_stacked",
     "sparse_mla_bwd_kernel_preprocess",
+    "sink_grad",
 ]
 
 # (block_k, num_warps, num_stages) candidates per kernel, tried once per static shape by the autotuner.
@@ -76,16 +78,21 @@ DETERMINISTIC_SCRATCH_ELEMENTS = 1 << 27
 def sparse_mla_bwd_kernel_preprocess(
     out_ptr, dout_ptr, lse_ptr, sink_ptr, delta_ptr, lse2_ptr, dsink_ptr,
     H: tl.constexpr, D_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_SINK: tl.constexpr,
+    WITH_DELTA: tl.constexpr,
 ):  # fmt: skip
+    """Per query row: ``lse2`` (log2 units, the sink folded in, +inf without keys) and, ``WITH_DELTA``,
+    ``delta = rowsum(O * dO)`` and the row's ``dsink`` terms (the warp-specialized kernel computes delta itself)."""
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
-    offs_v = tl.arange(0, BLOCK_DV)
     mask_h = offs_h < H
-    mask = mask_h[:, None] & (offs_v < D_V)[None, :]
-    rows = t * (H * D_V) + offs_h[:, None] * D_V + offs_v[None, :]
-    o = tl.load(out_ptr + rows, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_DV]
-    do = tl.load(dout_ptr + rows, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_DV]
-    delta = tl.sum(o * do, 1)  # [BLOCK_H]
+    if WITH_DELTA:
+        offs_v = tl.arange(0, BLOCK_DV)
+        mask = mask_h[:, None] & (offs_v < D_V)[None, :]
+        rows = t * (H * D_V) + offs_h[:, None] * D_V + offs_v[None, :]
+        o = tl.load(out_ptr + rows, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_DV]
+        do = tl.load(dout_ptr + rows, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_DV]
+        delta = tl.sum(o * do, 1)  # [BLOCK_H]
+        tl.store(delta_ptr + t * H + offs_h, delta, mask=mask_h)
     lse = tl.load(lse_ptr + t * H + offs_h, mask=mask_h, other=float("-inf"))  # [BLOCK_H]
     # Rows without keys carry lse = -inf; +inf makes every later exp2(s - lse) exactly 0.
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
@@ -95,8 +102,8 @@ def sparse_mla_bwd_kernel_preprocess(
         top_safe = tl.where((top == float("inf")) | (top == float("-inf")), 0.0, top)
         total = top_safe + tl.math.log2(tl.math.exp2(lse2 - top_safe) + tl.math.exp2(sink2 - top_safe))
         lse2 = tl.where(lse2 == float("inf"), float("inf"), total)
-        tl.store(dsink_ptr + t * H + offs_h, -tl.math.exp2(sink2 - lse2) * delta, mask=mask_h)
-    tl.store(delta_ptr + t * H + offs_h, delta, mask=mask_h)
+        if WITH_DELTA:
+            tl.store(dsink_ptr + t * H + offs_h, -tl.math.exp2(sink2 - lse2) * delta, mask=mask_h)
     tl.store(lse2_ptr + t * H + offs_h, lse2, mask=mask_h)
 
 
@@ -473,19 +480,21 @@ def sparse_mla_bwd(
         return dq, dkv, (torch.zeros_like(attn_sink) if attn_sink is not None else None)
 
     dout = dout.contiguous()
-    delta = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=dev)
+    ds_sm90 = sm90_backward_plan(q, d_v, configs[0], compute_dkv=compute_dkv, dkv_forced=configs[2] is not None)
+    fused = ds_sm90 is not None and ds_sm90[0] in ("fused", "fused_ws")
+    # The warp-specialized kernel forms delta itself (its producer, under the first tile): the preprocess then reads
+    # lse alone, not O and dO (0.48 ms of HBM traffic at T = 16384, H = 64). Rows without slots keep delta = 0, exact
+    # since their O is 0.
+    ws_delta = fused and ds_sm90[0] == "fused_ws"
+    delta = (torch.zeros if ws_delta else torch.empty)((num_tokens, num_heads), dtype=torch.float32, device=dev)
     lse2 = torch.empty_like(delta)
-    dsink_rows = torch.empty_like(delta) if attn_sink is not None else delta
+    dsink_rows = torch.empty_like(delta) if attn_sink is not None and not ws_delta else delta
     block_h_all = max(16, next_pow2(num_heads))
     sparse_mla_bwd_kernel_preprocess[(num_tokens,)](
         out, dout, lse, attn_sink if attn_sink is not None else lse, delta, lse2, dsink_rows,
         H=num_heads, D_V=d_v, BLOCK_H=block_h_all, BLOCK_DV=next_pow2(d_v), HAS_SINK=attn_sink is not None,
-        num_warps=4 if block_h_all * next_pow2(d_v) <= 8192 else 8,
+        WITH_DELTA=not ws_delta, num_warps=4 if block_h_all * next_pow2(d_v) <= 8192 else 8,
     )  # fmt: skip
-    dsink = dsink_rows.sum(0) if attn_sink is not None else None
-
-    ds_sm90 = sm90_backward_plan(q, d_v, configs[0], compute_dkv=compute_dkv, dkv_forced=configs[2] is not None)
-    fused = ds_sm90 is not None and ds_sm90[0] in ("fused", "fused_ws")
     dq_sm90 = sm90_dq_plan(q, d_v, configs[1])
     if interpreting():
         configs = tuple(c or KernelConfig(block_k=16, num_warps=4, num_stages=1) for c in configs)
@@ -527,7 +536,7 @@ def sparse_mla_bwd(
             from longtrain.dsa.triton import sparse_mla_bwd_sm90_ws as ws
 
             ws.sparse_mla_bwd_sm90_ws_kernel[(rows * triton.cdiv(num_heads, 64),)](
-                q, kv2d, dout, *common, lse2, delta, ds_buf, contrib if deterministic else dkv_acc, row0, num_keys,
+                q, kv2d, dout, out, *common, lse2, delta, ds_buf, contrib if deterministic else dkv_acc, row0, num_keys,
                 k_slots, softmax_scale, softmax_scale * LOG2E, H=num_heads, D_V=d_v, D_R=d_r,
                 HAS_LEN=topk_length is not None, DETERMINISTIC=deterministic, REGS_PROB=ws.WS_BWD_NUM_REGS[0],
                 REGS_PRODUCER=ws.WS_BWD_NUM_REGS[1], num_warps=4, maxnreg=ws.WS_BWD_MAXNREG,
@@ -581,8 +590,17 @@ def sparse_mla_bwd(
             _launch("dkv", sparse_mla_bwd_kernel_dkv, _DKV_CANDIDATES, grid, dkv_args, meta, cfg_dkv, reset)
         if deterministic:
             _reduce_chunk(idx, topk_length, contrib, dkv_acc, row0, rows, num_keys, d_qk, n_hb[2])
+    dsink = None
+    if attn_sink is not None:
+        dsink = sink_grad(attn_sink, lse2, delta) if ws_delta else dsink_rows.sum(0)
     dkv = dkv_acc.to(kv2d.dtype) if compute_dkv else None
     return dq, dkv, dsink
+
+
+def sink_grad(attn_sink: torch.Tensor, lse2: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """``dsink [H] fp32 = -sum_t exp2(sink2 - lse2[t]) * delta[t]`` from the preprocess's ``lse2 [T, H]`` (sink
+    folded in) and ``delta [T, H]``: the preprocess's per-row terms, summed, where a kernel formed delta."""
+    return (-torch.exp2(attn_sink.float() * LOG2E - lse2) * delta).sum(0)
 
 
 @functools.cache

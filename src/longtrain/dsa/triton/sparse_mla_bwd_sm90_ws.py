@@ -10,7 +10,10 @@ different warps:
 
 * the **producer** (4 warps, few registers) cp.asyncs the stacked operand ``[Q_v; dO]`` (``[128, D_V]``) and the
   rope queries ``Q_r`` (``[64, D_R]``) once, then each tile of ``BLOCK_K`` gathered latent rows into one buffer,
-  signalled by ``cp.async.mbarrier.arrive`` (every producer thread arrives when its own copies have landed);
+  signalled by ``cp.async.mbarrier.arrive`` (every producer thread arrives when its own copies have landed); while
+  the first tile lands it forms ``delta = rowsum(O * dO)`` for the block's heads (``O`` from global memory, ``dO``
+  from the staged operand), stores it (for ``dsink``) and hands it over in shared memory, so no preprocess pass
+  reads ``O`` and ``dO``;
 * the **probabilities warpgroup** (a worker) computes ``S = Q K^T`` (``[64, BLOCK_K]``: the value and rope parts,
   one wgmma chain) and ``dP = dO V^T`` (a second chain on the same tile), releases the tile to the producer as soon
   as both have completed, forms ``P = exp2(S * qk_scale - lse2)`` and ``dS = sm_scale * P * (dP - delta)`` in
@@ -20,7 +23,8 @@ different warps:
   ``dkv = y^T [Q_v; dO]`` in column chunks of 128 (K = 128) and ``y[:64]^T Q_r`` for the rope columns, each chunk's
   atomics issued while the next chunk's wgmma runs. Its atomics run while the other warps compute the next tile.
 
-Shared memory at the GLM shape (64 heads, D_qk 576, one tile of 64 rows): 128 + 8 + 72 + 16 KiB.
+Shared memory at the GLM shape (64 heads, D_qk 576, one tile of 64 rows): 128 + 8 + 72 + 16 KiB and delta's 256
+bytes.
 
 Gluon kernels do not run in Triton's CPU interpreter; ``sparse_mla_bwd_plan.sm90_backward_plan`` says where this
 kernel applies; its routing and sm_90a compilation are tested on CPU, its numerics on the GPU.
@@ -62,9 +66,9 @@ WS_BWD_MAXNREG = 168
 def _producer(ptrs, row, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr,
               DETERMINISTIC: gl.constexpr):  # fmt: skip
     """Worker partition: the stacked operand and the rope queries, then every tile of the row."""
-    q_ptr, kv_ptr, dout_ptr, idx_row, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr = ptrs
+    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_row, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr = ptrs
     t, t_local, hb, n_slots, T_k, K_slots, sm_scale, qk_scale = row
-    s_v, q_r, v_buf, r_buf, y_smem, ready, free, y_ready, y_free, q_bar = sm
+    s_v, q_r, v_buf, r_buf, y_smem, delta_smem, ready, free, y_ready, y_free, q_bar, delta_bar = sm
     D_QK: gl.constexpr = D_V + D_R
     LV: gl.constexpr = _gather_layout(D_V, 4)
     LR: gl.constexpr = _gather_layout(max(D_R, 16), 4)
@@ -85,15 +89,38 @@ def _producer(ptrs, row, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constex
             idx_r, valid_r = _load_idx(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, gl.SliceLayout(1, LR))
             _gather(r_buf, kv_ptr, gl.where(valid_r, idx_r, 0).to(gl.int64) * D_QK, valid_r, D_V, D_R, LR)
         cp.mbarrier_arrive(ready, increment_count=False)
+        if i == 0:  # while the first tile lands and its S / dP run
+            mbarrier.wait(q_bar, 0)
+            delta = _row_delta(out_ptr + t * (H * D_V), s_v.slice(_BLOCK_H, _BLOCK_H, dim=0), hb, H, D_V)  # [64]
+            offs_h = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=delta.type.layout)
+            gl.store(delta_ptr + t * H + offs_h, delta, mask=offs_h < H)
+            delta_smem.store(delta)
+            _cta_barrier()  # every producer thread's part is in shared memory
+            mbarrier.arrive(delta_bar)
+
+
+@gluon.jit
+def _row_delta(o_row, d_o, hb, H: gl.constexpr, D_V: gl.constexpr):
+    """``delta[h] = sum_d O[h, d] dO[h, d]`` (fp32) for the block's 64 heads: ``O`` from global memory in column
+    chunks of 64, ``dO`` from the staged operand (``[64, D_V]``, heads past ``H`` zero-filled)."""
+    L: gl.constexpr = _gather_layout(64, 4)
+    hh = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, L))
+    cols = gl.arange(0, 64, layout=gl.SliceLayout(0, L))
+    acc = gl.zeros([_BLOCK_H], gl.float32, layout=gl.SliceLayout(1, L))
+    for c in gl.static_range(D_V // 64):
+        o = gl.load(o_row + hh[:, None] * D_V + (c * 64 + cols)[None, :], mask=(hh < H)[:, None], other=0.0)
+        d = d_o.slice(c * 64, 64, dim=1).load(L)  # [64, 64]
+        acc += gl.sum(o.to(gl.float32) * d.to(gl.float32), axis=1)
+    return acc
 
 
 @gluon.jit
 def _probabilities(ptrs, row, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr,
                    DETERMINISTIC: gl.constexpr):  # fmt: skip
     """Worker partition: per tile, ``S`` and ``dP``, then ``P`` and ``dS``; ``dS`` stored, ``[dS; P]`` handed over."""
-    q_ptr, kv_ptr, dout_ptr, idx_row, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr = ptrs
+    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_row, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr = ptrs
     t, t_local, hb, n_slots, T_k, K_slots, sm_scale, qk_scale = row
-    s_v, q_r, v_buf, r_buf, y_smem, ready, free, y_ready, y_free, q_bar = sm
+    s_v, q_r, v_buf, r_buf, y_smem, delta_smem, ready, free, y_ready, y_free, q_bar, delta_bar = sm
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     s_layout: gl.constexpr = _mma_layout(BLOCK_K)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -103,7 +130,7 @@ def _probabilities(ptrs, row, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.co
     mask_h = offs_h < H
     # Rows without keys have lse2 = +inf: every probability below is exactly 0.
     lse2 = gl.load(lse2_ptr + t * H + offs_h, mask=mask_h, other=float("inf"))  # [64]
-    delta = gl.load(delta_ptr + t * H + offs_h, mask=mask_h, other=0.0)  # [64]
+    delta = gl.zeros([_BLOCK_H], gl.float32, layout=row_s)  # the producer's, from the first tile on
     ds_rows = (t_local * H + offs_h.to(gl.int64)) * K_slots  # [64]
     zero = gl.zeros([_BLOCK_H, BLOCK_K], gl.float32, layout=s_layout)
     q_v = s_v.slice(0, _BLOCK_H, dim=0)  # [64, D_V]
@@ -120,6 +147,9 @@ def _probabilities(ptrs, row, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.co
         _, valid = _load_idx(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, col_s)  # [BLOCK_K]
         s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
         mbarrier.arrive(free)
+        if i == 0:
+            mbarrier.wait(delta_bar, 0)
+            delta = delta_smem.load(row_s)  # [64]
 
         p = gl.where(valid[None, :], gl.exp2(s * qk_scale - lse2[:, None]), 0.0)  # [64, BLOCK_K]
         ds = (p * (dp - delta[:, None]) * sm_scale).to(dtype)  # [64, BLOCK_K]
@@ -160,9 +190,9 @@ def _dkv(ptrs, row, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, B
     columns) in column chunks of 64, each chunk's wgmma issued before the previous chunk's piece is turned into whole
     row segments through the ``[dS; P]`` buffer (read into registers first, released at the end of the tile) and
     added."""
-    q_ptr, kv_ptr, dout_ptr, idx_row, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr = ptrs
+    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_row, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr = ptrs
     t, t_local, hb, n_slots, T_k, K_slots, sm_scale, qk_scale = row
-    s_v, q_r, v_buf, r_buf, y_smem, ready, free, y_ready, y_free, q_bar = sm
+    s_v, q_r, v_buf, r_buf, y_smem, delta_smem, ready, free, y_ready, y_free, q_bar, delta_bar = sm
     D_QK: gl.constexpr = D_V + D_R
     NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
     CHUNK: gl.constexpr = 64
@@ -220,7 +250,7 @@ def _dkv(ptrs, row, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, B
 
 @gluon.jit(do_not_specialize=["row_offset", "T_k", "K_slots"])
 def sparse_mla_bwd_sm90_ws_kernel(
-    q_ptr, kv_ptr, dout_ptr, idx_ptr, len_ptr, lse2_ptr, delta_ptr, ds_ptr, dkv_ptr,
+    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, lse2_ptr, delta_ptr, ds_ptr, dkv_ptr,
     row_offset, T_k, K_slots, sm_scale, qk_scale,
     H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr, DETERMINISTIC: gl.constexpr,
     REGS_PROB: gl.constexpr, REGS_PRODUCER: gl.constexpr, num_warps: gl.constexpr,
@@ -245,16 +275,19 @@ def sparse_mla_bwd_sm90_ws_kernel(
         q_r = s_v
         r_buf = v_buf
     y_smem = gl.allocate_shared_memory(dtype, [2 * _BLOCK_H, BLOCK_K], y_sl)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [_BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     y_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     y_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    delta_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(ready, count=128)  # every producer thread, when its copies have landed
     mbarrier.init(free, count=1)  # the probabilities warpgroup
     mbarrier.init(y_ready, count=1)
     mbarrier.init(y_free, count=1)  # the dkv warpgroup
     mbarrier.init(q_bar, count=128)
+    mbarrier.init(delta_bar, count=1)  # the producer, once delta is in shared memory
 
     pid = gl.program_id(0)
     t_local = (pid // NUM_HB).to(gl.int64)
@@ -264,9 +297,9 @@ def sparse_mla_bwd_sm90_ws_kernel(
         n_slots = gl.minimum(gl.maximum(gl.load(len_ptr + t).to(gl.int32), 0), K_slots)  # scalar
     else:
         n_slots = K_slots
-    ptrs = (q_ptr, kv_ptr, dout_ptr, idx_ptr + t * K_slots, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr)
+    ptrs = (q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr + t * K_slots, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr)
     row = (t, t_local, hb, n_slots, T_k, K_slots, sm_scale, qk_scale)
-    sm = (s_v, q_r, v_buf, r_buf, y_smem, ready, free, y_ready, y_free, q_bar)
+    sm = (s_v, q_r, v_buf, r_buf, y_smem, delta_smem, ready, free, y_ready, y_free, q_bar, delta_bar)
     gl.warp_specialize(
         [
             (_dkv, (ptrs, row, sm, H, D_V, D_R, BLOCK_K, DETERMINISTIC)),
