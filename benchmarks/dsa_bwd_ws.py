@@ -12,6 +12,7 @@ each at T = 4096 (with whether two runs agree bit for bit). Correctness against 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import sys
 from pathlib import Path
@@ -33,33 +34,53 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
 
 
-def _case(rows: list[dict], total: int, heads: int, deterministic: bool) -> None:
+@contextlib.contextmanager
+def _dq_rope_in_dq_kernel():
+    """The warp-specialized kernel without dq's rope columns (the dq kernel gathers and computes them)."""
+    from longtrain.dsa.triton import sparse_mla_bwd_sm90_ws as ws
+
+    saved, ws.WS_BWD_DQ_ROPE = ws.WS_BWD_DQ_ROPE, False
+    try:
+        yield
+    finally:
+        ws.WS_BWD_DQ_ROPE = saved
+
+
+def _case(rows: list[dict], total: int, heads: int, deterministic: bool, topk: int = TOPK) -> None:
     dev = torch.device("cuda")
-    idx, length, _, _ = causal_index_sets([total], TOPK, dev)
+    idx, length, _, _ = causal_index_sets([total], topk, dev)
     valid = int(length.sum())
     flops = 2 * valid * heads * (3 * D_QK + 2 * D_V)
     q, kv = mla_inputs(total, heads, dev)
     out, lse = run_fwd(q, kv, idx, length, None)
     dout = torch.randn_like(out)
     ref = run_bwd(q, kv, out, dout, lse, idx, length, deterministic=deterministic)
-    for name, cfg in (("default (config=None)", None), ("sm90 fused (two warpgroups)", FUSED),
-                      ("sm90 warp_specialized", WS)):  # fmt: skip
+    variants = (("default (config=None)", None, contextlib.nullcontext), ("sm90 fused (two warpgroups)", FUSED,
+                contextlib.nullcontext), ("sm90 warp_specialized", WS, contextlib.nullcontext),
+                ("sm90 warp_specialized, dq rope columns in the dq kernel", WS, _dq_rope_in_dq_kernel))  # fmt: skip
+    for name, cfg, setting in variants:
         cfgs = (cfg, None, None)
-        row = dict(shape=f"T={total} H={heads} K={TOPK} 1doc", mode="deterministic" if deterministic else "atomic",
+        row = dict(shape=f"T={total} H={heads} K={topk} 1doc", mode="deterministic" if deterministic else "atomic",
                    kernel=name)  # fmt: skip
-        try:
-            dq, dkv, _ = run_bwd(q, kv, out, dout, lse, idx, length, cfgs=cfgs, deterministic=deterministic)
-            again = run_bwd(q, kv, out, dout, lse, idx, length, cfgs=cfgs, deterministic=deterministic)
-            torch.cuda.synchronize()
-            ms = bench(lambda cfgs=cfgs: run_bwd(q, kv, out, dout, lse, idx, length, cfgs=cfgs,
-                                                 deterministic=deterministic), rep_ms=300)  # fmt: skip
-            row.update(ms=ms[0], p20=ms[1], p80=ms[2], tflops=flops / ms[0] / 1e9, dq_rel=_rel(dq, ref[0]),
-                       dkv_rel=_rel(dkv, ref[1]), finite=bool(torch.isfinite(dq).all() and torch.isfinite(dkv).all()),
-                       repeat_equal=bool(torch.equal(dq, again[0]) and torch.equal(dkv, again[1])))  # fmt: skip
-        except Exception as exc:  # a variant that fails is a row, not a crash
-            row.update(note=f"{type(exc).__name__}: {exc}"[:200])
+        with setting():
+            _time_variant(row, q, kv, out, dout, lse, idx, length, cfgs, deterministic, ref, flops)
         print(row, flush=True)
         rows.append(row)
+
+
+def _time_variant(row, q, kv, out, dout, lse, idx, length, cfgs, deterministic, ref, flops) -> None:
+    """One variant's run, repeat and timing into ``row`` (a variant that fails is a row, not a crash)."""
+    try:
+        dq, dkv, _ = run_bwd(q, kv, out, dout, lse, idx, length, cfgs=cfgs, deterministic=deterministic)
+        again = run_bwd(q, kv, out, dout, lse, idx, length, cfgs=cfgs, deterministic=deterministic)
+        torch.cuda.synchronize()
+        ms = bench(lambda cfgs=cfgs: run_bwd(q, kv, out, dout, lse, idx, length, cfgs=cfgs,
+                                             deterministic=deterministic), rep_ms=300)  # fmt: skip
+        row.update(ms=ms[0], p20=ms[1], p80=ms[2], tflops=flops / ms[0] / 1e9, dq_rel=_rel(dq, ref[0]),
+                   dkv_rel=_rel(dkv, ref[1]), finite=bool(torch.isfinite(dq).all() and torch.isfinite(dkv).all()),
+                   repeat_equal=bool(torch.equal(dq, again[0]) and torch.equal(dkv, again[1])))  # fmt: skip
+    except Exception as exc:
+        row.update(note=f"{type(exc).__name__}: {exc}"[:200])
 
 
 @gluon.jit
@@ -121,6 +142,7 @@ def main(out_dir: Path, total: int, heads_list: tuple[int, ...]) -> None:
     for heads in heads_list:
         _case(rows, total, heads, False)
     _case(rows, 4096, 64, False)
+    _case(rows, 4096, 128, False, topk=512)
     _case(rows, 4096, 64, True)
     write_report(
         "dsa_bwd_ws", rows, ["shape", "mode", "kernel", "ms", "p20", "p80", "tflops", "dq_rel", "dkv_rel", "finite",
