@@ -4,15 +4,14 @@
 at T tokens of one document (K = 2048, GLM-5.2 dims, random causal index sets as in ``dsa.py``), the backward at
 ``config=None`` (today's default), the two-warpgroup fused kernel forced (``layout="fused"``) and the
 warp-specialized one (``layout="warp_specialized"``), each with the largest relative difference of its dq and dkv
-from the default's (fp32 atomics in another order and bf16 roundings: not 0), then the deterministic mode through
-each at T = 4096 (with whether two runs agree bit for bit). Correctness against float64 is the GPU test's
+from the default's (fp32 atomics in another order and bf16 roundings: not 0), then T = 4096 (and H = 128, K = 512)
+and the deterministic mode through each at T = 4096 (with whether two runs agree bit for bit). Correctness against float64 is the GPU test's
 (``tests/gpu/test_dsa_triton_gpu.py -k bwd_ws``).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import sys
 from pathlib import Path
@@ -34,18 +33,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
 
 
-@contextlib.contextmanager
-def _dq_rope_in_dq_kernel():
-    """The warp-specialized kernel without dq's rope columns (the dq kernel gathers and computes them)."""
-    from longtrain.dsa.triton import sparse_mla_bwd_sm90_ws as ws
-
-    saved, ws.WS_BWD_DQ_ROPE = ws.WS_BWD_DQ_ROPE, False
-    try:
-        yield
-    finally:
-        ws.WS_BWD_DQ_ROPE = saved
-
-
 def _case(rows: list[dict], total: int, heads: int, deterministic: bool, topk: int = TOPK) -> None:
     dev = torch.device("cuda")
     idx, length, _, _ = causal_index_sets([total], topk, dev)
@@ -55,15 +42,12 @@ def _case(rows: list[dict], total: int, heads: int, deterministic: bool, topk: i
     out, lse = run_fwd(q, kv, idx, length, None)
     dout = torch.randn_like(out)
     ref = run_bwd(q, kv, out, dout, lse, idx, length, deterministic=deterministic)
-    variants = (("default (config=None)", None, contextlib.nullcontext), ("sm90 fused (two warpgroups)", FUSED,
-                contextlib.nullcontext), ("sm90 warp_specialized", WS, contextlib.nullcontext),
-                ("sm90 warp_specialized, dq rope columns in the dq kernel", WS, _dq_rope_in_dq_kernel))  # fmt: skip
-    for name, cfg, setting in variants:
+    for name, cfg in (("default (config=None)", None), ("sm90 fused (two warpgroups)", FUSED),
+                      ("sm90 warp_specialized", WS)):  # fmt: skip
         cfgs = (cfg, None, None)
         row = dict(shape=f"T={total} H={heads} K={topk} 1doc", mode="deterministic" if deterministic else "atomic",
                    kernel=name)  # fmt: skip
-        with setting():
-            _time_variant(row, q, kv, out, dout, lse, idx, length, cfgs, deterministic, ref, flops)
+        _time_variant(row, q, kv, out, dout, lse, idx, length, cfgs, deterministic, ref, flops)
         print(row, flush=True)
         rows.append(row)
 

@@ -214,21 +214,16 @@ def test_a_forced_sm90_dq_config_is_accepted():
 
 
 @pytest.mark.skipif(cuobjdump() is None, reason="needs triton with its bundled NVIDIA toolchain (ptxas, cuobjdump)")
-@pytest.mark.parametrize(
-    "block_k,num_buf,d_qk,rope",
-    [(64, 2, 576, True), (32, 4, 576, True), (64, 2, 512, True), (64, 2, 576, False)],
-    ids=["64", "32x4", "D512", "latent-only"],
-)
-def test_sm90_dq_kernel_compiles_for_hopper(block_k, num_buf, d_qk, rope):
-    """The SM90 dq kernel compiled for sm_90a: cp.async ring + wgmma, shared memory as budgeted (the latent columns'
-    tiles alone without ``ROPE``), no spills."""
+@pytest.mark.parametrize("block_k,num_buf,d_qk", [(64, 2, 576), (32, 4, 576), (64, 2, 512)], ids=["64", "32x4", "D512"])
+def test_sm90_dq_kernel_compiles_for_hopper(block_k, num_buf, d_qk):
+    """The SM90 dq kernel compiled for sm_90a: cp.async ring + wgmma, shared memory as budgeted, no spills."""
     from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_dq_smem_bytes
 
     types = ["*bf16", "*i32", "*i32", "*bf16", "*bf16", "i32", "i32", "i32"]
-    consts = dict(H=64, D_V=512, D_R=d_qk - 512, HAS_LEN=True, ROPE=rope, BLOCK_K=block_k, NUM_BUF=num_buf)
+    consts = dict(H=64, D_V=512, D_R=d_qk - 512, HAS_LEN=True, BLOCK_K=block_k, NUM_BUF=num_buf)
     stats = compile_sm90("longtrain.dsa.triton.sparse_mla_bwd_sm90", "sparse_mla_bwd_sm90_kernel_dq", types, consts)
     assert stats["cp_async"] and stats["wgmma"], stats
-    assert stats["shared"] == sm90_dq_smem_bytes(block_k, num_buf, d_qk if rope else 512, 2), stats
+    assert stats["shared"] == sm90_dq_smem_bytes(block_k, num_buf, d_qk, 2), stats
     assert stats["local"] == 0, stats
 
 
@@ -307,26 +302,19 @@ def test_smem_budget_of_the_warp_specialized_backward():
 
 @pytest.mark.skipif(cuobjdump() is None, reason="needs triton with its bundled NVIDIA toolchain (ptxas, cuobjdump)")
 @pytest.mark.parametrize(
-    "H,d_qk,d_v,deterministic,dq_rope",
-    [
-        (64, 576, 512, False, True),
-        (64, 576, 512, False, False),
-        (128, 512, 512, False, False),
-        (64, 576, 512, True, True),
-        (64, 320, 256, False, True),
-        (64, 384, 256, False, True),
-    ],
-    ids=["glm", "glm-dq-rope-in-dq-kernel", "H128-D512", "det", "dv256", "rope128"],
+    "H,d_qk,d_v,deterministic",
+    [(64, 576, 512, False), (128, 512, 512, False), (64, 576, 512, True), (64, 320, 256, False), (64, 384, 256, False)],
+    ids=["glm", "H128-D512", "det", "dv256", "rope128"],
 )
-def test_warp_specialized_backward_compiles_for_hopper(H, d_qk, d_v, deterministic, dq_rope):
+def test_warp_specialized_backward_compiles_for_hopper(H, d_qk, d_v, deterministic):
     """The warp-specialized fused kernel compiled for sm_90a: cp.async + wgmma, shared memory within the budget (the
     compiler adds nothing of its own beyond it), no spills, no serialized wgmma, the worker partitions' register
-    budgets as set; with dq's rope columns in it (the default) and without."""
+    budgets as set."""
     from longtrain.dsa.triton import sparse_mla_bwd_sm90_ws as ws
     from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_ws_bwd_smem_bytes
 
-    types = _TYPES[:3] + ["*bf16"] + _TYPES[3:8] + ["*fp32", "*bf16"] + _TYPES[9:] + ["fp32", "fp32"]  # q kv dO O ...
-    consts = dict(H=H, D_V=d_v, D_R=d_qk - d_v, HAS_LEN=True, DETERMINISTIC=deterministic, DQ_ROPE=dq_rope,
+    types = _TYPES[:3] + ["*bf16"] + _TYPES[3:8] + ["*fp32"] + _TYPES[9:] + ["fp32", "fp32"]  # q kv dO O idx ...
+    consts = dict(H=H, D_V=d_v, D_R=d_qk - d_v, HAS_LEN=True, DETERMINISTIC=deterministic,
                   REGS_PROB=ws.WS_BWD_NUM_REGS[0], REGS_PRODUCER=ws.WS_BWD_NUM_REGS[1])  # fmt: skip
     stats = compile_sm90("longtrain.dsa.triton.sparse_mla_bwd_sm90_ws", "sparse_mla_bwd_sm90_ws_kernel", types, consts,
                          num_warps=4, maxnreg=ws.WS_BWD_MAXNREG)  # fmt: skip

@@ -484,18 +484,16 @@ def sparse_mla_bwd(
     fused = ds_sm90 is not None and ds_sm90[0] in ("fused", "fused_ws")
     # The warp-specialized kernel forms delta itself (its producer, under the first tile): the preprocess then reads
     # lse alone, not O and dO (0.48 ms of HBM traffic at T = 16384, H = 64). Rows without slots keep delta = 0, exact
-    # since their O is 0. It also writes dq's rope columns (dS K_r on the tile it holds; WS_BWD_DQ_ROPE), so the SM90
-    # dq kernel gathers and writes the latent columns only.
-    warp_specialized = fused and ds_sm90[0] == "fused_ws"
-    ws_dq_rope = warp_specialized and d_r > 0 and _ws_dq_rope()
-    delta = (torch.zeros if warp_specialized else torch.empty)((num_tokens, num_heads), dtype=torch.float32, device=dev)
+    # since their O is 0.
+    ws_delta = fused and ds_sm90[0] == "fused_ws"
+    delta = (torch.zeros if ws_delta else torch.empty)((num_tokens, num_heads), dtype=torch.float32, device=dev)
     lse2 = torch.empty_like(delta)
-    dsink_rows = torch.empty_like(delta) if attn_sink is not None and not warp_specialized else delta
+    dsink_rows = torch.empty_like(delta) if attn_sink is not None and not ws_delta else delta
     block_h_all = max(16, next_pow2(num_heads))
     sparse_mla_bwd_kernel_preprocess[(num_tokens,)](
         out, dout, lse, attn_sink if attn_sink is not None else lse, delta, lse2, dsink_rows,
         H=num_heads, D_V=d_v, BLOCK_H=block_h_all, BLOCK_DV=next_pow2(d_v), HAS_SINK=attn_sink is not None,
-        WITH_DELTA=not warp_specialized, num_warps=4 if block_h_all * next_pow2(d_v) <= 8192 else 8,
+        WITH_DELTA=not ws_delta, num_warps=4 if block_h_all * next_pow2(d_v) <= 8192 else 8,
     )  # fmt: skip
     dq_sm90 = sm90_dq_plan(q, d_v, configs[1])
     if interpreting():
@@ -538,10 +536,9 @@ def sparse_mla_bwd(
             from longtrain.dsa.triton import sparse_mla_bwd_sm90_ws as ws
 
             ws.sparse_mla_bwd_sm90_ws_kernel[(rows * triton.cdiv(num_heads, 64),)](
-                q, kv2d, dout, out, *common, lse2, delta, ds_buf, contrib if deterministic else dkv_acc, dq, row0,
-                num_keys, k_slots, softmax_scale, softmax_scale * LOG2E, H=num_heads, D_V=d_v, D_R=d_r,
-                HAS_LEN=topk_length is not None, DETERMINISTIC=deterministic, DQ_ROPE=ws_dq_rope,
-                REGS_PROB=ws.WS_BWD_NUM_REGS[0],
+                q, kv2d, dout, out, *common, lse2, delta, ds_buf, contrib if deterministic else dkv_acc, row0, num_keys,
+                k_slots, softmax_scale, softmax_scale * LOG2E, H=num_heads, D_V=d_v, D_R=d_r,
+                HAS_LEN=topk_length is not None, DETERMINISTIC=deterministic, REGS_PROB=ws.WS_BWD_NUM_REGS[0],
                 REGS_PRODUCER=ws.WS_BWD_NUM_REGS[1], num_warps=4, maxnreg=ws.WS_BWD_MAXNREG,
             )  # fmt: skip
         elif fused:
@@ -569,8 +566,7 @@ def sparse_mla_bwd(
 
             sparse_mla_bwd_sm90_kernel_dq[(rows * triton.cdiv(num_heads, 64),)](
                 kv2d, *common, ds_buf, dq, row0, num_keys, k_slots, H=num_heads, D_V=d_v, D_R=d_r,
-                HAS_LEN=topk_length is not None, ROPE=not ws_dq_rope, BLOCK_K=dq_sm90[0], NUM_BUF=dq_sm90[1],
-                num_warps=8,
+                HAS_LEN=topk_length is not None, BLOCK_K=dq_sm90[0], NUM_BUF=dq_sm90[1], num_warps=8,
             )  # fmt: skip
         else:
             _launch(
@@ -596,15 +592,9 @@ def sparse_mla_bwd(
             _reduce_chunk(idx, topk_length, contrib, dkv_acc, row0, rows, num_keys, d_qk, n_hb[2])
     dsink = None
     if attn_sink is not None:
-        dsink = sink_grad(attn_sink, lse2, delta) if warp_specialized else dsink_rows.sum(0)
+        dsink = sink_grad(attn_sink, lse2, delta) if ws_delta else dsink_rows.sum(0)
     dkv = dkv_acc.to(kv2d.dtype) if compute_dkv else None
     return dq, dkv, dsink
-
-
-def _ws_dq_rope() -> bool:
-    from longtrain.dsa.triton import sparse_mla_bwd_sm90_ws as ws
-
-    return ws.WS_BWD_DQ_ROPE
 
 
 def sink_grad(attn_sink: torch.Tensor, lse2: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:

@@ -392,15 +392,13 @@ def _ds_tile(ds_ptr, ds_rows, mask_h, k0, n_slots, BLOCK_K: gl.constexpr, layout
 def sparse_mla_bwd_sm90_kernel_dq(
     kv_ptr, idx_ptr, len_ptr, ds_ptr, dq_ptr,
     row_offset, T_k, K_slots,
-    H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr, ROPE: gl.constexpr,
+    H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr,
     BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     """``dq = dS K`` over a row's gathered slots, one program per (query row, block of 64 heads): the gathered rows
     stream through the forward's cp.async ring of ``NUM_BUF`` tiles of ``BLOCK_K`` rows, each step one wgmma per
     part (latent, rope) with ``dS`` in registers (loaded one step ahead) and the two warpgroups splitting the
-    columns. Same contract as :func:`longtrain.dsa.triton.sparse_mla_bwd.sparse_mla_bwd_kernel_dq`; without ``ROPE``
-    only the latent columns ``[0, D_V)`` (neither gathered nor written past them: the warp-specialized kernel
-    writes the rope columns)."""
+    columns. Same contract as :func:`longtrain.dsa.triton.sparse_mla_bwd.sparse_mla_bwd_kernel_dq`."""
     D_QK: gl.constexpr = D_V + D_R
     NUM_HB: gl.constexpr = (H + 63) // 64
     gl.static_assert(num_warps == 8, "two warpgroups")
@@ -414,7 +412,7 @@ def sparse_mla_bwd_sm90_kernel_dq(
     dtype: gl.constexpr = kv_ptr.dtype.element_ty
     kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, D_V], dtype)
     v_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_K, D_V], kv_sl)
-    if D_R > 0 and ROPE:
+    if D_R > 0:
         kr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, D_R], dtype)
         r_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_K, D_R], kr_sl)
         r_layout: gl.constexpr = _half_n_mma_layout(D_R)
@@ -434,21 +432,20 @@ def sparse_mla_bwd_sm90_kernel_dq(
     ds_rows = (t_local * H + offs_h.to(gl.int64)) * K_slots  # [64]
 
     nxt_v, nxt_mv, nxt_r, nxt_mr = _ring_start(kv_ptr, idx_row, n_slots, T_k, v_bufs, r_bufs, D_V, D_R, BLOCK_K,
-                                               NUM_BUF, LV, LR, ROPE)  # fmt: skip
+                                               NUM_BUF, LV, LR)  # fmt: skip
     ds_cur = _ds_tile(ds_ptr, ds_rows, mask_h, 0, n_slots, BLOCK_K, LS)  # [64, BLOCK_K]
     acc = gl.zeros([64, D_V], gl.float32, layout=o_layout)
     n_tiles = gl.cdiv(n_slots, BLOCK_K)
     for i in range(n_tiles):
         buf = i % NUM_BUF
-        nxt_v, nxt_mv, nxt_r, nxt_mr = _ring_advance(kv_ptr, idx_row, n_slots, T_k, i, nxt_v, nxt_mv, nxt_r,
-                                                     nxt_mr, v_bufs, r_bufs, D_V, D_R, BLOCK_K, NUM_BUF, LV, LR,
-                                                     ROPE)  # fmt: skip
+        nxt_v, nxt_mv, nxt_r, nxt_mr = _ring_advance(kv_ptr, idx_row, n_slots, T_k, i, nxt_v, nxt_mv, nxt_r, nxt_mr,
+                                                     v_bufs, r_bufs, D_V, D_R, BLOCK_K, NUM_BUF, LV, LR)  # fmt: skip
         a = gl.convert_layout(ds_cur, a_layout)  # [64, BLOCK_K]
         acc = warpgroup_mma(a, v_bufs.index(buf), acc, is_async=True)  # [64, D_V]
-        if D_R > 0 and ROPE:
+        if D_R > 0:
             acc_r = warpgroup_mma(gl.convert_layout(a, ar_layout), r_bufs.index(buf), acc_r, is_async=True)
         ds_cur = _ds_tile(ds_ptr, ds_rows, mask_h, (i + 1) * BLOCK_K, n_slots, BLOCK_K, LS)  # under the wgmma
-        if D_R > 0 and ROPE:
+        if D_R > 0:
             acc, acc_r = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_r))
         else:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -458,7 +455,7 @@ def sparse_mla_bwd_sm90_kernel_dq(
     oh = hb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
     oc = gl.arange(0, D_V, layout=gl.SliceLayout(0, o_layout))
     gl.store(dq_row + oh[:, None] * D_QK + oc[None, :], acc.to(dq_ptr.dtype.element_ty), mask=(oh < H)[:, None])
-    if D_R > 0 and ROPE:
+    if D_R > 0:
         rh = hb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, r_layout))
         rc = D_V + gl.arange(0, D_R, layout=gl.SliceLayout(0, r_layout))
         gl.store(dq_row + rh[:, None] * D_QK + rc[None, :], acc_r.to(dq_ptr.dtype.element_ty), mask=(rh < H)[:, None])

@@ -17,10 +17,8 @@ different warps:
 * the **probabilities warpgroup** (a worker) computes ``S = Q K^T`` (``[64, BLOCK_K]``: the value and rope parts,
   one wgmma chain) and ``dP = dO V^T`` (a second chain on the same tile), releases the tile to the producer as soon
   as both have completed, forms ``P = exp2(S * qk_scale - lse2)`` and ``dS = sm_scale * P * (dP - delta)`` in
-  registers (the two accumulators hold the same (head, slot) pairs in the same threads), adds ``dS K_r`` for dq's
-  rope columns (one more wgmma on the tile, released after it; written at the end of the row, so the dq kernel
-  gathers the latent columns only; ``WS_BWD_DQ_ROPE``), stores ``dS`` (the dq kernel's input) and hands
-  ``y = [dS; P]`` (``[128, BLOCK_K]``) to the dkv warpgroup through shared memory;
+  registers (the two accumulators hold the same (head, slot) pairs in the same threads), stores ``dS`` (the dq
+  kernel's input) and hands ``y = [dS; P]`` (``[128, BLOCK_K]``) to the dkv warpgroup through shared memory;
 * the **dkv warpgroup** (the default partition) loads ``y^T`` into registers, releases ``y``, and computes
   ``dkv = y^T [Q_v; dO]`` in column chunks of 128 (K = 128) and ``y[:64]^T Q_r`` for the rope columns, each chunk's
   atomics issued while the next chunk's wgmma runs. Its atomics run while the other warps compute the next tile.
@@ -60,18 +58,15 @@ _SLOTS = 64  # gathered slots per tile
 _BLOCK_K = gl.constexpr(_SLOTS)
 # setmaxnreg budgets of the worker partitions (probabilities, producer); the dkv warpgroup gets the rest of the
 # 168 x 3 per thread that one 384-thread program may hold on an SM (64K registers).
-WS_BWD_NUM_REGS = (160, 88)
+WS_BWD_NUM_REGS = (152, 96)
 WS_BWD_MAXNREG = 168
-# dq's rope columns (dS K_r) computed here on the tile the kernel holds, so the dq kernel gathers the latent columns
-# only; False leaves them to the dq kernel (kept for benchmarks/dsa_bwd_ws.py, which times both).
-WS_BWD_DQ_ROPE = True
 
 
 @gluon.jit
 def _producer(ptrs, row, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr,
               DETERMINISTIC: gl.constexpr):  # fmt: skip
     """Worker partition: the stacked operand and the rope queries, then every tile of the row."""
-    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_row, ds_ptr, dkv_ptr, dq_ptr, lse2_ptr, delta_ptr = ptrs
+    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_row, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr = ptrs
     t, t_local, hb, n_slots, T_k, K_slots, sm_scale, qk_scale = row
     s_v, q_r, v_buf, r_buf, y_smem, delta_smem, ready, free, y_ready, y_free, q_bar, delta_bar = sm
     D_QK: gl.constexpr = D_V + D_R
@@ -121,10 +116,9 @@ def _row_delta(o_row, d_o, hb, H: gl.constexpr, D_V: gl.constexpr):
 
 @gluon.jit
 def _probabilities(ptrs, row, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr,
-                   DETERMINISTIC: gl.constexpr, DQ_ROPE: gl.constexpr):  # fmt: skip
-    """Worker partition: per tile, ``S`` and ``dP``, then ``P`` and ``dS``; ``dS`` stored, ``[dS; P]`` handed over;
-    with ``DQ_ROPE`` also dq's rope columns, ``dS K_r``, on the tile it holds."""
-    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_row, ds_ptr, dkv_ptr, dq_ptr, lse2_ptr, delta_ptr = ptrs
+                   DETERMINISTIC: gl.constexpr):  # fmt: skip
+    """Worker partition: per tile, ``S`` and ``dP``, then ``P`` and ``dS``; ``dS`` stored, ``[dS; P]`` handed over."""
+    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_row, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr = ptrs
     t, t_local, hb, n_slots, T_k, K_slots, sm_scale, qk_scale = row
     s_v, q_r, v_buf, r_buf, y_smem, delta_smem, ready, free, y_ready, y_free, q_bar, delta_bar = sm
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -141,10 +135,6 @@ def _probabilities(ptrs, row, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.co
     zero = gl.zeros([_BLOCK_H, BLOCK_K], gl.float32, layout=s_layout)
     q_v = s_v.slice(0, _BLOCK_H, dim=0)  # [64, D_V]
     d_o = s_v.slice(_BLOCK_H, _BLOCK_H, dim=0)  # [64, D_V]
-    if DQ_ROPE:  # dq's rope columns, dS K_r, on the tile already here (the dq kernel gathers the latent ones)
-        dq_layout: gl.constexpr = _mma_layout(D_R)
-        a_dq: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
-        dq_r = gl.zeros([_BLOCK_H, D_R], gl.float32, layout=dq_layout)
 
     mbarrier.wait(q_bar, 0)
     for i in range(gl.cdiv(n_slots, BLOCK_K)):
@@ -156,33 +146,21 @@ def _probabilities(ptrs, row, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.co
         dp = warpgroup_mma(d_o, v_buf.permute((1, 0)), zero, use_acc=False, is_async=True)  # [64, BLOCK_K]
         _, valid = _load_idx(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, col_s)  # [BLOCK_K]
         s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
-        if not DQ_ROPE:
-            mbarrier.arrive(free)
+        mbarrier.arrive(free)
         if i == 0:
             mbarrier.wait(delta_bar, 0)
             delta = delta_smem.load(row_s)  # [64]
 
         p = gl.where(valid[None, :], gl.exp2(s * qk_scale - lse2[:, None]), 0.0)  # [64, BLOCK_K]
         ds = (p * (dp - delta[:, None]) * sm_scale).to(dtype)  # [64, BLOCK_K]
-        if DQ_ROPE:
-            dq_r = warpgroup_mma(gl.convert_layout(ds, a_dq), r_buf, dq_r, is_async=True)  # [64, D_R]
         offs_k = i * BLOCK_K + gl.arange(0, BLOCK_K, layout=col_s)
         mask = mask_h[:, None] & (offs_k < n_slots)[None, :]
         gl.store(ds_ptr + ds_rows[:, None] + offs_k[None, :], ds, mask=mask)
-        if DQ_ROPE:
-            dq_r = warpgroup_mma_wait(num_outstanding=0, deps=(dq_r,))
-            mbarrier.arrive(free)
         mbarrier.wait(y_free, (i & 1) ^ 1)
         y_smem.slice(0, _BLOCK_H, dim=0).store(ds)
         y_smem.slice(_BLOCK_H, _BLOCK_H, dim=0).store(p.to(dtype))
         fence_async_shared()
         mbarrier.arrive(y_ready)
-    if DQ_ROPE:
-        D_QK: gl.constexpr = D_V + D_R
-        rh = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, dq_layout))
-        rc = D_V + gl.arange(0, D_R, layout=gl.SliceLayout(0, dq_layout))
-        gl.store(dq_ptr + t * (H * D_QK) + rh[:, None] * D_QK + rc[None, :], dq_r.to(dq_ptr.dtype.element_ty),
-                 mask=(rh < H)[:, None])  # fmt: skip
 
 
 @gluon.jit
@@ -212,7 +190,7 @@ def _dkv(ptrs, row, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, B
     columns) in column chunks of 64, each chunk's wgmma issued before the previous chunk's piece is turned into whole
     row segments through the ``[dS; P]`` buffer (read into registers first, released at the end of the tile) and
     added."""
-    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_row, ds_ptr, dkv_ptr, dq_ptr, lse2_ptr, delta_ptr = ptrs
+    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_row, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr = ptrs
     t, t_local, hb, n_slots, T_k, K_slots, sm_scale, qk_scale = row
     s_v, q_r, v_buf, r_buf, y_smem, delta_smem, ready, free, y_ready, y_free, q_bar, delta_bar = sm
     D_QK: gl.constexpr = D_V + D_R
@@ -272,14 +250,13 @@ def _dkv(ptrs, row, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, B
 
 @gluon.jit(do_not_specialize=["row_offset", "T_k", "K_slots"])
 def sparse_mla_bwd_sm90_ws_kernel(
-    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, lse2_ptr, delta_ptr, ds_ptr, dkv_ptr, dq_ptr,
+    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, lse2_ptr, delta_ptr, ds_ptr, dkv_ptr,
     row_offset, T_k, K_slots, sm_scale, qk_scale,
     H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr, DETERMINISTIC: gl.constexpr,
-    DQ_ROPE: gl.constexpr, REGS_PROB: gl.constexpr, REGS_PRODUCER: gl.constexpr, num_warps: gl.constexpr,
+    REGS_PROB: gl.constexpr, REGS_PRODUCER: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
     BLOCK_K: gl.constexpr = _BLOCK_K
-    gl.static_assert(D_R > 0 or not DQ_ROPE, "DQ_ROPE needs rope columns")
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     gl.static_assert(num_warps == 4, "the default partition is one warpgroup")
     gl.static_assert(D_V >= 128, "dkv's value columns go in chunks of up to 128")
@@ -320,13 +297,13 @@ def sparse_mla_bwd_sm90_ws_kernel(
         n_slots = gl.minimum(gl.maximum(gl.load(len_ptr + t).to(gl.int32), 0), K_slots)  # scalar
     else:
         n_slots = K_slots
-    ptrs = (q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr + t * K_slots, ds_ptr, dkv_ptr, dq_ptr, lse2_ptr, delta_ptr)
+    ptrs = (q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr + t * K_slots, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr)
     row = (t, t_local, hb, n_slots, T_k, K_slots, sm_scale, qk_scale)
     sm = (s_v, q_r, v_buf, r_buf, y_smem, delta_smem, ready, free, y_ready, y_free, q_bar, delta_bar)
     gl.warp_specialize(
         [
             (_dkv, (ptrs, row, sm, H, D_V, D_R, BLOCK_K, DETERMINISTIC)),
-            (_probabilities, (ptrs, row, sm, H, D_V, D_R, BLOCK_K, DETERMINISTIC, DQ_ROPE)),
+            (_probabilities, (ptrs, row, sm, H, D_V, D_R, BLOCK_K, DETERMINISTIC)),
             (_producer, (ptrs, row, sm, H, D_V, D_R, BLOCK_K, DETERMINISTIC)),
         ],
         [4, 4],

@@ -61,15 +61,13 @@ def _load_idx(idx_row, k0, n_slots, T_k, BLOCK_K: gl.constexpr, layout: gl.const
 
 @gluon.jit
 def _issue_tile(kv_ptr, idx_v, valid_v, idx_r, valid_r, v_buf, r_buf,
-                D_V: gl.constexpr, D_R: gl.constexpr, LV: gl.constexpr, LR: gl.constexpr,
-                LOAD_R: gl.constexpr = True):  # fmt: skip
-    """cp.async the gathered rows of one tile into ``v_buf`` / ``r_buf`` (invalid rows are zero-filled; the rope
-    columns only ``LOAD_R``)."""
+                D_V: gl.constexpr, D_R: gl.constexpr, LV: gl.constexpr, LR: gl.constexpr):  # fmt: skip
+    """cp.async the gathered rows of one tile into ``v_buf`` / ``r_buf`` (invalid rows are zero-filled)."""
     D_QK: gl.constexpr = D_V + D_R
     rows_v = gl.where(valid_v, idx_v, 0).to(gl.int64) * D_QK
     offs_v = gl.arange(0, D_V, layout=gl.SliceLayout(0, LV))
     _async_load(v_buf, kv_ptr + rows_v[:, None] + offs_v[None, :], mask=valid_v[:, None])  # [BLOCK_K, D_V]
-    if D_R > 0 and LOAD_R:
+    if D_R > 0:
         rows_r = gl.where(valid_r, idx_r, 0).to(gl.int64) * D_QK + D_V
         offs_r = gl.arange(0, D_R, layout=gl.SliceLayout(0, LR))
         _async_load(r_buf, kv_ptr + rows_r[:, None] + offs_r[None, :], mask=valid_r[:, None])  # [BLOCK_K, D_R]
@@ -78,15 +76,14 @@ def _issue_tile(kv_ptr, idx_v, valid_v, idx_r, valid_r, v_buf, r_buf,
 
 @gluon.jit
 def _ring_start(kv_ptr, idx_row, n_slots, T_k, v_bufs, r_bufs, D_V: gl.constexpr, D_R: gl.constexpr,
-                BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, LV: gl.constexpr, LR: gl.constexpr,
-                LOAD_R: gl.constexpr = True):  # fmt: skip
+                BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, LV: gl.constexpr, LR: gl.constexpr):  # fmt: skip
     """The ring's prologue: tiles 0 .. NUM_BUF-2 in flight; returns the indices (and validity) of tile NUM_BUF-1."""
     rl_v: gl.constexpr = gl.SliceLayout(1, LV)
     rl_r: gl.constexpr = gl.SliceLayout(1, LR)
     for j in gl.static_range(NUM_BUF - 1):
         iv, mv = _load_idx(idx_row, j * BLOCK_K, n_slots, T_k, BLOCK_K, rl_v)  # [BLOCK_K] x 2
         ir, mr = _load_idx(idx_row, j * BLOCK_K, n_slots, T_k, BLOCK_K, rl_r)  # [BLOCK_K] x 2
-        _issue_tile(kv_ptr, iv, mv, ir, mr, v_bufs.index(j), r_bufs.index(j), D_V, D_R, LV, LR, LOAD_R)
+        _issue_tile(kv_ptr, iv, mv, ir, mr, v_bufs.index(j), r_bufs.index(j), D_V, D_R, LV, LR)
     nxt_v, nxt_mv = _load_idx(idx_row, (NUM_BUF - 1) * BLOCK_K, n_slots, T_k, BLOCK_K, rl_v)  # [BLOCK_K] x 2
     nxt_r, nxt_mr = _load_idx(idx_row, (NUM_BUF - 1) * BLOCK_K, n_slots, T_k, BLOCK_K, rl_r)  # [BLOCK_K] x 2
     return nxt_v, nxt_mv, nxt_r, nxt_mr
@@ -95,7 +92,7 @@ def _ring_start(kv_ptr, idx_row, n_slots, T_k, v_bufs, r_bufs, D_V: gl.constexpr
 @gluon.jit
 def _ring_advance(kv_ptr, idx_row, n_slots, T_k, i, nxt_v, nxt_mv, nxt_r, nxt_mr, v_bufs, r_bufs,
                   D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr,
-                  LV: gl.constexpr, LR: gl.constexpr, LOAD_R: gl.constexpr = True):  # fmt: skip
+                  LV: gl.constexpr, LR: gl.constexpr):  # fmt: skip
     """Top of step ``i``: wait until tile i has landed (this thread's copies, then everyone's: every warp has also
     finished step i-1, so the buffer it read is free), issue tile i + NUM_BUF - 1 into it, and return the indices
     of tile i + NUM_BUF."""
@@ -103,7 +100,7 @@ def _ring_advance(kv_ptr, idx_row, n_slots, T_k, i, nxt_v, nxt_mv, nxt_r, nxt_mr
     fence_async_shared()
     _cta_barrier()
     nb = (i + NUM_BUF - 1) % NUM_BUF
-    _issue_tile(kv_ptr, nxt_v, nxt_mv, nxt_r, nxt_mr, v_bufs.index(nb), r_bufs.index(nb), D_V, D_R, LV, LR, LOAD_R)
+    _issue_tile(kv_ptr, nxt_v, nxt_mv, nxt_r, nxt_mr, v_bufs.index(nb), r_bufs.index(nb), D_V, D_R, LV, LR)
     k_next = (i + NUM_BUF) * BLOCK_K
     nxt_v, nxt_mv = _load_idx(idx_row, k_next, n_slots, T_k, BLOCK_K, gl.SliceLayout(1, LV))  # [BLOCK_K] x 2
     nxt_r, nxt_mr = _load_idx(idx_row, k_next, n_slots, T_k, BLOCK_K, gl.SliceLayout(1, LR))  # [BLOCK_K] x 2
