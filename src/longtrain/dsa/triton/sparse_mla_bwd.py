@@ -66,8 +66,7 @@ _DKV_CANDIDATES = ((64, 8, 2), (64, 8, 3), (64, 4, 2))
 #: with 1 and 33.4 with 4 at H = 64 (58.3 / 60.7 / 67.0 at H = 128), each at its best candidate
 #: (``benchmarks/results/dsa_bwd_variants_bdca98d_2026-12-01.md``). Read at each call.
 DKV_COL_GROUPS = 2
-# Bytes of the bf16 P / dS scratch (rows are processed in chunks that fit; the SM90 fused kernels and a backward
-# without dkv keep dS alone, so their chunks hold twice the rows).
+# Bytes of the bf16 P / dS scratch (rows are processed in chunks that fit).
 _PDS_SCRATCH_BYTES = 1 << 29
 #: fp32 elements of the deterministic mode's per-slot contribution scratch (``[rows, K, dkv head blocks, D_qk]``): it
 #: sets the row chunk of a deterministic backward (113 rows at K = 2048, D_qk = 576, one head block). Read at each
@@ -517,15 +516,14 @@ def sparse_mla_bwd(
     len_arg = topk_length if topk_length is not None else idx
     col_groups = _dkv_col_groups(cfg_dkv, block_dv)
 
-    pds_buffers = 2 if compute_dkv and not fused else 1  # P and dS, or dS alone
-    rows_per_chunk = max(1, _PDS_SCRATCH_BYTES // (pds_buffers * 2 * num_heads * k_slots))
+    rows_per_chunk = max(1, _PDS_SCRATCH_BYTES // (2 * 2 * num_heads * k_slots))
     if compute_dkv and deterministic:
         rows_per_chunk = min(rows_per_chunk, max(1, DETERMINISTIC_SCRATCH_ELEMENTS // (k_slots * d_qk * n_hb[2])))
     elif ds_sm90 is not None and dev.type == "cuda":
         rows_per_chunk = _whole_waves(num_tokens, rows_per_chunk, triton.cdiv(num_heads, 64), dev)
     rows_per_chunk = min(rows_per_chunk, num_tokens)
     ds_buf = torch.empty((rows_per_chunk, num_heads, k_slots), dtype=q.dtype, device=dev)
-    p_buf = torch.empty_like(ds_buf) if pds_buffers == 2 else ds_buf
+    p_buf = torch.empty_like(ds_buf) if compute_dkv and not fused else ds_buf
     contrib = None
     if compute_dkv and deterministic:
         contrib = torch.empty((rows_per_chunk * k_slots * n_hb[2], d_qk), dtype=torch.float32, device=dev)
