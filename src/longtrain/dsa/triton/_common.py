@@ -244,7 +244,8 @@ class IndexerConfig:
     bracket's margin, so it must exceed K to be of use); a union that holds more falls back to the whole-row radix
     select (still exact). ``None``: see :data:`SELECT_BY_KEYS`."""
     scratch_elements: int | None = None
-    """Cap on the int32 score scratch (rows x key width); ``None`` = ``max(T_q * K, block_m * T_k)``."""
+    """Cap on the int32 score scratch (rows x key width); ``None`` = ``max(2 * T_q * K, block_m * T_k)``
+    (``indexer_topk.SCRATCH_PER_OUTPUT`` output sizes)."""
     scores_impl: str = "auto"
     """Scoring kernel: ``"auto"`` the SM90 Gluon kernel (``indexer_topk_fwd_sm90_kernel_scores``) where it applies
     (CUDA SM90, bf16/fp16 operands, D_I of 64, 128 or 256, not ``fp8``), the portable Triton kernel elsewhere;

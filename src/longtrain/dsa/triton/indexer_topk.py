@@ -21,8 +21,8 @@ Query rows are processed in chunks. For a chunk:
    ``select_sample=0``, the radix select reads the whole row in each of its 4 passes and the emission reads it once
    more: the result is the same exact selection either way.
 
-The scratch holds at most ``max(T_q * K, block_m * T_k)`` int32 (the size of the output, O(T_q K)), the union
-buffer ``select_cand`` int32 per row of a chunk.
+The scratch holds at most ``max(SCRATCH_PER_OUTPUT * T_q * K, block_m * T_k)`` int32 (twice the output, O(T_q K)),
+the union buffer ``select_cand`` int32 per row of a chunk.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from longtrain.dsa.triton._common import (
 
 __all__ = [
     "MAX_TOPK",
+    "SCRATCH_PER_OUTPUT",
     "default_config",
     "indexer_fp8_operands_triton",
     "indexer_fp8_rows_kernel",
@@ -58,6 +59,11 @@ __all__ = [
 ]
 
 MAX_TOPK = 2048
+#: The default score scratch, in output sizes (``T_q * K`` int32): the row chunk is this many times ``T_q * K / T_k``
+#: rows. 2 on the H200 at T = 16384, K = 2048 (one document): 3.82 ms against 3.98 with 1 and 3.70 with 4 (peak 448
+#: MiB against 288 and 768; documents 1.70 / 1.82 / 1.58, T = 65536 52.2 / 54.9 / 51.1 ms), the selections identical
+#: (``benchmarks/results/logs/exp_chunks_eefe5ea_2026-12-03.log``). Read at each call.
+SCRATCH_PER_OUTPUT = 2
 
 
 @triton.jit
@@ -368,7 +374,9 @@ def indexer_fp8_operands_triton(
 
 
 def _chunk_rows(num_queries: int, num_keys: int, topk: int, cfg: IndexerConfig) -> int:
-    budget = cfg.scratch_elements if cfg.scratch_elements is not None else max(num_queries * topk, 1)
+    budget = cfg.scratch_elements
+    if budget is None:
+        budget = max(SCRATCH_PER_OUTPUT * num_queries * topk, 1)
     rows = max(cfg.block_m, (budget // max(1, num_keys)) // cfg.block_m * cfg.block_m)
     return min(rows, triton.cdiv(num_queries, cfg.block_m) * cfg.block_m)
 
