@@ -5,8 +5,8 @@ at T tokens of one document (K = 2048, GLM-5.2 dims, random causal index sets as
 ``config=None`` (today's default), the two-warpgroup fused kernel forced (``layout="fused"``) and the
 warp-specialized one (``layout="warp_specialized"``), each with the largest relative difference of its dq and dkv
 from the default's (fp32 atomics in another order and bf16 roundings: not 0), then T = 4096 (and H = 128, K = 512)
-and the deterministic mode through each at T = 4096 (with whether two runs agree bit for bit). Correctness against float64 is the GPU test's
-(``tests/gpu/test_dsa_triton_gpu.py -k bwd_ws``).
+and the deterministic mode through each at T = 4096 (with whether two runs agree bit for bit). Correctness against
+float64 is the GPU test's (``tests/gpu/test_dsa_triton_gpu.py -k bwd_ws``).
 """
 
 from __future__ import annotations
