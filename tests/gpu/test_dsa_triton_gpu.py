@@ -26,7 +26,8 @@ def _configs(fwd=None, ds=None, dq=None):
     kernel, at the forward's block_k) or ``ds="fused"`` (the SM90 kernel that also computes dkv: no dkv kernel) or
     ``ds="ws"`` (its warp-specialized twin);
     with an SM90 forward the dkv kernel runs over two value-column groups; ``dq = (block_k, num_buf)`` forces the SM90
-    dq kernel; ``impl="sm90ws"`` is the warp-specialized SM90 forward."""
+    dq kernel (``(block_k, num_buf, 128)``: its 128-heads-per-program layout); ``impl="sm90ws"`` is the
+    warp-specialized SM90 forward."""
     from longtrain.dsa.triton import KernelConfig, SparseMLAConfig
 
     impl, block_k, stages = fwd or ("triton", 32, 3)
@@ -43,10 +44,11 @@ def _configs(fwd=None, ds=None, dq=None):
         "ws": KernelConfig(impl="sm90", layout="warp_specialized", num_warps=4, block_k=64, num_stages=1),
     }[ds]
     dkv = KernelConfig(block_k=32, num_warps=8, num_stages=1, col_groups=2 if impl == "sm90" else 1)
+    dq_h = dq[2] if dq is not None and len(dq) > 2 else 64
     return SparseMLAConfig(
         fwd=fwd_cfg,
         bwd=probabilities,
-        bwd_dq=portable if dq is None else KernelConfig(impl="sm90", block_k=dq[0], num_stages=dq[1]),
+        bwd_dq=portable if dq is None else KernelConfig(impl="sm90", block_k=dq[0], num_stages=dq[1], block_h=dq_h),
         bwd_dkv=None if ds in ("fused", "ws") else dkv,
     )
 
@@ -136,6 +138,19 @@ _SM90 = pytest.mark.skipif(
         pytest.param(64, 1024, 96, 576, 512, 300, False, ("sm90", 64, 2, "ws"), torch.float16, marks=_SM90),
         pytest.param(96, 1024, 64, 512, 512, 512, True, ("sm90", 64, 2, "ws"), torch.bfloat16, marks=_SM90),
         pytest.param(64, 1024, 64, 320, 256, 200, False, ("sm90ws", 32, 3, "ws"), torch.bfloat16, marks=_SM90),
+        (96, 2048, 128, 576, 512, 512, True, False, torch.bfloat16),  # 128 heads, the defaults (wide dq on SM90)
+        pytest.param(
+            96, 2048, 128, 576, 512, 1024, True, ("sm90", 64, 2, "ws", (64, 4, 128)), torch.bfloat16, marks=_SM90
+        ),
+        pytest.param(
+            96, 1024, 128, 512, 512, 512, False, ("sm90", 64, 2, "ws", (64, 3, 128)), torch.float16, marks=_SM90
+        ),
+        pytest.param(
+            64, 1024, 256, 576, 512, 300, False, ("sm90", 64, 2, "fused", (32, 2, 128)), torch.bfloat16, marks=_SM90
+        ),
+        pytest.param(
+            64, 1024, 128, 320, 256, 200, True, ("sm90ws", 32, 3, "ws", (64, 2, 128)), torch.bfloat16, marks=_SM90
+        ),
     ],
     ids=[
         "glm",
@@ -170,6 +185,11 @@ _SM90 = pytest.mark.skipif(
         "bwd_ws-H96-fp16",
         "bwd_ws-D512-sink",
         "bwd_ws-dv256",
+        "H128-defaults-sink",
+        "dq128-64x4-sink",
+        "dq128-D512-fp16",
+        "dq128-H256-32x2",
+        "dq128-dv256-sink",
     ],  # fmt: skip
 )
 def test_sparse_mla_bf16(T, T_k, H, D, d_v, K, with_sink, forced, dtype):

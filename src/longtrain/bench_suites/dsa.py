@@ -423,6 +423,13 @@ def memcheck() -> None:
                 if c in fused:  # its deterministic mode (per-slot pieces, then the fixed-order reduction)
                     run_bwd(q.detach(), kv.detach(), o90, dout90, lse90, idx, ln, cfgs=(cfg90, None, None),
                             deterministic=True)  # fmt: skip
+        # The dq kernel at 128 heads per program (two programs per row, half of the columns each), two rings.
+        q128, kv128 = mla_inputs(90, 128, dev)
+        o128, lse128 = sparse_mla_fwd(q128, kv128.view(90, -1), idx, 0.1, D_V, length, None, None)
+        for bk, nb in ((64, 4), (32, 2)):
+            dq128 = KernelConfig(impl="sm90", block_k=bk, num_stages=nb, block_h=128)
+            for ln in (length, None):
+                run_bwd(q128, kv128, o128, torch.randn_like(o128), lse128, idx, ln, cfgs=(None, dq128, None))
     for groups in (2, 4):  # the dkv kernel split over value-column groups (and the rope tail's own launch)
         c = mb._DKV_CANDIDATES[0]
         cfg_g = dataclasses.replace(cfg, bwd_dkv=KernelConfig(block_k=c[0], block_h=64, num_warps=c[1],

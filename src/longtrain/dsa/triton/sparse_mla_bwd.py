@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from longtrain.dsa.triton import sparse_mla_bwd_plan as bwd_plan
 from longtrain.dsa.triton._common import KernelConfig, dot_precision, interpreting, next_pow2
 from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_backward_plan, sm90_dq_plan
 from longtrain.dsa.triton.sparse_mla_fwd import LOG2E, _row_col_mask, fwd_block_h
@@ -47,6 +48,7 @@ from longtrain.dsa.triton.sparse_mla_fwd import LOG2E, _row_col_mask, fwd_block_
 __all__ = [
     "DETERMINISTIC_SCRATCH_ELEMENTS",
     "DKV_COL_GROUPS",
+    "PDS_SCRATCH_BYTES",
     "sparse_mla_bwd",
     "sparse_mla_bwd_kernel_dkv",
     "sparse_mla_bwd_kernel_dkv_reduce",
@@ -66,8 +68,9 @@ _DKV_CANDIDATES = ((64, 8, 2), (64, 8, 3), (64, 4, 2))
 #: with 1 and 33.4 with 4 at H = 64 (58.3 / 60.7 / 67.0 at H = 128), each at its best candidate
 #: (``benchmarks/results/dsa_bwd_variants_bdca98d_2026-12-01.md``). Read at each call.
 DKV_COL_GROUPS = 2
-# Bytes of the bf16 P / dS scratch (rows are processed in chunks that fit).
-_PDS_SCRATCH_BYTES = 1 << 29
+#: Bytes of the bf16 P / dS scratch: rows are processed in chunks of ``PDS_SCRATCH_BYTES // (4 * H * K)`` rows (room
+#: for P and dS; the SM90 fused kernels keep dS alone, so theirs use half of it). Read at each call.
+PDS_SCRATCH_BYTES = 1 << 29
 #: fp32 elements of the deterministic mode's per-slot contribution scratch (``[rows, K, dkv head blocks, D_qk]``): it
 #: sets the row chunk of a deterministic backward (113 rows at K = 2048, D_qk = 576, one head block). Read at each
 #: call.
@@ -516,7 +519,7 @@ def sparse_mla_bwd(
     len_arg = topk_length if topk_length is not None else idx
     col_groups = _dkv_col_groups(cfg_dkv, block_dv)
 
-    rows_per_chunk = max(1, _PDS_SCRATCH_BYTES // (2 * 2 * num_heads * k_slots))
+    rows_per_chunk = max(1, PDS_SCRATCH_BYTES // (2 * 2 * num_heads * k_slots))
     if compute_dkv and deterministic:
         rows_per_chunk = min(rows_per_chunk, max(1, DETERMINISTIC_SCRATCH_ELEMENTS // (k_slots * d_qk * n_hb[2])))
     elif ds_sm90 is not None and dev.type == "cuda":
@@ -564,9 +567,13 @@ def sparse_mla_bwd(
         if dq_sm90 is not None:
             from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sparse_mla_bwd_sm90_kernel_dq
 
-            sparse_mla_bwd_sm90_kernel_dq[(rows * triton.cdiv(num_heads, 64),)](
+            dq_block_k, dq_num_buf, dq_heads = dq_sm90
+            # 128 heads per program: two programs per block of heads, each half of the columns.
+            dq_programs = triton.cdiv(num_heads, dq_heads) * (dq_heads // 64)
+            sparse_mla_bwd_sm90_kernel_dq[(rows * dq_programs,)](
                 kv2d, *common, ds_buf, dq, row0, num_keys, k_slots, H=num_heads, D_V=d_v, D_R=d_r,
-                HAS_LEN=topk_length is not None, BLOCK_K=dq_sm90[0], NUM_BUF=dq_sm90[1], num_warps=8,
+                HAS_LEN=topk_length is not None, BLOCK_K=dq_block_k, NUM_BUF=dq_num_buf, HEADS=dq_heads,
+                DS_SMEM=bwd_plan.SM90_DQ_DS_SMEM and k_slots % 8 == 0, num_warps=8,
             )  # fmt: skip
         else:
             _launch(

@@ -13,6 +13,9 @@ from longtrain.dsa.triton.sparse_mla_fwd import SM90_SMEM_BYTES, SM90_SMEM_LIMIT
 
 __all__ = [
     "SM90_BWD_DEFAULT",
+    "SM90_DQ_DS_SMEM",
+    "SM90_DQ_WIDE_HEADS",
+    "SM90_DQ_WIDE_RING",
     "sm90_backward_plan",
     "sm90_dq_plan",
     "sm90_dq_smem_bytes",
@@ -24,6 +27,13 @@ __all__ = [
 # The fused SM90 kernel that config=None runs where it applies: "warp_specialized" (sparse_mla_bwd_sm90_ws.py) or
 # "fused" (the two-warpgroup kernel in sparse_mla_bwd_sm90.py).
 SM90_BWD_DEFAULT = "warp_specialized"
+# Heads per program of the SM90 dq kernel that config=None runs where the head count is a multiple of 128 (128: two
+# programs per 128 heads, each half of the columns; 64: one per 64 heads, every column), and its ring of tiles.
+SM90_DQ_WIDE_HEADS = 128
+SM90_DQ_WIDE_RING = (64, 4)
+# Whether the SM90 dq kernel stages dS through its ring in shared memory (where K is a multiple of 8) instead of
+# loading it one step ahead into registers. Read at each call.
+SM90_DQ_DS_SMEM = True
 # Heads per program of the SM90 kernels, and gathered slots per step of the fused one.
 _STACK_H = 64
 _DKV_BLOCK_K = 64
@@ -49,10 +59,14 @@ def sm90_ws_bwd_smem_bytes(d_qk: int, d_v: int, itemsize: int) -> int:
     return elements * itemsize + _STACK_H * 4 + 1024
 
 
-def sm90_dq_smem_bytes(block_k: int, num_buf: int, d_qk: int, itemsize: int) -> int:
-    """Shared memory of the SM90 dq kernel: the ring of gathered tiles and the compiler's tile for turning ``dS`` into
-    the wgmma's register operand."""
-    return (num_buf * block_k * d_qk + _STACK_H * block_k) * itemsize
+def sm90_dq_smem_bytes(
+    block_k: int, num_buf: int, d_qk: int, itemsize: int, heads: int = 64, ds_smem: bool = True
+) -> int:
+    """Shared memory of the SM90 dq kernel with ``heads`` per program (64: every column; 128: half of them): the ring
+    of gathered tiles, each with its ``dS`` tile (``ds_smem``), or with one tile for turning ``dS`` into the wgmma's
+    register operand."""
+    ds_tiles = num_buf if ds_smem else 1
+    return (num_buf * block_k * d_qk * 64 // heads + ds_tiles * heads * block_k) * itemsize
 
 
 def sm90_backward_plan(
@@ -126,27 +140,41 @@ def sm90_backward_plan(
     return "ds", config.block_k, config.num_stages
 
 
-def sm90_dq_plan(q: torch.Tensor, d_v: int, config: KernelConfig | None) -> tuple[int, int] | None:
-    """``(block_k, num_buf)`` of the SM90 dq kernel for this call, or None for the portable one: ``config=None`` takes
-    it (64 slots x 2 tiles) on an SM90 GPU wherever it applies; a forced ``KernelConfig(impl="sm90")`` takes it or
-    raises saying why it cannot run here."""
+def sm90_dq_plan(q: torch.Tensor, d_v: int, config: KernelConfig | None) -> tuple[int, int, int] | None:
+    """``(block_k, num_buf, heads)`` of the SM90 dq kernel for this call, or None for the portable one.
+
+    ``config=None`` takes it on an SM90 GPU wherever it applies: with ``H`` a multiple of 128, 128 heads per program
+    (``SM90_DQ_WIDE_HEADS``; each program half of the columns, ``SM90_DQ_WIDE_RING`` tiles), else 64 heads per
+    program with every column (64 slots x 2 tiles). A forced ``KernelConfig(impl="sm90")`` takes it with its
+    ``block_k``, ``num_stages`` and ``block_h`` (64, or 128 where ``H`` is a multiple of 128) or raises saying why it
+    cannot run here."""
     from longtrain.dsa.triton.sparse_mla_fwd_sm90 import sm90_unsupported_reason
 
     if config is not None and config.impl != "sm90":
         return None
     reason = "Gluon kernels do not run in Triton's interpreter (TRITON_INTERPRET=1)" if interpreting() else None
     reason = reason or sm90_unsupported_reason(q, d_v)
-    block_k, num_buf = (64, 2) if config is None else (config.block_k, config.num_stages)
+    num_heads = q.shape[1]
+    if config is None:
+        heads = SM90_DQ_WIDE_HEADS if num_heads % 128 == 0 else 64
+        block_k, num_buf = SM90_DQ_WIDE_RING if heads == 128 else (64, 2)
+    else:
+        block_k, num_buf, heads = config.block_k, config.num_stages, config.block_h
     if reason is None and block_k not in (32, 64):
         reason = f"its dq kernel gathers 64 or 32 slots per step, got block_k={block_k}"
-    smem = sm90_dq_smem_bytes(block_k, num_buf, q.shape[2], q.element_size())
+    if reason is None and heads not in (64, 128):
+        reason = f"its dq kernel takes 64 or 128 heads per program (block_h), got block_h={heads}"
+    if reason is None and heads == 128 and num_heads % 128:
+        reason = f"block_h=128 needs a multiple of 128 heads, got H={num_heads}"
+    # Budgeted with dS in the ring (the larger of the kernel's two ways), whatever K is.
+    smem = sm90_dq_smem_bytes(block_k, num_buf, q.shape[2], q.element_size(), heads)
     if reason is None and smem > SM90_SMEM_BYTES:
         reason = (
             f"{num_buf} tiles of {block_k} rows of D_qk={q.shape[2]} ({smem} bytes with the rest) exceed the 227 "
             "KiB of shared memory; lower num_stages or block_k"
         )
     if reason is None:
-        return block_k, num_buf
+        return block_k, num_buf, heads
     if config is None:
         return None
     raise RuntimeError(f"backward dq KernelConfig(impl='sm90') cannot run here: {reason}; use impl='triton'")

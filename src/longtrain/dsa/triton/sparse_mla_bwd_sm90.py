@@ -158,16 +158,17 @@ def sparse_mla_bwd_sm90_kernel_ds(
     idx_row = idx_ptr + t * K_slots
 
     # Prologue: tiles 0 .. NUM_BUF-2 in flight, indices of tile NUM_BUF-1 in registers.
-    nxt_v, nxt_mv, nxt_r, nxt_mr = _ring_start(kv_ptr, idx_row, n_slots, T_k, v_bufs, r_bufs, D_V, D_R, BLOCK_K,
-                                               NUM_BUF, LV, LR)  # fmt: skip
+    nxt_v, nxt_mv, nxt_r, nxt_mr = _ring_start(kv_ptr, 0, D_V, D_QK, idx_row, n_slots, T_k, v_bufs, r_bufs,
+                                               D_V, D_R, BLOCK_K, NUM_BUF, LV, LR)  # fmt: skip
 
     c_zero = gl.zeros([2 * BLOCK_H, BLOCK_K], gl.float32, layout=c_layout)
     n_tiles = gl.cdiv(n_slots, BLOCK_K)
     for i in range(n_tiles):
         buf = i % NUM_BUF
         # (Also: every warp has finished step i-1's reads of the meeting tile.)
-        nxt_v, nxt_mv, nxt_r, nxt_mr = _ring_advance(kv_ptr, idx_row, n_slots, T_k, i, nxt_v, nxt_mv, nxt_r, nxt_mr,
-                                                     v_bufs, r_bufs, D_V, D_R, BLOCK_K, NUM_BUF, LV, LR)  # fmt: skip
+        nxt_v, nxt_mv, nxt_r, nxt_mr = _ring_advance(kv_ptr, 0, D_V, D_QK, idx_row, n_slots, T_k, i, nxt_v, nxt_mv,
+                                                     nxt_r, nxt_mr, v_bufs, r_bufs, D_V, D_R, BLOCK_K, NUM_BUF, LV,
+                                                     LR)  # fmt: skip
 
         c = warpgroup_mma(a_v, v_bufs.index(buf).permute((1, 0)), c_zero, use_acc=False, is_async=True)
         if D_R > 0:
@@ -315,7 +316,7 @@ def sparse_mla_bwd_sm90_kernel_ds_dkv(
 
     iv, mv = _load_idx(idx_row, 0, n_slots, T_k, BLOCK_K, gl.SliceLayout(1, LV))  # [BLOCK_K] x 2
     ir, mr = _load_idx(idx_row, 0, n_slots, T_k, BLOCK_K, gl.SliceLayout(1, LR))  # [BLOCK_K] x 2
-    _issue_tile(kv_ptr, iv, mv, ir, mr, v_buf, r_buf, D_V, D_R, LV, LR)
+    _issue_tile(kv_ptr, 0, D_V, iv, mv, ir, mr, v_buf, r_buf, D_QK, D_V, D_R, LV, LR)
 
     c_zero = gl.zeros([128, BLOCK_K], gl.float32, layout=c_layout)
     dv_zero = gl.zeros([BLOCK_K, HALF], gl.float32, layout=dv_layout)
@@ -357,7 +358,7 @@ def sparse_mla_bwd_sm90_kernel_ds_dkv(
             a2r = y_smem.permute((1, 0)).load(a2r_layout)  # [BLOCK_K, 128]
         _cta_barrier()
         if i + 1 < n_tiles:
-            _issue_tile(kv_ptr, nv, nmv, nr, nmr, v_buf, r_buf, D_V, D_R, LV, LR)
+            _issue_tile(kv_ptr, 0, D_V, nv, nmv, nr, nmr, v_buf, r_buf, D_QK, D_V, D_R, LV, LR)
 
         if DETERMINISTIC:  # this row's slots in the per-slot scratch (one row per slot and head block)
             slots = k0 + gl.arange(0, BLOCK_K, layout=row_d)
@@ -381,11 +382,29 @@ def sparse_mla_bwd_sm90_kernel_ds_dkv(
 
 
 @gluon.jit
+def _ds_copy(dst, ds_ptr, ds_rows, rows_ok, k0, BLOCK_K: gl.constexpr, layout: gl.constexpr):
+    """cp.async ``dS`` of slots ``k0 + [0, BLOCK_K)`` for the program's heads into ``dst`` ``[heads, BLOCK_K]``, rows
+    where ``rows_ok`` (zero-filled elsewhere: the mask is per row, so the copies stay 16 bytes wide). Not committed:
+    it joins the copy group of the tile issued next."""
+    offs = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
+    _async_load(dst, ds_ptr + ds_rows[:, None] + offs[None, :], mask=rows_ok[:, None])  # [heads, BLOCK_K]
+
+
+@gluon.jit
 def _ds_tile(ds_ptr, ds_rows, mask_h, k0, n_slots, BLOCK_K: gl.constexpr, layout: gl.constexpr):
-    """``dS`` of slots ``k0 + [0, BLOCK_K)`` for the block's heads (0 past ``n_slots``): ``[64, BLOCK_K]``."""
+    """``dS`` of slots ``k0 + [0, BLOCK_K)`` for the program's heads (0 past ``n_slots``): ``[heads, BLOCK_K]``."""
     offs = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
     mask = mask_h[:, None] & (offs < n_slots)[None, :]
-    return gl.load(ds_ptr + ds_rows[:, None] + offs[None, :], mask=mask, other=0.0)  # [64, BLOCK_K]
+    return gl.load(ds_ptr + ds_rows[:, None] + offs[None, :], mask=mask, other=0.0)  # [heads, BLOCK_K]
+
+
+@gluon.constexpr_function
+def _dq_acc_layout(heads, n):
+    """The dq kernel's accumulator ``[heads, n]``: 64 heads, the two warpgroups splitting ``n``; 128 heads, each
+    warpgroup 64 of them."""
+    if heads == 64:
+        return _half_n_mma_layout(n)
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, n, 16])
 
 
 @gluon.jit(do_not_specialize=["row_offset", "T_k", "K_slots"])
@@ -393,58 +412,117 @@ def sparse_mla_bwd_sm90_kernel_dq(
     kv_ptr, idx_ptr, len_ptr, ds_ptr, dq_ptr,
     row_offset, T_k, K_slots,
     H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr,
-    BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr,
+    BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, HEADS: gl.constexpr, DS_SMEM: gl.constexpr,
+    num_warps: gl.constexpr,
 ):  # fmt: skip
-    """``dq = dS K`` over a row's gathered slots, one program per (query row, block of 64 heads): the gathered rows
-    stream through the forward's cp.async ring of ``NUM_BUF`` tiles of ``BLOCK_K`` rows, each step one wgmma per
-    part (latent, rope) with ``dS`` in registers (loaded one step ahead) and the two warpgroups splitting the
-    columns. Same contract as :func:`longtrain.dsa.triton.sparse_mla_bwd.sparse_mla_bwd_kernel_dq`."""
-    D_QK: gl.constexpr = D_V + D_R
-    NUM_HB: gl.constexpr = (H + 63) // 64
-    gl.static_assert(num_warps == 8, "two warpgroups")
+    """``dq = dS K`` over a row's gathered slots: the gathered rows stream through the forward's cp.async ring of
+    ``NUM_BUF`` tiles of ``BLOCK_K`` rows, each step one wgmma per part (latent, rope). Same contract as
+    :func:`longtrain.dsa.triton.sparse_mla_bwd.sparse_mla_bwd_kernel_dq`.
 
-    LV: gl.constexpr = _gather_layout(D_V, num_warps)
-    LR: gl.constexpr = _gather_layout(D_R, num_warps)
+    ``DS_SMEM`` (``K_slots`` a multiple of 8, so that a row of ``dS`` starts on 16 bytes): each tile's ``dS`` rides
+    in the ring with its gathered rows (the same cp.async group) and is the wgmma's A operand from shared memory.
+    The probabilities kernels store ``dS`` for slots below ``n_slots`` only, so a row's last, partial tile is loaded
+    with a per-slot mask through registers instead (the unwritten scratch past ``n_slots`` may hold anything, NaN
+    included, and NaN times the zero-filled rows of invalid slots is NaN). Otherwise (``DS_SMEM`` off) every tile's
+    ``dS`` is loaded one step ahead into registers and fed from there.
+
+    ``HEADS = 64``: one program per (query row, block of 64 heads), every column, the two warpgroups splitting the
+    columns. ``HEADS = 128`` (``H`` a multiple of 128): two programs per (query row, block of 128 heads), each owning
+    half of the value columns and half of the rope columns for all 128 heads, a warpgroup per 64 heads. A row's
+    gathered bytes are then read once per 128 heads instead of once per 64 (half the gather traffic, twice the ``dS``
+    reads: 1664 against 2560 bytes per slot at 128 heads, ``D_qk = 576``)."""
+    D_QK: gl.constexpr = D_V + D_R
+    PARTS: gl.constexpr = 1 if HEADS == 64 else 2
+    WV: gl.constexpr = D_V // PARTS  # value columns per program
+    WR: gl.constexpr = D_R // PARTS  # rope columns per program
+    NUM_HB: gl.constexpr = (H + HEADS - 1) // HEADS
+    gl.static_assert(num_warps == 8, "two warpgroups")
+    gl.static_assert(HEADS == 64 or HEADS == 128, "64 or 128 heads per program")
+
+    LV: gl.constexpr = _gather_layout(WV, num_warps)
+    LR: gl.constexpr = _gather_layout(max(WR, 8), num_warps)
     LS: gl.constexpr = _gather_layout(BLOCK_K, num_warps)
-    o_layout: gl.constexpr = _half_n_mma_layout(D_V)
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    o_layout: gl.constexpr = _dq_acc_layout(HEADS, WV)
 
     dtype: gl.constexpr = kv_ptr.dtype.element_ty
-    kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, D_V], dtype)
-    v_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_K, D_V], kv_sl)
+    kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, WV], dtype)
+    v_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_K, WV], kv_sl)
+    if DS_SMEM:
+        ds_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEADS, BLOCK_K], dtype)
+        ds_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF, HEADS, BLOCK_K], ds_sl)
+    else:
+        ds_bufs = v_bufs
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     if D_R > 0:
-        kr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, D_R], dtype)
-        r_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_K, D_R], kr_sl)
-        r_layout: gl.constexpr = _half_n_mma_layout(D_R)
-        ar_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=r_layout, k_width=2)
-        acc_r = gl.zeros([64, D_R], gl.float32, layout=r_layout)
+        kr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, WR], dtype)
+        r_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_K, WR], kr_sl)
+        r_layout: gl.constexpr = _dq_acc_layout(HEADS, WR)
+        if not DS_SMEM:
+            ar_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=r_layout, k_width=2)
+        acc_r = gl.zeros([HEADS, WR], gl.float32, layout=r_layout)
     else:
         r_bufs = v_bufs
 
     pid = gl.program_id(0)
-    t_local = (pid // NUM_HB).to(gl.int64)
+    part = pid % PARTS
+    t_local = (pid // (PARTS * NUM_HB)).to(gl.int64)
     t = row_offset + t_local
-    hb = pid % NUM_HB
+    hb = (pid // PARTS) % NUM_HB
     n_slots = _row_slots(len_ptr, t, K_slots, HAS_LEN)  # scalar
     idx_row = idx_ptr + t * K_slots
-    offs_h = hb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, LS))
+    offs_h = hb * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(1, LS))
     mask_h = offs_h < H
-    ds_rows = (t_local * H + offs_h.to(gl.int64)) * K_slots  # [64]
+    ds_rows = (t_local * H + offs_h.to(gl.int64)) * K_slots  # [HEADS]
+    if DS_SMEM:
+        ds_rows = gl.multiple_of(ds_rows, 8)  # K_slots % 8 == 0 (the host's choice): 16-byte copies
 
-    nxt_v, nxt_mv, nxt_r, nxt_mr = _ring_start(kv_ptr, idx_row, n_slots, T_k, v_bufs, r_bufs, D_V, D_R, BLOCK_K,
-                                               NUM_BUF, LV, LR)  # fmt: skip
-    ds_cur = _ds_tile(ds_ptr, ds_rows, mask_h, 0, n_slots, BLOCK_K, LS)  # [64, BLOCK_K]
-    acc = gl.zeros([64, D_V], gl.float32, layout=o_layout)
+    v_off = part * WV  # this program's first value column
+    r_off = D_V + part * WR  # ... and rope column
+    # The ring of the forward kernel; with DS_SMEM each tile's dS in the same copy group as its gathered rows.
+    rl_v: gl.constexpr = gl.SliceLayout(1, LV)
+    rl_r: gl.constexpr = gl.SliceLayout(1, LR)
+    for j in gl.static_range(NUM_BUF - 1):
+        iv, mv = _load_idx(idx_row, j * BLOCK_K, n_slots, T_k, BLOCK_K, rl_v)  # [BLOCK_K] x 2
+        ir, mr = _load_idx(idx_row, j * BLOCK_K, n_slots, T_k, BLOCK_K, rl_r)  # [BLOCK_K] x 2
+        if DS_SMEM:
+            _ds_copy(ds_bufs.index(j), ds_ptr, ds_rows, mask_h & ((j + 1) * BLOCK_K <= n_slots), j * BLOCK_K, BLOCK_K,
+                     LS)  # fmt: skip
+        _issue_tile(kv_ptr, v_off, r_off, iv, mv, ir, mr, v_bufs.index(j), r_bufs.index(j), D_QK, WV, WR, LV, LR)
+    nxt_v, nxt_mv = _load_idx(idx_row, (NUM_BUF - 1) * BLOCK_K, n_slots, T_k, BLOCK_K, rl_v)  # [BLOCK_K] x 2
+    nxt_r, nxt_mr = _load_idx(idx_row, (NUM_BUF - 1) * BLOCK_K, n_slots, T_k, BLOCK_K, rl_r)  # [BLOCK_K] x 2
+    if not DS_SMEM:
+        ds_cur = _ds_tile(ds_ptr, ds_rows, mask_h, 0, n_slots, BLOCK_K, LS)  # [HEADS, BLOCK_K]
+    acc = gl.zeros([HEADS, WV], gl.float32, layout=o_layout)
     n_tiles = gl.cdiv(n_slots, BLOCK_K)
     for i in range(n_tiles):
         buf = i % NUM_BUF
-        nxt_v, nxt_mv, nxt_r, nxt_mr = _ring_advance(kv_ptr, idx_row, n_slots, T_k, i, nxt_v, nxt_mv, nxt_r, nxt_mr,
-                                                     v_bufs, r_bufs, D_V, D_R, BLOCK_K, NUM_BUF, LV, LR)  # fmt: skip
-        a = gl.convert_layout(ds_cur, a_layout)  # [64, BLOCK_K]
-        acc = warpgroup_mma(a, v_bufs.index(buf), acc, is_async=True)  # [64, D_V]
-        if D_R > 0:
-            acc_r = warpgroup_mma(gl.convert_layout(a, ar_layout), r_bufs.index(buf), acc_r, is_async=True)
-        ds_cur = _ds_tile(ds_ptr, ds_rows, mask_h, (i + 1) * BLOCK_K, n_slots, BLOCK_K, LS)  # under the wgmma
+        # Tile i has landed (this thread's copies, then everyone's: every warp has also finished step i-1, so the
+        # buffer it read is free for tile i + NUM_BUF - 1).
+        cp.wait_group(NUM_BUF - 2)
+        fence_async_shared()
+        _cta_barrier()
+        nb = (i + NUM_BUF - 1) % NUM_BUF
+        if DS_SMEM:
+            k_nb = (i + NUM_BUF - 1) * BLOCK_K
+            _ds_copy(ds_bufs.index(nb), ds_ptr, ds_rows, mask_h & (k_nb + BLOCK_K <= n_slots), k_nb, BLOCK_K, LS)
+        _issue_tile(kv_ptr, v_off, r_off, nxt_v, nxt_mv, nxt_r, nxt_mr, v_bufs.index(nb), r_bufs.index(nb), D_QK, WV,
+                    WR, LV, LR)  # fmt: skip
+        nxt_v, nxt_mv = _load_idx(idx_row, (i + NUM_BUF) * BLOCK_K, n_slots, T_k, BLOCK_K, rl_v)  # [BLOCK_K] x 2
+        nxt_r, nxt_mr = _load_idx(idx_row, (i + NUM_BUF) * BLOCK_K, n_slots, T_k, BLOCK_K, rl_r)  # [BLOCK_K] x 2
+        if DS_SMEM:
+            if (i + 1) * BLOCK_K > n_slots:  # the row's last, partial tile (its copy was zero-filled)
+                ds_bufs.index(buf).store(_ds_tile(ds_ptr, ds_rows, mask_h, i * BLOCK_K, n_slots, BLOCK_K, LS))
+                fence_async_shared()
+                _cta_barrier()
+            acc = warpgroup_mma(ds_bufs.index(buf), v_bufs.index(buf), acc, is_async=True)  # [HEADS, WV]
+            if D_R > 0:
+                acc_r = warpgroup_mma(ds_bufs.index(buf), r_bufs.index(buf), acc_r, is_async=True)  # [HEADS, WR]
+        else:
+            a = gl.convert_layout(ds_cur, a_layout)  # [HEADS, BLOCK_K]
+            acc = warpgroup_mma(a, v_bufs.index(buf), acc, is_async=True)  # [HEADS, WV]
+            if D_R > 0:
+                acc_r = warpgroup_mma(gl.convert_layout(a, ar_layout), r_bufs.index(buf), acc_r, is_async=True)
+            ds_cur = _ds_tile(ds_ptr, ds_rows, mask_h, (i + 1) * BLOCK_K, n_slots, BLOCK_K, LS)  # under the wgmma
         if D_R > 0:
             acc, acc_r = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_r))
         else:
@@ -452,10 +530,10 @@ def sparse_mla_bwd_sm90_kernel_dq(
     cp.wait_group(0)
 
     dq_row = dq_ptr + t * (H * D_QK)
-    oh = hb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
-    oc = gl.arange(0, D_V, layout=gl.SliceLayout(0, o_layout))
+    oh = hb * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(1, o_layout))
+    oc = v_off + gl.arange(0, WV, layout=gl.SliceLayout(0, o_layout))
     gl.store(dq_row + oh[:, None] * D_QK + oc[None, :], acc.to(dq_ptr.dtype.element_ty), mask=(oh < H)[:, None])
     if D_R > 0:
-        rh = hb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, r_layout))
-        rc = D_V + gl.arange(0, D_R, layout=gl.SliceLayout(0, r_layout))
+        rh = hb * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(1, r_layout))
+        rc = r_off + gl.arange(0, WR, layout=gl.SliceLayout(0, r_layout))
         gl.store(dq_row + rh[:, None] * D_QK + rc[None, :], acc_r.to(dq_ptr.dtype.element_ty), mask=(rh < H)[:, None])

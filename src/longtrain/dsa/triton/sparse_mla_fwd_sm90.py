@@ -60,39 +60,41 @@ def _load_idx(idx_row, k0, n_slots, T_k, BLOCK_K: gl.constexpr, layout: gl.const
 
 
 @gluon.jit
-def _issue_tile(kv_ptr, idx_v, valid_v, idx_r, valid_r, v_buf, r_buf,
+def _issue_tile(kv_ptr, v_off, r_off, idx_v, valid_v, idx_r, valid_r, v_buf, r_buf, STRIDE: gl.constexpr,
                 D_V: gl.constexpr, D_R: gl.constexpr, LV: gl.constexpr, LR: gl.constexpr):  # fmt: skip
-    """cp.async the gathered rows of one tile into ``v_buf`` / ``r_buf`` (invalid rows are zero-filled)."""
-    D_QK: gl.constexpr = D_V + D_R
-    rows_v = gl.where(valid_v, idx_v, 0).to(gl.int64) * D_QK
+    """cp.async the gathered rows of one tile into ``v_buf`` / ``r_buf`` (invalid rows are zero-filled): ``D_V``
+    columns from column ``v_off`` and ``D_R`` from column ``r_off`` of rows ``STRIDE`` elements apart."""
+    rows_v = gl.where(valid_v, idx_v, 0).to(gl.int64) * STRIDE + v_off
     offs_v = gl.arange(0, D_V, layout=gl.SliceLayout(0, LV))
     _async_load(v_buf, kv_ptr + rows_v[:, None] + offs_v[None, :], mask=valid_v[:, None])  # [BLOCK_K, D_V]
     if D_R > 0:
-        rows_r = gl.where(valid_r, idx_r, 0).to(gl.int64) * D_QK + D_V
+        rows_r = gl.where(valid_r, idx_r, 0).to(gl.int64) * STRIDE + r_off
         offs_r = gl.arange(0, D_R, layout=gl.SliceLayout(0, LR))
         _async_load(r_buf, kv_ptr + rows_r[:, None] + offs_r[None, :], mask=valid_r[:, None])  # [BLOCK_K, D_R]
     cp.commit_group()
 
 
 @gluon.jit
-def _ring_start(kv_ptr, idx_row, n_slots, T_k, v_bufs, r_bufs, D_V: gl.constexpr, D_R: gl.constexpr,
-                BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, LV: gl.constexpr, LR: gl.constexpr):  # fmt: skip
-    """The ring's prologue: tiles 0 .. NUM_BUF-2 in flight; returns the indices (and validity) of tile NUM_BUF-1."""
+def _ring_start(kv_ptr, v_off, r_off, STRIDE: gl.constexpr, idx_row, n_slots, T_k, v_bufs, r_bufs, D_V: gl.constexpr,
+                D_R: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, LV: gl.constexpr,
+                LR: gl.constexpr):  # fmt: skip
+    """The ring's prologue: tiles 0 .. NUM_BUF-2 in flight; returns the indices (and validity) of tile NUM_BUF-1.
+    Columns and stride as in :func:`_issue_tile`."""
     rl_v: gl.constexpr = gl.SliceLayout(1, LV)
     rl_r: gl.constexpr = gl.SliceLayout(1, LR)
     for j in gl.static_range(NUM_BUF - 1):
         iv, mv = _load_idx(idx_row, j * BLOCK_K, n_slots, T_k, BLOCK_K, rl_v)  # [BLOCK_K] x 2
         ir, mr = _load_idx(idx_row, j * BLOCK_K, n_slots, T_k, BLOCK_K, rl_r)  # [BLOCK_K] x 2
-        _issue_tile(kv_ptr, iv, mv, ir, mr, v_bufs.index(j), r_bufs.index(j), D_V, D_R, LV, LR)
+        _issue_tile(kv_ptr, v_off, r_off, iv, mv, ir, mr, v_bufs.index(j), r_bufs.index(j), STRIDE, D_V, D_R, LV, LR)
     nxt_v, nxt_mv = _load_idx(idx_row, (NUM_BUF - 1) * BLOCK_K, n_slots, T_k, BLOCK_K, rl_v)  # [BLOCK_K] x 2
     nxt_r, nxt_mr = _load_idx(idx_row, (NUM_BUF - 1) * BLOCK_K, n_slots, T_k, BLOCK_K, rl_r)  # [BLOCK_K] x 2
     return nxt_v, nxt_mv, nxt_r, nxt_mr
 
 
 @gluon.jit
-def _ring_advance(kv_ptr, idx_row, n_slots, T_k, i, nxt_v, nxt_mv, nxt_r, nxt_mr, v_bufs, r_bufs,
-                  D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr,
-                  LV: gl.constexpr, LR: gl.constexpr):  # fmt: skip
+def _ring_advance(kv_ptr, v_off, r_off, STRIDE: gl.constexpr, idx_row, n_slots, T_k, i, nxt_v, nxt_mv, nxt_r,
+                  nxt_mr, v_bufs, r_bufs, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr,
+                  NUM_BUF: gl.constexpr, LV: gl.constexpr, LR: gl.constexpr):  # fmt: skip
     """Top of step ``i``: wait until tile i has landed (this thread's copies, then everyone's: every warp has also
     finished step i-1, so the buffer it read is free), issue tile i + NUM_BUF - 1 into it, and return the indices
     of tile i + NUM_BUF."""
@@ -100,7 +102,8 @@ def _ring_advance(kv_ptr, idx_row, n_slots, T_k, i, nxt_v, nxt_mv, nxt_r, nxt_mr
     fence_async_shared()
     _cta_barrier()
     nb = (i + NUM_BUF - 1) % NUM_BUF
-    _issue_tile(kv_ptr, nxt_v, nxt_mv, nxt_r, nxt_mr, v_bufs.index(nb), r_bufs.index(nb), D_V, D_R, LV, LR)
+    _issue_tile(kv_ptr, v_off, r_off, nxt_v, nxt_mv, nxt_r, nxt_mr, v_bufs.index(nb), r_bufs.index(nb), STRIDE, D_V,
+                D_R, LV, LR)  # fmt: skip
     k_next = (i + NUM_BUF) * BLOCK_K
     nxt_v, nxt_mv = _load_idx(idx_row, k_next, n_slots, T_k, BLOCK_K, gl.SliceLayout(1, LV))  # [BLOCK_K] x 2
     nxt_r, nxt_mr = _load_idx(idx_row, k_next, n_slots, T_k, BLOCK_K, gl.SliceLayout(1, LR))  # [BLOCK_K] x 2
@@ -173,8 +176,8 @@ def sparse_mla_fwd_sm90_kernel(
     idx_row = idx_ptr + t * K_slots
 
     # Prologue: tiles 0 .. NUM_BUF-2 in flight, indices of tile NUM_BUF-1 in registers.
-    nxt_v, nxt_mv, nxt_r, nxt_mr = _ring_start(kv_ptr, idx_row, n_slots, T_k, v_bufs, r_bufs, D_V, D_R, BLOCK_K,
-                                               NUM_BUF, LV, LR)  # fmt: skip
+    nxt_v, nxt_mv, nxt_r, nxt_mr = _ring_start(kv_ptr, 0, D_V, D_QK, idx_row, n_slots, T_k, v_bufs, r_bufs,
+                                               D_V, D_R, BLOCK_K, NUM_BUF, LV, LR)  # fmt: skip
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([BLOCK_H], gl.float32, layout=row_s)
@@ -183,8 +186,9 @@ def sparse_mla_fwd_sm90_kernel(
     n_tiles = gl.cdiv(n_slots, BLOCK_K)
     for i in range(n_tiles):
         buf = i % NUM_BUF
-        nxt_v, nxt_mv, nxt_r, nxt_mr = _ring_advance(kv_ptr, idx_row, n_slots, T_k, i, nxt_v, nxt_mv, nxt_r, nxt_mr,
-                                                     v_bufs, r_bufs, D_V, D_R, BLOCK_K, NUM_BUF, LV, LR)  # fmt: skip
+        nxt_v, nxt_mv, nxt_r, nxt_mr = _ring_advance(kv_ptr, 0, D_V, D_QK, idx_row, n_slots, T_k, i, nxt_v, nxt_mv,
+                                                     nxt_r, nxt_mr, v_bufs, r_bufs, D_V, D_R, BLOCK_K, NUM_BUF, LV,
+                                                     LR)  # fmt: skip
 
         v_buf = v_bufs.index(buf)
         s = warpgroup_mma(q_v, v_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)  # [BLOCK_H, BLOCK_K]
