@@ -91,9 +91,10 @@ def _case(rows: list[dict], total: int, heads: int, topk: int, budgets: tuple[in
     out, lse = run_fwd(q, kv, idx, length, None)
     dout = torch.randn_like(out)
     _dq_alone(rows, shape, kv, idx, length, heads, 2 * valid * heads * D_QK)
+    default_ring = bwd_plan.SM90_DQ_DS_SMEM
     bwd_plan.SM90_DQ_DS_SMEM = False
     ref = run_bwd(q, kv, out, dout, lse, idx, length, cfgs=(None, _dq_cfg(NARROW), None))
-    bwd_plan.SM90_DQ_DS_SMEM = True
+    bwd_plan.SM90_DQ_DS_SMEM = default_ring
     for v in VARIANTS_128 if heads % 128 == 0 else VARIANTS_64:
         cfgs = (None, _dq_cfg(v), None)
         row = dict(part="backward", shape=shape, variant="dq " + _name(v))
@@ -106,7 +107,7 @@ def _case(rows: list[dict], total: int, heads: int, topk: int, budgets: tuple[in
         except Exception as exc:  # a variant that fails is a row, not a stop
             row.update(note=f"{type(exc).__name__}: {exc}"[:200])
         finally:
-            bwd_plan.SM90_DQ_DS_SMEM = True
+            bwd_plan.SM90_DQ_DS_SMEM = default_ring
         print(row, flush=True)
         rows.append(row)
     default_budget = smb.PDS_SCRATCH_BYTES

@@ -145,6 +145,108 @@ _TYPES = ["*bf16", "*bf16", "*bf16", "*i32", "*i32", "*fp32", "*fp32", "*bf16", 
 
 
 @pytest.mark.skipif(cuobjdump() is None, reason="needs triton with its bundled NVIDIA toolchain (ptxas, cuobjdump)")
+@pytest.mark.parametrize("block_k,num_buf,d_qk", [(64, 2, 576), (32, 3, 576), (64, 2, 512)], ids=["64", "32x3", "D512"])
+def test_sm90_ds_kernel_compiles_for_hopper(block_k, num_buf, d_qk):
+    """Compiled for sm_90a on this CPU-only machine: cp.async ring + wgmma, shared memory as budgeted."""
+    from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_ds_smem_bytes
+
+    consts = dict(H=64, D_V=512, D_R=d_qk - 512, HAS_LEN=True, STORE_P=True, BLOCK_K=block_k, NUM_BUF=num_buf)
+    stats = compile_sm90("longtrain.dsa.triton.sparse_mla_bwd_sm90", "sparse_mla_bwd_sm90_kernel_ds",
+                         _TYPES + ["fp32", "fp32"], consts)  # fmt: skip
+    assert stats["cp_async"] and stats["wgmma"], stats
+    assert stats["shared"] == sm90_ds_smem_bytes(block_k, num_buf, d_qk, 512, 2), stats
+
+
+@pytest.mark.skipif(cuobjdump() is None, reason="needs triton with its bundled NVIDIA toolchain (ptxas, cuobjdump)")
+@pytest.mark.parametrize(
+    "H,d_qk,deterministic", [(64, 576, False), (128, 512, False), (128, 576, True)], ids=["glm", "H128-D512", "det"]
+)
+def test_sm90_fused_kernel_compiles_for_hopper(H, d_qk, deterministic):
+    """The fused probabilities + dkv kernel compiled for sm_90a: shared memory as budgeted (the [dS; P] tile
+    reuses the gathered tile's buffer, no compiler scratch), no register spills."""
+    from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_ds_dkv_smem_bytes
+
+    types = _TYPES[:8] + ["*fp32"] + _TYPES[9:] + ["fp32", "fp32"]
+    consts = dict(H=H, D_V=512, D_R=d_qk - 512, HAS_LEN=True, DETERMINISTIC=deterministic)
+    stats = compile_sm90("longtrain.dsa.triton.sparse_mla_bwd_sm90", "sparse_mla_bwd_sm90_kernel_ds_dkv", types, consts)
+    assert stats["cp_async"] and stats["wgmma"], stats
+    assert stats["shared"] == sm90_ds_dkv_smem_bytes(d_qk, 512, 2), stats
+    assert stats["local"] == 0, stats
+
+
+@pytest.mark.parametrize(
+    "config,H,D,reason,expected",
+    [
+        (None, 64, 576, None, (64, 2, 64)),  # the default on SM90
+        (None, 128, 576, None, (64, 2, 64)),  # 128 heads: 64 per program too (SM90_DQ_HEADS, measured faster)
+        (None, 192, 576, None, (64, 2, 64)),
+        (None, 64, 576, "it needs at least 64 heads", None),  # off the SM90 rules: the portable kernel
+        (KernelConfig(), 64, 576, None, None),  # impl="triton" forces the portable kernel
+        (KernelConfig(impl="sm90", block_k=32, num_stages=4), 64, 576, None, (32, 4, 64)),
+        (KernelConfig(impl="sm90", block_k=64, num_stages=3), 64, 576, None, "exceed the 227 KiB"),
+        (KernelConfig(impl="sm90", block_k=16, num_stages=2), 64, 576, None, "64 or 32 slots per step"),
+        (KernelConfig(impl="sm90"), 64, 576, "it needs at least 64 heads", r"dq KernelConfig.*64 heads.*impl='triton'"),
+        (KernelConfig(impl="sm90", num_stages=3, block_h=128), 128, 576, None, (64, 3, 128)),
+        (KernelConfig(impl="sm90", num_stages=4, block_h=128), 256, 576, None, (64, 4, 128)),
+        (KernelConfig(impl="sm90", num_stages=5, block_h=128), 128, 576, None, "exceed the 227 KiB"),
+        (KernelConfig(impl="sm90", block_h=128), 64, 576, None, "block_h=128 needs a multiple of 128 heads, got H=64"),
+        (KernelConfig(impl="sm90", block_h=32), 64, 576, None, "64 or 128 heads per program"),
+    ],
+    ids=[
+        "default",
+        "default-H128",
+        "default-H192",
+        "default-heads",
+        "triton",
+        "32x4",
+        "64x3",
+        "bad-block",
+        "heads",
+        "wide-64x3",
+        "wide-H256-64x4",
+        "wide-64x5",
+        "wide-H64",
+        "block_h-32",
+    ],  # fmt: skip
+)
+def test_sm90_dq_plan(monkeypatch, config, H, D, reason, expected):
+    from longtrain.dsa.triton import sparse_mla_bwd_plan as plan
+    from longtrain.dsa.triton import sparse_mla_fwd_sm90 as sm90
+
+    monkeypatch.setattr(plan, "interpreting", lambda: False)
+    monkeypatch.setattr(sm90, "sm90_unsupported_reason", lambda q, d_v: reason)
+    if isinstance(expected, str):
+        with pytest.raises(RuntimeError, match=expected):
+            plan.sm90_dq_plan(_fake_q(H=H, D=D), 512, config)
+    else:
+        assert plan.sm90_dq_plan(_fake_q(H=H, D=D), 512, config) == expected
+
+
+def test_sm90_dq_default_heads_follow_the_module_setting(monkeypatch):
+    from longtrain.dsa.triton import sparse_mla_bwd_plan as plan
+    from longtrain.dsa.triton import sparse_mla_fwd_sm90 as sm90
+
+    monkeypatch.setattr(plan, "interpreting", lambda: False)
+    monkeypatch.setattr(sm90, "sm90_unsupported_reason", lambda q, d_v: None)
+    monkeypatch.setattr(plan, "SM90_DQ_HEADS", 128)
+    assert plan.sm90_dq_plan(_fake_q(H=128), 512, None) == (*plan.SM90_DQ_RINGS[128], 128)
+    assert plan.sm90_dq_plan(_fake_q(H=192), 512, None) == (64, 2, 64)  # not a multiple of 128
+
+
+def test_sm90_dq_is_never_picked_off_gpu(triton_interpret):
+    from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_dq_plan
+
+    assert sm90_dq_plan(torch.zeros(1, 64, 576, dtype=torch.bfloat16), 512, None) is None
+
+
+def test_a_forced_sm90_dq_config_is_accepted():
+    dq = KernelConfig(impl="sm90", block_k=32, num_stages=4)
+    assert SparseMLAConfig(bwd_dq=dq).backward_configs() == (None, dq, None)
+    with pytest.raises(ValueError, match="bwd_dkv: the dkv kernel has one layout"):
+        SparseMLAConfig(bwd_dkv=dq)
+
+
+@pytest.mark.skipif(cuobjdump() is None, reason="needs triton with its bundled NVIDIA toolchain (ptxas, cuobjdump)")
 @pytest.mark.parametrize(
     "block_k,num_buf,d_qk,d_v,heads,ds_smem",
     [(64, 2, 576, 512, 64, True), (64, 2, 576, 512, 64, False), (32, 4, 576, 512, 64, True),

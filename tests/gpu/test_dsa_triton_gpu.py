@@ -229,6 +229,36 @@ def test_sparse_mla_bf16(T, T_k, H, D, d_v, K, with_sink, forced, dtype):
 
 
 @_SM90
+@pytest.mark.parametrize(
+    "H,K,dq",
+    [(64, 512, (64, 2)), (128, 1000, (64, 2)), (128, 1000, (64, 3, 128)), (64, 1024, (32, 4))],
+    ids=["64x2", "H128-K1000", "128heads-64x3", "32x4"],
+)
+def test_sm90_dq_ds_ring_equals_ds_in_registers(monkeypatch, H, K, dq):
+    """The SM90 dq kernel with dS staged through its cp.async ring (``SM90_DQ_DS_SMEM``, K a multiple of 8; K = 1000
+    ends in a partial tile) gives dq equal bit for bit to dS loaded into registers (the same wgmma operands), and
+    dkv is untouched; both pass the flash-attention rule in ``test_sparse_mla_bf16``."""
+    from longtrain.dsa.triton import sparse_mla_bwd_plan as bwd_plan
+    from longtrain.dsa.triton import sparse_mla_triton
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(H + K)
+    q = torch.randn((96, H, 576), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
+    kv = torch.randn((2048, 1, 576), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
+    idx, length = _index_sets(96, 2048, K, gen, dev)
+    dout = torch.randn((96, H, 512), generator=gen, device=dev).to(torch.bfloat16)
+    config = _configs(("sm90", 64, 2), "ws", dq)
+    grads = []
+    for ring in (False, True):
+        monkeypatch.setattr(bwd_plan, "SM90_DQ_DS_SMEM", ring)
+        out = sparse_mla_triton(q, kv, idx, 192**-0.5, d_v=512, topk_length=length, config=config)
+        grads.append(torch.autograd.grad(out, (q, kv), dout))
+    assert torch.isfinite(grads[1][0]).all()
+    assert torch.equal(grads[0][0], grads[1][0])
+    torch.testing.assert_close(grads[0][1].float(), grads[1][1].float(), rtol=2**-7, atol=2**-7)  # atomics' order
+
+
+@_SM90
 def test_forced_sm90_refuses_unsupported_shapes():
     from longtrain.dsa.triton import KernelConfig, sparse_mla_triton
 

@@ -14,8 +14,8 @@ from longtrain.dsa.triton.sparse_mla_fwd import SM90_SMEM_BYTES, SM90_SMEM_LIMIT
 __all__ = [
     "SM90_BWD_DEFAULT",
     "SM90_DQ_DS_SMEM",
-    "SM90_DQ_WIDE_HEADS",
-    "SM90_DQ_WIDE_RING",
+    "SM90_DQ_HEADS",
+    "SM90_DQ_RINGS",
     "sm90_backward_plan",
     "sm90_dq_plan",
     "sm90_dq_smem_bytes",
@@ -27,13 +27,18 @@ __all__ = [
 # The fused SM90 kernel that config=None runs where it applies: "warp_specialized" (sparse_mla_bwd_sm90_ws.py) or
 # "fused" (the two-warpgroup kernel in sparse_mla_bwd_sm90.py).
 SM90_BWD_DEFAULT = "warp_specialized"
-# Heads per program of the SM90 dq kernel that config=None runs where the head count is a multiple of 128 (128: two
-# programs per 128 heads, each half of the columns; 64: one per 64 heads, every column), and its ring of tiles.
-SM90_DQ_WIDE_HEADS = 128
-SM90_DQ_WIDE_RING = (64, 4)
-# Whether the SM90 dq kernel stages dS through its ring in shared memory (where K is a multiple of 8) instead of
-# loading it one step ahead into registers. Read at each call.
-SM90_DQ_DS_SMEM = True
+# The SM90 dq kernel that config=None runs: heads per program where the head count is a multiple of 128 (64: one
+# program per 64 heads, every column; 128: two programs per 128 heads, half of the columns each) and each layout's
+# ring (block_k, num_buf). 64: on the H200 the 128-head layout (dS in registers) took 1.42 ms against 1.23 at
+# T = 4096, H = 128, K = 512 and 14.78 against 14.39 at T = 16384, K = 2048, its best ring 64 x 2
+# (benchmarks/results/dsa_bwd_dq_2026-12-04.md). Read at each call.
+SM90_DQ_HEADS = 64
+SM90_DQ_RINGS = {64: (64, 2), 128: (64, 2)}
+# Whether the SM90 dq kernel stages dS through its ring in shared memory (the wgmma's A operand from there; where K
+# is a multiple of 8) instead of loading it one step ahead into registers. Off until it has run on a GPU: compiled
+# and checked for sm_90a here; its GPU test is tests/gpu/test_dsa_triton_gpu.py -k ds_ring. Read at each
+# call.
+SM90_DQ_DS_SMEM = False
 # Heads per program of the SM90 kernels, and gathered slots per step of the fused one.
 _STACK_H = 64
 _DKV_BLOCK_K = 64
@@ -143,9 +148,9 @@ def sm90_backward_plan(
 def sm90_dq_plan(q: torch.Tensor, d_v: int, config: KernelConfig | None) -> tuple[int, int, int] | None:
     """``(block_k, num_buf, heads)`` of the SM90 dq kernel for this call, or None for the portable one.
 
-    ``config=None`` takes it on an SM90 GPU wherever it applies: with ``H`` a multiple of 128, 128 heads per program
-    (``SM90_DQ_WIDE_HEADS``; each program half of the columns, ``SM90_DQ_WIDE_RING`` tiles), else 64 heads per
-    program with every column (64 slots x 2 tiles). A forced ``KernelConfig(impl="sm90")`` takes it with its
+    ``config=None`` takes it on an SM90 GPU wherever it applies: ``SM90_DQ_HEADS`` heads per program where ``H`` is a
+    multiple of 128 (128: two programs per 128 heads, each half of the columns), else 64 with every column, at that
+    layout's ring in ``SM90_DQ_RINGS``. A forced ``KernelConfig(impl="sm90")`` takes it with its
     ``block_k``, ``num_stages`` and ``block_h`` (64, or 128 where ``H`` is a multiple of 128) or raises saying why it
     cannot run here."""
     from longtrain.dsa.triton.sparse_mla_fwd_sm90 import sm90_unsupported_reason
@@ -156,8 +161,8 @@ def sm90_dq_plan(q: torch.Tensor, d_v: int, config: KernelConfig | None) -> tupl
     reason = reason or sm90_unsupported_reason(q, d_v)
     num_heads = q.shape[1]
     if config is None:
-        heads = SM90_DQ_WIDE_HEADS if num_heads % 128 == 0 else 64
-        block_k, num_buf = SM90_DQ_WIDE_RING if heads == 128 else (64, 2)
+        heads = SM90_DQ_HEADS if num_heads % 128 == 0 else 64
+        block_k, num_buf = SM90_DQ_RINGS[heads]
     else:
         block_k, num_buf, heads = config.block_k, config.num_stages, config.block_h
     if reason is None and block_k not in (32, 64):
