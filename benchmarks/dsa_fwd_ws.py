@@ -1,12 +1,13 @@
-"""The warp-specialized SM90 sparse MLA forward against the two-warpgroup one (CUDA; experiment).
+"""The warp-specialized and ping-pong SM90 sparse MLA forwards against the two-warpgroup one (CUDA; experiment).
 
-``python benchmarks/dsa_fwd_ws.py [--out-dir DIR] [--tokens 16384] [--heads 64,128]`` writes ``dsa_fwd_ws_<date>.md``:
+``python benchmarks/dsa_fwd_ws.py [--out-dir DIR] [--tokens 16384,4096] [--heads 64,128]`` writes ``dsa_fwd_ws_<date>.md``:
 at T tokens of one document (K = 2048, GLM-5.2 dims, random causal index sets as in ``dsa.py``), the forward at
 ``config=None`` (today's default), the two-warpgroup SM90 kernel forced to its first candidate, and the
-warp-specialized kernel (``KernelConfig(impl="sm90", layout="warp_specialized")``) at each ring, each with the
+warp-specialized kernel (``KernelConfig(impl="sm90", layout="warp_specialized")``) at each ring and the ping-pong
+kernel (``KernelConfig(impl="sm90", layout="ping_pong", num_warps=4, block_k=64, num_stages=2)``), each with the
 largest difference of its output from the default's (both round the same fp32 softmax to bf16 in different
 orders: a rounding, not 0) and whether its LSE is finite where the default's is. Correctness against float64 is the
-GPU test's (``tests/gpu/test_dsa_triton_gpu.py -k sm90ws``).
+GPU test's (``tests/gpu/test_dsa_triton_gpu.py -k "sm90ws or sm90pp"``).
 """
 
 from __future__ import annotations
@@ -23,14 +24,15 @@ from longtrain.bench_suites.dsa import D_QK, D_V, TOPK, bench, causal_index_sets
 from longtrain.dsa.triton import KernelConfig  # noqa: E402
 
 WS_RINGS = ((64, 2), (32, 4), (32, 3))
+PING_PONG = KernelConfig(impl="sm90", layout="ping_pong", num_warps=4, block_k=64, num_stages=2)
 
 
-def main(out_dir: Path, total: int, heads_list: tuple[int, ...]) -> None:
+def main(out_dir: Path, totals: tuple[int, ...], heads_list: tuple[int, ...]) -> None:
     dev = torch.device("cuda")
-    idx, length, _, _ = causal_index_sets([total], TOPK, dev)
-    valid = int(length.sum())
     rows: list[dict] = []
-    for heads in heads_list:
+    for total, heads in ((t, h) for t in totals for h in heads_list):
+        idx, length, _, _ = causal_index_sets([total], TOPK, dev)
+        valid = int(length.sum())
         q, kv = mla_inputs(total, heads, dev)
         flops = 2 * valid * heads * (D_QK + D_V)
         ref_out, ref_lse = run_fwd(q, kv, idx, length, None)
@@ -40,6 +42,7 @@ def main(out_dir: Path, total: int, heads_list: tuple[int, ...]) -> None:
              KernelConfig(impl="sm90", layout="warp_specialized", num_warps=4, block_k=bk, num_stages=nb))
             for bk, nb in WS_RINGS
         ]  # fmt: skip
+        cfgs.append(("sm90 ping_pong 64 x 2", PING_PONG))
         for name, cfg in cfgs:
             row = dict(shape=f"T={total} H={heads} K={TOPK} 1doc", kernel=name)
             try:
@@ -61,14 +64,14 @@ def main(out_dir: Path, total: int, heads_list: tuple[int, ...]) -> None:
         "Sparse MLA forward (bf16, one document, query t selects min(t+1, 2048) random causal keys, FLOPs over valid "
         "slots: 2 * valid * H * (576 + 512)), triton.testing.do_bench median with 20th/80th percentiles, L2 flushed. "
         "max_diff / lse_diff: against the default's output / LSE. Reproduce: `python benchmarks/dsa_fwd_ws.py`.",
-        out_dir=out_dir, title="Sparse MLA forward: the warp-specialized SM90 kernel (H200)",
+        out_dir=out_dir, title="Sparse MLA forward: the warp-specialized and ping-pong SM90 kernels (H200)",
     )  # fmt: skip
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
-    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--tokens", default="16384", help="comma-separated token counts")
     parser.add_argument("--heads", default="64,128")
     args = parser.parse_args()
-    main(args.out_dir, args.tokens, tuple(int(h) for h in args.heads.split(",")))
+    main(args.out_dir, tuple(int(t) for t in args.tokens.split(",")), tuple(int(h) for h in args.heads.split(",")))

@@ -27,7 +27,7 @@ def _configs(fwd=None, ds=None, dq=None):
     ``ds="ws"`` (its warp-specialized twin);
     with an SM90 forward the dkv kernel runs over two value-column groups; ``dq = (block_k, num_buf)`` forces the SM90
     dq kernel (``(block_k, num_buf, 128)``: its 128-heads-per-program layout); ``impl="sm90ws"`` is the
-    warp-specialized SM90 forward."""
+    warp-specialized SM90 forward, ``impl="sm90pp"`` the ping-pong one."""
     from longtrain.dsa.triton import KernelConfig, SparseMLAConfig
 
     impl, block_k, stages = fwd or ("triton", 32, 3)
@@ -35,6 +35,9 @@ def _configs(fwd=None, ds=None, dq=None):
     if impl == "sm90ws":
         impl = "sm90"
         fwd_cfg = KernelConfig(impl="sm90", layout="warp_specialized", block_k=block_k, num_warps=4, num_stages=stages)
+    if impl == "sm90pp":
+        impl = "sm90"
+        fwd_cfg = KernelConfig(impl="sm90", layout="ping_pong", block_k=64, num_warps=4, num_stages=2)
     portable = KernelConfig(block_k=32, num_warps=8, num_stages=1)
     probabilities = {
         None: portable,
@@ -151,6 +154,13 @@ _SM90 = pytest.mark.skipif(
         pytest.param(
             64, 1024, 128, 320, 256, 200, True, ("sm90ws", 32, 3, "ws", (64, 2, 128)), torch.bfloat16, marks=_SM90
         ),
+        pytest.param(160, 4096, 64, 576, 512, 2048, True, ("sm90pp", 64, 2), torch.bfloat16, marks=_SM90),
+        pytest.param(96, 2048, 128, 576, 512, 1000, False, ("sm90pp", 64, 2), torch.bfloat16, marks=_SM90),
+        pytest.param(64, 1024, 96, 576, 512, 300, True, ("sm90pp", 64, 2), torch.float16, marks=_SM90),
+        pytest.param(96, 1024, 64, 512, 512, 512, True, ("sm90pp", 64, 2), torch.bfloat16, marks=_SM90),
+        pytest.param(64, 1024, 64, 320, 256, 200, False, ("sm90pp", 64, 2), torch.bfloat16, marks=_SM90),
+        pytest.param(64, 1024, 64, 544, 512, 300, False, ("sm90pp", 64, 2), torch.bfloat16, marks=_SM90),
+        pytest.param(160, 4096, 64, 576, 512, 2048, True, ("sm90pp", 64, 2, "ws"), torch.bfloat16, marks=_SM90),
     ],
     ids=[
         "glm",
@@ -190,6 +200,13 @@ _SM90 = pytest.mark.skipif(
         "dq128-D512-fp16",
         "dq128-H256-32x2",
         "dq128-dv256-sink",
+        "sm90pp-sink",
+        "sm90pp-H128-K1000",
+        "sm90pp-H96-fp16",
+        "sm90pp-D512-sink",
+        "sm90pp-dv256",
+        "sm90pp-D544-K300",
+        "sm90pp-bwd_ws-sink",
     ],  # fmt: skip
 )
 def test_sparse_mla_bf16(T, T_k, H, D, d_v, K, with_sink, forced, dtype):

@@ -51,7 +51,7 @@ def _check_pow2(name: str, value: int, low: int, high: int) -> None:
         raise ValueError(f"{name} must be a power of two in [{low}, {high}], got {value!r}")
 
 
-_LAYOUTS = ("heads", "keys", "keys_logits", "stacked", "fused", "warp_specialized")
+_LAYOUTS = ("heads", "keys", "keys_logits", "stacked", "fused", "warp_specialized", "ping_pong")
 # The backward's probabilities-kernel layouts, and those of them that compute dkv too (no dkv kernel runs).
 _BWD_LAYOUTS = ("heads", "stacked", "fused", "warp_specialized")
 _FUSED_LAYOUTS = ("fused", "warp_specialized")
@@ -78,7 +78,9 @@ class KernelConfig:
     dkv kernel: ``block_k=64``, ``num_stages=1``). The forward with ``impl="sm90"``: ``"heads"`` (two warpgroups
     splitting the keys, then ``d_v``) or ``"warp_specialized"`` (a producer warpgroup gathering into a ring of
     ``num_stages`` tiles, one warpgroup for the logits, softmax and the left half of ``d_v``, one for the right half;
-    ``num_warps=4``, the default partition; ``block_k`` 32 or 64, ``num_stages >= 2``). The backward with
+    ``num_warps=4``, the default partition; ``block_k`` 32 or 64, ``num_stages >= 2``) or ``"ping_pong"`` (a producer
+    warpgroup gathering pairs of tiles, two warpgroups each computing one tile of the pair's logits and softmax and
+    one half of ``d_v`` over both; ``num_warps=4``, ``block_k=64``, ``num_stages=2``). The backward with
     ``impl="sm90"`` and ``layout="warp_specialized"``: the warp-specialized fused kernel (a producer warpgroup, one
     for the probabilities, one for dkv and its atomics; ``num_warps=4``, ``block_k=64``, ``num_stages=1``)."""
     col_groups: int = 1
@@ -124,9 +126,18 @@ class KernelConfig:
                 f"(the forward: num_stages >= 2; the backward: block_k=64, num_stages=1), got impl={self.impl!r}, "
                 f"num_warps={self.num_warps}, block_k={self.block_k}"
             )
+        if self.layout == "ping_pong" and (
+            self.impl != "sm90" or self.num_warps != 4 or self.block_k != 64 or self.num_stages != 2
+        ):
+            raise ValueError(
+                "layout='ping_pong' is the SM90 forward with a producer warpgroup and two consumer warpgroups taking "
+                "turns over pairs of 64-slot tiles (num_warps counts the default partition's): it needs impl='sm90', "
+                f"num_warps=4, block_k=64 and num_stages=2, got impl={self.impl!r}, num_warps={self.num_warps}, "
+                f"block_k={self.block_k}, num_stages={self.num_stages}"
+            )
         if (
             self.impl == "sm90"
-            and self.layout not in ("fused", "warp_specialized")
+            and self.layout not in ("fused", "warp_specialized", "ping_pong")
             and (self.num_warps != 8 or self.num_stages < 2 or self.layout != "heads")
         ):
             raise ValueError(
@@ -157,7 +168,7 @@ class SparseMLAConfig:
         if self.fwd is not None and self.fwd.layout in ("stacked", "fused"):
             raise ValueError(
                 f"SparseMLAConfig.fwd: layout={self.fwd.layout!r} is the backward's probabilities kernel's (set it on "
-                "bwd); the forward takes 'heads', 'keys', 'keys_logits' or 'warp_specialized'"
+                "bwd); the forward takes 'heads', 'keys', 'keys_logits', 'warp_specialized' or 'ping_pong'"
             )
         if self.fwd is not None and self.fwd.layout == "warp_specialized" and self.fwd.num_stages < 2:
             raise ValueError(

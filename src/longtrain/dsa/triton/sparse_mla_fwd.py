@@ -40,7 +40,8 @@ _LAYOUTS = {"heads": 0, "keys": 1, "keys_logits": 2}
 SM90_SMEM_LIMIT = 232448
 SM90_SMEM_BYTES = SM90_SMEM_LIMIT - 8192
 # The SM90 forward that config=None runs where it applies: "heads" (sparse_mla_fwd_sm90.py, autotuned over
-# _SM90_CANDIDATES) or "warp_specialized" (sparse_mla_fwd_sm90_ws.py at SM90_WS_DEFAULT = (block_k, tiles)).
+# _SM90_CANDIDATES), "warp_specialized" (sparse_mla_fwd_sm90_ws.py at SM90_WS_DEFAULT = (block_k, tiles)) or
+# "ping_pong" (sparse_mla_fwd_sm90_pp.py); where the chosen kernel cannot run, the next one in that order backwards.
 SM90_FWD_DEFAULT = "warp_specialized"
 SM90_WS_DEFAULT = (64, 2)
 
@@ -233,7 +234,17 @@ def _launch_sm90(q, kv2d, idx, qk_scale, d_v, topk_length, attn_sink, out, lse, 
         out, lse, kv2d.shape[0], idx.shape[1], qk_scale,
     )  # fmt: skip
     meta = dict(H=num_heads, D_V=d_v, D_R=d_qk - d_v, HAS_LEN=topk_length is not None, HAS_SINK=attn_sink is not None)
-    if config is None and sm90_forward_kind(q, d_v) == "warp_specialized":
+    kind = sm90_forward_kind(q, d_v) if config is None else None
+    if kind == "ping_pong" or config is not None and config.layout == "ping_pong":
+        reason = _pp_reason(q, d_v)
+        if reason is not None:
+            raise RuntimeError(
+                f"KernelConfig(impl='sm90', layout='ping_pong') cannot run here: {reason}; use "
+                "layout='warp_specialized' or impl='triton'"
+            )
+        _launch_sm90_pp(grid, args, meta)
+        return
+    if kind == "warp_specialized":
         _launch_sm90_ws(grid, args, meta, *SM90_WS_DEFAULT)
         return
     if config is None:
@@ -277,6 +288,24 @@ def _ws_reason(q: torch.Tensor, d_v: int, block_k: int, num_buf: int) -> str | N
             "227 KiB of shared memory; lower block_k or num_stages"
         )
     return reason
+
+
+def _pp_reason(q: torch.Tensor, d_v: int) -> str | None:
+    """``None`` when the ping-pong SM90 forward runs ``q``, else why not."""
+    if interpreting():
+        return "Gluon kernels do not run in Triton's interpreter (TRITON_INTERPRET=1)"
+    from longtrain.dsa.triton.sparse_mla_fwd_sm90_pp import pp_unsupported_reason
+
+    return pp_unsupported_reason(q, d_v)
+
+
+def _launch_sm90_pp(grid, args, meta) -> None:
+    from longtrain.dsa.triton import sparse_mla_fwd_sm90_pp as pp
+
+    pp.sparse_mla_fwd_sm90_pp_kernel[grid](
+        *args, **meta, REGS_WG1=pp.PP_NUM_REGS[0], REGS_PRODUCER=pp.PP_NUM_REGS[1], num_warps=4,
+        maxnreg=pp.PP_MAXNREG,
+    )  # fmt: skip
 
 
 def _launch_sm90_ws(grid, args, meta, block_k: int, num_buf: int) -> None:
@@ -358,12 +387,15 @@ def sparse_mla_fwd(
 
 
 def sm90_forward_kind(q: torch.Tensor, d_v: int) -> str | None:
-    """The SM90 forward ``config=None`` runs for ``q [T, H, D_qk]``: ``"warp_specialized"``
-    (``sparse_mla_fwd_sm90_ws.py`` at ``SM90_WS_DEFAULT``), ``"heads"`` (``sparse_mla_fwd_sm90.py``, autotuned), or
-    ``None`` where neither applies (the portable kernel runs)."""
+    """The SM90 forward ``config=None`` runs for ``q [T, H, D_qk]``: ``SM90_FWD_DEFAULT`` where it applies, else the
+    next of ``"ping_pong"`` (``sparse_mla_fwd_sm90_pp.py``), ``"warp_specialized"`` (``sparse_mla_fwd_sm90_ws.py``
+    at ``SM90_WS_DEFAULT``) and ``"heads"`` (``sparse_mla_fwd_sm90.py``, autotuned) after it, or ``None`` where no
+    SM90 kernel applies (the portable kernel runs)."""
     if not _sm90_default(q, d_v):
         return None
-    if SM90_FWD_DEFAULT == "warp_specialized" and _ws_reason(q, d_v, *SM90_WS_DEFAULT) is None:
+    if SM90_FWD_DEFAULT == "ping_pong" and _pp_reason(q, d_v) is None:
+        return "ping_pong"
+    if SM90_FWD_DEFAULT in ("ping_pong", "warp_specialized") and _ws_reason(q, d_v, *SM90_WS_DEFAULT) is None:
         return "warp_specialized"
     return "heads"
 
