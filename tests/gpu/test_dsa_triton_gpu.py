@@ -31,7 +31,11 @@ def _configs(fwd=None, ds=None, dq=None):
     from longtrain.dsa.triton import KernelConfig, SparseMLAConfig
 
     impl, block_k, stages = fwd or ("triton", 32, 3)
-    fwd_cfg = KernelConfig(impl=impl, block_k=block_k, num_warps=8, num_stages=stages) if impl != "sm90ws" else None
+    fwd_cfg = (
+        None
+        if impl in ("sm90ws", "sm90pp")
+        else KernelConfig(impl=impl, block_k=block_k, num_warps=8, num_stages=stages)
+    )
     if impl == "sm90ws":
         impl = "sm90"
         fwd_cfg = KernelConfig(impl="sm90", layout="warp_specialized", block_k=block_k, num_warps=4, num_stages=stages)
