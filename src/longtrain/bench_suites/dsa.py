@@ -451,6 +451,11 @@ def memcheck() -> None:
             for ln in (length, None):
                 ows, _ = sparse_mla_fwd(q.detach(), kv.detach().view(90, -1), idx, 0.1, D_V, ln, sink.detach(), cws)
                 assert bool(torch.isfinite(ows).all())
+        # The ping-pong kernel, with and without lengths (64 slots: one pair whose second tile is empty).
+        cpp = KernelConfig(impl="sm90", layout="ping_pong", num_warps=4, block_k=64, num_stages=2)
+        for ln in (length, None):
+            opp, _ = sparse_mla_fwd(q.detach(), kv.detach().view(90, -1), idx, 0.1, D_V, ln, sink.detach(), cpp)
+            assert bool(torch.isfinite(opp).all())
     iq, ik, iw = indexer_inputs(90, dev)
     sel = indexer_topk_triton(iq, ik, iw, starts, causal, 16, config=IndexerConfig(block_m=64, block_n=128))
     # The sampled select (rows wider than select_cand) and its whole-row fallback (zero-weight rows tie throughout).
