@@ -1,9 +1,9 @@
 """The warp-specialized and ping-pong SM90 sparse MLA forwards against the two-warpgroup one (CUDA; experiment).
 
-``python benchmarks/dsa_fwd_ws.py [--out-dir DIR] [--tokens 16384,4096] [--heads 64,128]`` writes ``dsa_fwd_ws_<date>.md``:
-at T tokens of one document (K = 2048, GLM-5.2 dims, random causal index sets as in ``dsa.py``), the forward at
-``config=None`` (today's default), the two-warpgroup SM90 kernel forced to its first candidate, and the
-warp-specialized kernel (``KernelConfig(impl="sm90", layout="warp_specialized")``) at each ring and the ping-pong
+``python benchmarks/dsa_fwd_ws.py [--out-dir DIR] [--tokens 16384,4096] [--heads 64,128]`` writes
+``dsa_fwd_ws_<date>.md``: at T tokens of one document (K = 2048, GLM-5.2 dims, random causal index sets as in
+``dsa.py``), the forward at ``config=None`` (today's default), the two-warpgroup SM90 kernel forced to its first
+candidate, and the warp-specialized kernel (``KernelConfig(impl="sm90", layout="warp_specialized")``) at each ring and the ping-pong
 kernel (``KernelConfig(impl="sm90", layout="ping_pong", num_warps=4, block_k=64, num_stages=2)``), each with the
 largest difference of its output from the default's (both round the same fp32 softmax to bf16 in different
 orders: a rounding, not 0) and whether its LSE is finite where the default's is. Correctness against float64 is the
@@ -48,7 +48,9 @@ def main(out_dir: Path, totals: tuple[int, ...], heads_list: tuple[int, ...]) ->
             try:
                 out, lse = run_fwd(q, kv, idx, length, cfg)
                 torch.cuda.synchronize()
-                ms = bench(lambda cfg=cfg, q=q, kv=kv: run_fwd(q, kv, idx, length, cfg), rep_ms=300)
+                ms = bench(
+                    lambda cfg=cfg, q=q, kv=kv, idx=idx, length=length: run_fwd(q, kv, idx, length, cfg), rep_ms=300
+                )
                 finite = torch.isfinite(ref_lse)
                 row.update(ms=ms[0], p20=ms[1], p80=ms[2], tflops=flops / ms[0] / 1e9,
                            max_diff=(out.float() - ref_out.float()).abs().max().item(),

@@ -48,10 +48,11 @@ def test_ping_pong_config_rules():
     ],
 )
 def test_ping_pong_support_rules(monkeypatch, cap, kwargs, d_v, match):
-    from longtrain.dsa.triton import sparse_mla_fwd_sm90_pp as pp
+    from longtrain.dsa.triton import sparse_mla_fwd as fwd
 
+    monkeypatch.setattr(fwd, "interpreting", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
-    reason = pp.pp_unsupported_reason(_fake_q(**kwargs), d_v)
+    reason = fwd._pp_reason(_fake_q(**kwargs), d_v)
     if match is None:
         assert reason is None
     else:

@@ -291,12 +291,20 @@ def _ws_reason(q: torch.Tensor, d_v: int, block_k: int, num_buf: int) -> str | N
 
 
 def _pp_reason(q: torch.Tensor, d_v: int) -> str | None:
-    """``None`` when the ping-pong SM90 forward runs ``q``, else why not."""
+    """``None`` when the ping-pong SM90 forward runs ``q [T, H, D_qk]`` with value width ``d_v``, else why not: the
+    warp-specialized kernel's rules and shared memory for the queries, two tiles and the shared probabilities."""
     if interpreting():
         return "Gluon kernels do not run in Triton's interpreter (TRITON_INTERPRET=1)"
-    from longtrain.dsa.triton.sparse_mla_fwd_sm90_pp import pp_unsupported_reason
+    from longtrain.dsa.triton.sparse_mla_fwd_sm90_pp import pp_smem_bytes
+    from longtrain.dsa.triton.sparse_mla_fwd_sm90_ws import ws_unsupported_reason
 
-    return pp_unsupported_reason(q, d_v)
+    reason = ws_unsupported_reason(q, d_v)
+    if reason is None and pp_smem_bytes(q.shape[2], d_v, q.element_size()) > SM90_SMEM_LIMIT:
+        reason = (
+            f"64 query heads and two tiles of 64 rows of D_qk={q.shape[2]} with the shared probabilities exceed the "
+            "227 KiB of shared memory"
+        )
+    return reason
 
 
 def _launch_sm90_pp(grid, args, meta) -> None:

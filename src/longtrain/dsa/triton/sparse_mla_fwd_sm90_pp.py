@@ -23,13 +23,12 @@ Shared memory at the GLM shape (64 heads, D_qk 576): 72 KiB of queries, two tile
 ``P_0`` goes into tile 0's rope block, which only ``S_0`` reads (where ``D_R`` = 64; otherwise a block of its own).
 A row whose tile count is odd ends with an empty tile (every slot invalid, zero-filled).
 
-Gluon kernels do not run in Triton's CPU interpreter; ``sparse_mla_fwd`` uses this kernel only where
-:func:`pp_unsupported_reason` returns ``None``.
+Gluon kernels do not run in Triton's CPU interpreter; ``sparse_mla_fwd`` runs this kernel only where its
+``_pp_reason`` returns ``None`` (the warp-specialized kernel's rules and :func:`pp_smem_bytes` within 227 KiB).
 """
 
 from __future__ import annotations
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
@@ -41,13 +40,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from longtrain.dsa.triton.sparse_mla_fwd_sm90 import _gather_layout, _load_idx
-from longtrain.dsa.triton.sparse_mla_fwd_sm90_ws import _gather, _mma_layout, ws_unsupported_reason
+from longtrain.dsa.triton.sparse_mla_fwd_sm90_ws import _gather, _mma_layout
 
 __all__ = [
     "PP_MAXNREG",
     "PP_NUM_REGS",
     "pp_smem_bytes",
-    "pp_unsupported_reason",
     "sparse_mla_fwd_sm90_pp_kernel",
 ]
 
@@ -340,18 +338,3 @@ def pp_smem_bytes(d_qk: int, d_v: int, itemsize: int) -> int:
     the row statistics and the barriers."""
     p_blocks = 1 if d_qk - d_v == _SLOTS else 2
     return 3 * 64 * d_qk * itemsize + p_blocks * _HEADS * _SLOTS * itemsize + 2 * _HEADS * 4 + 512
-
-
-def pp_unsupported_reason(q: torch.Tensor, d_v: int) -> str | None:
-    """``None`` when this kernel handles ``q [T, H, D_qk]`` with value width ``d_v``, else why not: the
-    warp-specialized kernel's rules (:func:`~longtrain.dsa.triton.sparse_mla_fwd_sm90_ws.ws_unsupported_reason`) and
-    shared memory for the queries, two tiles and the shared probabilities."""
-    from longtrain.dsa.triton.sparse_mla_fwd import SM90_SMEM_LIMIT
-
-    reason = ws_unsupported_reason(q, d_v)
-    if reason is None and pp_smem_bytes(q.shape[2], d_v, q.element_size()) > SM90_SMEM_LIMIT:
-        reason = (
-            f"64 query heads and two tiles of 64 rows of D_qk={q.shape[2]} with the shared probabilities exceed the "
-            "227 KiB of shared memory"
-        )
-    return reason
