@@ -3,9 +3,9 @@
 ``python benchmarks/dsa_fwd_ws.py [--out-dir DIR] [--tokens 16384,4096] [--heads 64,128]`` writes
 ``dsa_fwd_ws_<date>.md``: at T tokens of one document (K = 2048, GLM-5.2 dims, random causal index sets as in
 ``dsa.py``), the forward at ``config=None`` (today's default), the two-warpgroup SM90 kernel forced to its first
-candidate, and the warp-specialized kernel (``KernelConfig(impl="sm90", layout="warp_specialized")``) at each ring and the ping-pong
-kernel (``KernelConfig(impl="sm90", layout="ping_pong", num_warps=4, block_k=64, num_stages=2)``), each with the
-largest difference of its output from the default's (both round the same fp32 softmax to bf16 in different
+candidate, the warp-specialized kernel (``KernelConfig(impl="sm90", layout="warp_specialized")``) at each ring and
+the ping-pong kernel (``KernelConfig(impl="sm90", layout="ping_pong", num_warps=4, block_k=64, num_stages=2)``),
+each with the largest difference of its output from the default's (both round the same fp32 softmax to bf16 in different
 orders: a rounding, not 0) and whether its LSE is finite where the default's is. Correctness against float64 is the
 GPU test's (``tests/gpu/test_dsa_triton_gpu.py -k "sm90ws or sm90pp"``).
 """
