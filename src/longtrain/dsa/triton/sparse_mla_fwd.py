@@ -236,7 +236,7 @@ def _launch_sm90(q, kv2d, idx, qk_scale, d_v, topk_length, attn_sink, out, lse, 
     meta = dict(H=num_heads, D_V=d_v, D_R=d_qk - d_v, HAS_LEN=topk_length is not None, HAS_SINK=attn_sink is not None)
     kind = sm90_forward_kind(q, d_v) if config is None else None
     if kind == "ping_pong" or config is not None and config.layout == "ping_pong":
-        reason = _pp_reason(q, d_v)
+        reason = None if kind == "ping_pong" else _pp_reason(q, d_v)  # the default's was checked by its routing
         if reason is not None:
             raise RuntimeError(
                 f"KernelConfig(impl='sm90', layout='ping_pong') cannot run here: {reason}; use "
