@@ -171,7 +171,7 @@ def main(out_dir: Path, quick: bool) -> None:
         "largest difference from the 64-heads-per-program dq kernel's run, relative to its largest element. chunk: "
         "PDS_SCRATCH_BYTES sets rows per chunk as budget / (4 H K). repeat_equal: a second run equal bit for bit. "
         "Reproduce: `python benchmarks/dsa_bwd_dq.py`.",
-        out_dir=out_dir, title="Sparse MLA backward: the SM90 dq kernel's heads per program, row chunks (H200)",
+        out_dir=out_dir, title="Sparse MLA backward: the SM90 dq kernel's heads per program, row chunks",
     )  # fmt: skip
 
 

@@ -158,7 +158,7 @@ def reduce_probe(out_dir: Path) -> None:
         f"{n_items} rows of {d} fp32 added into {n_keys} random rows (L2-resident table, values from a cached "
         "source): GB/s of added data. rel_err: against torch index_add_. Reproduce: "
         "`python benchmarks/dsa_bwd_variants.py --reduce-probe`.",
-        out_dir=out_dir, title="fp32 reductions into random rows: red against TMA (H200)",
+        out_dir=out_dir, title="fp32 reductions into random rows: red against TMA",
     )  # fmt: skip
 
 
@@ -226,7 +226,7 @@ def fused(out_dir: Path, heads_list: tuple[int, ...], total: int) -> None:
         "random causal index sets, L2 flushed) and its per-kernel split, then with the dq kernel forced (impl "
         "block_k x num_warps x num_stages). Reproduce: "
         "`python benchmarks/dsa_bwd_variants.py --fused`.",
-        out_dir=out_dir, title="Sparse MLA backward: the fused SM90 kernel's split (H200)",
+        out_dir=out_dir, title="Sparse MLA backward: the fused SM90 kernel's split",
     )  # fmt: skip
 
 
@@ -286,7 +286,7 @@ def main(out_dir: Path, heads: int, total: int, kernels: tuple[str, ...] = KERNE
         "kernel_ms: that kernel's CUDA time in one profiled call (every row chunk). rel_diff: largest difference of "
         "dq / dkv from the autotuned run's, relative to its largest magnitude. Reproduce: "
         "`python benchmarks/dsa_bwd_variants.py`.",
-        out_dir=out_dir, title="Sparse MLA backward: per-kernel split and wider launch configs (H200)",
+        out_dir=out_dir, title="Sparse MLA backward: per-kernel split and wider launch configs",
     )  # fmt: skip
 
 

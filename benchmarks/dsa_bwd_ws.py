@@ -117,7 +117,7 @@ def pattern_probe(out_dir: Path) -> None:
         "(`gl.atomic_add`, relaxed): the wgmma accumulator's layout (per warp-wide access 8 rows x 32 bytes) against "
         "a blocked layout (whole row segments of W columns, v4). GB/s of added data; rel_err against torch "
         "index_add_. Reproduce: `python benchmarks/dsa_bwd_ws.py --pattern-probe`.",
-        out_dir=out_dir, title="fp32 atomics into random rows: access pattern (H200)",
+        out_dir=out_dir, title="fp32 atomics into random rows: access pattern",
     )  # fmt: skip
 
 
@@ -136,7 +136,7 @@ def main(out_dir: Path, total: int, heads_list: tuple[int, ...]) -> None:
         "triton.testing.do_bench median with 20th/80th percentiles. dq_rel / dkv_rel: largest difference from the "
         "default's in the same mode, relative to its largest element. repeat_equal: a second run equal bit for bit. "
         "Reproduce: `python benchmarks/dsa_bwd_ws.py`.",
-        out_dir=out_dir, title="Sparse MLA backward: the warp-specialized SM90 kernel (H200)",
+        out_dir=out_dir, title="Sparse MLA backward: the warp-specialized SM90 kernel",
     )  # fmt: skip
 
 

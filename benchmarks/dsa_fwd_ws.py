@@ -66,7 +66,7 @@ def main(out_dir: Path, totals: tuple[int, ...], heads_list: tuple[int, ...]) ->
         "Sparse MLA forward (bf16, one document, query t selects min(t+1, 2048) random causal keys, FLOPs over valid "
         "slots: 2 * valid * H * (576 + 512)), triton.testing.do_bench median with 20th/80th percentiles, L2 flushed. "
         "max_diff / lse_diff: against the default's output / LSE. Reproduce: `python benchmarks/dsa_fwd_ws.py`.",
-        out_dir=out_dir, title="Sparse MLA forward: the warp-specialized and ping-pong SM90 kernels (H200)",
+        out_dir=out_dir, title="Sparse MLA forward: the warp-specialized and ping-pong SM90 kernels",
     )  # fmt: skip
 
 

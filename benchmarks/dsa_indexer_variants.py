@@ -239,7 +239,7 @@ def main(out_dir: Path, budget_s: float) -> None:
     write_report("dsa_indexer_variants", rows, ["T", "layout", "what", "cfg", "mode", "ms", "tflops", "same", "note"],
                  "Timing: triton.testing.do_bench median, L2 flushed. tflops = 2 H_I D_I per causal pair over the "
                  "scores time. Reproduce: `python benchmarks/dsa_indexer_variants.py`.", out_dir=out_dir,
-                 title="Fused indexer: scores / select split and scoring-kernel variants (H200)")  # fmt: skip
+                 title="Fused indexer: scores / select split and scoring-kernel variants")  # fmt: skip
 
 
 # (select_sample, select_cand, select_warps, select_block) and (block_m, block_n, num_warps, num_stages, mode).
@@ -300,7 +300,7 @@ def defaults_sweep(out_dir: Path) -> None:
                  "per step, 2 = software pipelined, as in the variants report). tflops = 2 H_I D_I per causal pair "
                  "over the scores time. Reproduce: `python benchmarks/dsa_indexer_variants.py --defaults-sweep`.",
                  out_dir=out_dir,
-                 title="Fused indexer: selection settings and scoring tiles per case (H200)")  # fmt: skip
+                 title="Fused indexer: selection settings and scoring tiles per case")  # fmt: skip
 
 
 # (sm90_block_n, sm90_num_buf, sm90_group, sm90_loader) of the SM90 scoring kernel, the default first.
@@ -402,7 +402,7 @@ def sm90_sweep(out_dir: Path) -> None:
         "the selection equals the portable kernel's. tflops = 2 H_I D_I per causal pair over the scores time. "
         "Reproduce: `python benchmarks/dsa_indexer_variants.py --sm90-sweep`."
     )
-    title = "Fused indexer: the SM90 scoring kernel against the portable one (H200)"
+    title = "Fused indexer: the SM90 scoring kernel against the portable one"
     write_report(
         "dsa_indexer_sm90", rows, ["T", "layout", "what", "cfg", "ms", "tflops", "same", "note"], note, out_dir=out_dir,
         title=title,
@@ -452,7 +452,7 @@ def atomics_probe(out_dir: Path) -> None:
     write_report("dsa_atomics_probe", rows, ["items", "atomic", "block_k", "vc", "warps", "ms", "GBps"],
                  "Rows of 576 fp32 scattered into 16384 random key rows (1 = tl.atomic_add relaxed, 0 = tl.store). "
                  "Reproduce: `python benchmarks/dsa_indexer_variants.py --atomics-probe`.", out_dir=out_dir,
-                 title="fp32 scatter into random rows: atomics vs stores (H200)")  # fmt: skip
+                 title="fp32 scatter into random rows: atomics vs stores")  # fmt: skip
 
 
 if __name__ == "__main__":

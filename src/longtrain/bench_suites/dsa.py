@@ -838,7 +838,7 @@ def main() -> None:
         "`PYTHONPATH=src python benchmarks/dsa.py --precompile`."
     )
     columns = ["op", "impl", "shape", "ms", "p20", "p80", "tflops", "peak_mib", "note"]
-    title = "DSA kernels (H200): Triton sparse MLA + fused indexer top-k"
+    title = "DSA kernels: Triton sparse MLA + fused indexer top-k"
 
     def flush(rows):
         return write_report("dsa", rows, columns, notes, out_dir=out_dir, title=title)
