@@ -22,7 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import RESULTS_DIR, write_report  # noqa: E402
 from longtrain.bench_suites.dsa import D_QK, D_V, TOPK, bench, causal_index_sets, mla_inputs, run_fwd  # noqa: E402
 from longtrain.dsa.triton import KernelConfig  # noqa: E402
-from longtrain.dsa.triton import sparse_mla_fwd_sm90_pp as pp  # noqa: E402
 
 WS_RINGS = ((64, 2), (32, 4), (32, 3))
 PING_PONG = KernelConfig(impl="sm90", layout="ping_pong", num_warps=4, block_k=64, num_stages=2)
@@ -43,12 +42,9 @@ def main(out_dir: Path, totals: tuple[int, ...], heads_list: tuple[int, ...]) ->
              KernelConfig(impl="sm90", layout="warp_specialized", num_warps=4, block_k=bk, num_stages=nb))
             for bk, nb in WS_RINGS
         ]  # fmt: skip
-        cfgs += [("sm90 ping_pong 64 x 2", PING_PONG), ("sm90 ping_pong 64 x 2, logits after both halves", "one-chain")]
+        cfgs.append(("sm90 ping_pong 64 x 2", PING_PONG))
         for name, cfg in cfgs:
             row = dict(shape=f"T={total} H={heads} K={TOPK} 1doc", kernel=name)
-            split = pp.PP_SPLIT
-            if cfg == "one-chain":  # the ping-pong kernel waiting for both halves of a tile before its logits
-                cfg, pp.PP_SPLIT = PING_PONG, False
             try:
                 out, lse = run_fwd(q, kv, idx, length, cfg)
                 torch.cuda.synchronize()
@@ -62,8 +58,6 @@ def main(out_dir: Path, totals: tuple[int, ...], heads_list: tuple[int, ...]) ->
                            same_finite=bool(torch.equal(torch.isfinite(lse), finite)))  # fmt: skip
             except Exception as exc:  # a variant that fails is a row, not a crash
                 row.update(note=f"{type(exc).__name__}: {exc}"[:200])
-            finally:
-                pp.PP_SPLIT = split
             print(row, flush=True)
             rows.append(row)
     write_report(

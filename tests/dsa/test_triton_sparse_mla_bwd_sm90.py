@@ -270,27 +270,6 @@ def test_sm90_dq_kernel_compiles_for_hopper(block_k, num_buf, d_qk, d_v, heads, 
     assert not stats["wgmma_serialized"], stats
 
 
-@pytest.mark.skipif(cuobjdump() is None, reason="needs triton with its bundled NVIDIA toolchain (ptxas, cuobjdump)")
-@pytest.mark.parametrize(
-    "block_k,num_buf,d_qk,d_v,H", [(64, 2, 576, 512, 128), (32, 4, 576, 512, 64), (64, 2, 512, 512, 96),
-                                   (64, 3, 320, 256, 64)],
-    ids=["glm-H128", "32x4", "D512-H96", "dv256-64x3"],
-)  # fmt: skip
-def test_sm90_persistent_dq_kernel_compiles_for_hopper(block_k, num_buf, d_qk, d_v, H):
-    """The persistent SM90 dq kernel compiled for sm_90a: cp.async ring + wgmma, the per-item kernel's shared memory
-    (dS in registers), no spills, no serialized wgmma."""
-    from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_dq_smem_bytes
-
-    types = ["*bf16", "*i32", "*i32", "*bf16", "*bf16", "i32", "i32", "i32", "i32"]
-    consts = dict(H=H, D_V=d_v, D_R=d_qk - d_v, HAS_LEN=True, BLOCK_K=block_k, NUM_BUF=num_buf)
-    stats = compile_sm90("longtrain.dsa.triton.sparse_mla_bwd_sm90_dq", "sparse_mla_bwd_sm90_kernel_dq_persistent",
-                         types, consts)  # fmt: skip
-    assert stats["cp_async"] and stats["wgmma"], stats
-    assert stats["shared"] == sm90_dq_smem_bytes(block_k, num_buf, d_qk, 2, 64, False), stats
-    assert stats["local"] == 0, stats
-    assert not stats["wgmma_serialized"], stats
-
-
 _WS = KernelConfig(impl="sm90", layout="warp_specialized", num_warps=4, block_k=64, num_stages=1)
 
 
@@ -366,12 +345,11 @@ def test_smem_budget_of_the_warp_specialized_backward():
 
 @pytest.mark.skipif(cuobjdump() is None, reason="needs triton with its bundled NVIDIA toolchain (ptxas, cuobjdump)")
 @pytest.mark.parametrize(
-    "H,d_qk,d_v,deterministic,head_major",
-    [(64, 576, 512, False, False), (128, 512, 512, False, False), (128, 576, 512, False, True),
-     (64, 576, 512, True, False), (64, 320, 256, False, False), (64, 384, 256, False, False)],
-    ids=["glm", "H128-D512", "H128-head-major", "det", "dv256", "rope128"],
-)  # fmt: skip
-def test_warp_specialized_backward_compiles_for_hopper(H, d_qk, d_v, deterministic, head_major):
+    "H,d_qk,d_v,deterministic",
+    [(64, 576, 512, False), (128, 512, 512, False), (64, 576, 512, True), (64, 320, 256, False), (64, 384, 256, False)],
+    ids=["glm", "H128-D512", "det", "dv256", "rope128"],
+)
+def test_warp_specialized_backward_compiles_for_hopper(H, d_qk, d_v, deterministic):
     """The warp-specialized fused kernel compiled for sm_90a: cp.async + wgmma, shared memory within the budget (the
     compiler adds nothing of its own beyond it), no spills, no serialized wgmma, the worker partitions' register
     budgets as set."""
@@ -379,7 +357,7 @@ def test_warp_specialized_backward_compiles_for_hopper(H, d_qk, d_v, determinist
     from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_ws_bwd_smem_bytes
 
     types = _TYPES[:3] + ["*bf16"] + _TYPES[3:8] + ["*fp32"] + _TYPES[9:] + ["fp32", "fp32"]  # q kv dO O idx ...
-    consts = dict(H=H, D_V=d_v, D_R=d_qk - d_v, HAS_LEN=True, DETERMINISTIC=deterministic, HEAD_MAJOR=head_major,
+    consts = dict(H=H, D_V=d_v, D_R=d_qk - d_v, HAS_LEN=True, DETERMINISTIC=deterministic,
                   REGS_PROB=ws.WS_BWD_NUM_REGS[0], REGS_PRODUCER=ws.WS_BWD_NUM_REGS[1])  # fmt: skip
     stats = compile_sm90("longtrain.dsa.triton.sparse_mla_bwd_sm90_ws", "sparse_mla_bwd_sm90_ws_kernel", types, consts,
                          num_warps=4, maxnreg=ws.WS_BWD_MAXNREG)  # fmt: skip

@@ -383,93 +383,13 @@ def test_sparse_mla_bwd_ws_deterministic_bitwise(H):
     torch.testing.assert_close(runs[0][1].float(), runs[2][1].float(), rtol=2**-7, atol=2**-7)
 
 
-@_SM90
-@pytest.mark.parametrize("H,K,with_sink", [(128, 1000, True), (192, 300, False)], ids=["H128-sink", "H192"])
-def test_sparse_mla_bwd_ws_head_major_order(monkeypatch, H, K, with_sink):
-    """The warp-specialized backward with its programs in head-block-major order (``SM90_BWD_HEAD_MAJOR``): every
-    gradient passes the flash-attention rule against float64, dq equals the row-major order's bit for bit (the same
-    dS), and the deterministic mode's dkv too (its pieces' places do not depend on the order)."""
-    from longtrain.dsa.triton import KernelConfig, SparseMLAConfig, sparse_mla_bwd_plan, sparse_mla_triton
-
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(H + K)
-    q = torch.randn((96, H, 576), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
-    kv = torch.randn((2048, 1, 576), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
-    idx, length = _index_sets(96, 2048, K, gen, dev)
-    sink = torch.randn(H, generator=gen, device=dev).requires_grad_(True) if with_sink else None
-    inputs = [q, kv] + ([sink] if with_sink else [])
-    dout = torch.randn((96, H, 512), generator=gen, device=dev).to(torch.bfloat16)
-    config = SparseMLAConfig(bwd=KernelConfig(impl="sm90", layout="warp_specialized", num_warps=4, block_k=64,
-                                              num_stages=1))  # fmt: skip
-    runs = {}
-    for head_major in (False, True):
-        monkeypatch.setattr(sparse_mla_bwd_plan, "SM90_BWD_HEAD_MAJOR", head_major)
-        for det in (False, True):
-            out = sparse_mla_triton(q, kv, idx, 192**-0.5, d_v=512, topk_length=length, attn_sink=sink,
-                                    deterministic=det, config=config)  # fmt: skip
-            runs[head_major, det] = torch.autograd.grad(out, inputs, dout)
-    same = _torch_bf16(q, kv, idx, 192**-0.5, 512, length, sink)
-    same_grads = torch.autograd.grad(same, inputs, dout)
-    leaves64 = [t.detach().double().requires_grad_(True) for t in inputs]
-    ref, _ = sparse_mla_reference(leaves64[0], leaves64[1], idx, 192**-0.5, d_v=512, topk_length=length,
-                                  attn_sink=leaves64[2] if with_sink else None)  # fmt: skip
-    ref_grads = torch.autograd.grad(ref, leaves64, dout.double())
-    for name, g, s, r in zip(("dq", "dkv", "dsink"), runs[True, False], same_grads, ref_grads):
-        _check_rule(name, g, s, r)
-    assert torch.equal(runs[True, False][0], runs[False, False][0])
-    assert all(torch.equal(a, b) for a, b in zip(runs[True, True], runs[False, True]))
-
-
-@_SM90
-@pytest.mark.parametrize(
-    "T,H,K,dq,chunk_rows",
-    [(96, 128, 1000, (64, 2), None), (300, 128, 512, (64, 2), 64), (200, 96, 300, (32, 4), None),
-     (400, 64, 256, (32, 3), 100)],
-    ids=["H128-K1000", "H128-K512-chunks", "H96-32x4", "32x3-chunks"],
-)  # fmt: skip
-def test_sm90_dq_persistent_equals_per_item(monkeypatch, T, H, K, dq, chunk_rows):
-    """The persistent SM90 dq kernel (``SM90_DQ_PERSISTENT``; more items than SMs, rows without slots, invalid and
-    duplicate slots, row chunks) gives dq equal bit for bit to the per-item kernel's (the same wgmma operands in the
-    same order), and every gradient passes the flash-attention rule against float64."""
-    from longtrain.dsa.triton import sparse_mla_bwd, sparse_mla_bwd_plan, sparse_mla_triton
-
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(T + H + K)
-    q = torch.randn((T, H, 576), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
-    kv = torch.randn((2048, 1, 576), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
-    idx, length = _index_sets(T, 2048, K, gen, dev)
-    idx[5, :7] = torch.tensor([-1, 2048, 2**30, 3, 3, 3, -5], dtype=torch.int32, device=dev)
-    dout = torch.randn((T, H, 512), generator=gen, device=dev).to(torch.bfloat16)
-    if chunk_rows is not None:  # several row chunks: a chunk's items start at row_offset > 0
-        monkeypatch.setattr(sparse_mla_bwd, "PDS_SCRATCH_BYTES", chunk_rows * 2 * 2 * H * K)
-    config = _configs(("sm90", 64, 2), "ws", dq)
-    grads = []
-    for persistent in (False, True):
-        monkeypatch.setattr(sparse_mla_bwd_plan, "SM90_DQ_PERSISTENT", persistent)
-        out = sparse_mla_triton(q, kv, idx, 192**-0.5, d_v=512, topk_length=length, config=config)
-        grads.append(torch.autograd.grad(out, (q, kv), dout))
-    assert torch.equal(grads[0][0], grads[1][0])
-    empty = length == 0
-    assert empty.any() and torch.equal(grads[1][0][empty], torch.zeros_like(grads[1][0][empty]))
-    same = _torch_bf16(q, kv, idx, 192**-0.5, 512, length, None)
-    same_grads = torch.autograd.grad(same, (q, kv), dout)
-    leaves64 = [t.detach().double().requires_grad_(True) for t in (q, kv)]
-    ref, _ = sparse_mla_reference(leaves64[0], leaves64[1], idx, 192**-0.5, d_v=512, topk_length=length)
-    ref_grads = torch.autograd.grad(ref, leaves64, dout.double())
-    for name, g, s_, r in zip(("dq", "dkv"), grads[1], same_grads, ref_grads):
-        _check_rule(name, g, s_, r)
-
-
-@pytest.mark.parametrize("persistent_dq", [False, True], ids=["dq-per-item", "dq-persistent"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
-def test_sparse_mla_nan_in_one_document_stays_there(monkeypatch, deterministic, persistent_dq):
+def test_sparse_mla_nan_in_one_document_stays_there(deterministic):
     """Two packed documents, each row selecting keys of its own document only; a NaN in one key row of document A.
     At the defaults (on SM90: the fused probabilities + dkv kernel and the SM90 dq kernel) document B's output and
-    gradients are finite and equal to a run without the NaN (bit for bit in deterministic mode). With the
-    persistent dq kernel a program's items follow each other: document A's NaN must not reach B's rows."""
-    from longtrain.dsa.triton import sparse_mla_bwd_plan, sparse_mla_triton
+    gradients are finite and equal to a run without the NaN (bit for bit in deterministic mode)."""
+    from longtrain.dsa.triton import sparse_mla_triton
 
-    monkeypatch.setattr(sparse_mla_bwd_plan, "SM90_DQ_PERSISTENT", persistent_dq)
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(11)
     H, D, d_v, K, len_a, len_b = 64, 576, 512, 256, 300, 200

@@ -542,8 +542,7 @@ def sparse_mla_bwd(
                 q, kv2d, dout, out, *common, lse2, delta, ds_buf, contrib if deterministic else dkv_acc, row0, num_keys,
                 k_slots, softmax_scale, softmax_scale * LOG2E, H=num_heads, D_V=d_v, D_R=d_r,
                 HAS_LEN=topk_length is not None, DETERMINISTIC=deterministic, REGS_PROB=ws.WS_BWD_NUM_REGS[0],
-                REGS_PRODUCER=ws.WS_BWD_NUM_REGS[1], HEAD_MAJOR=bwd_plan.SM90_BWD_HEAD_MAJOR and num_heads > 64,
-                num_warps=4, maxnreg=ws.WS_BWD_MAXNREG,
+                REGS_PRODUCER=ws.WS_BWD_NUM_REGS[1], num_warps=4, maxnreg=ws.WS_BWD_MAXNREG,
             )  # fmt: skip
         elif fused:
             from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sparse_mla_bwd_sm90_kernel_ds_dkv
@@ -569,23 +568,13 @@ def sparse_mla_bwd(
             from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sparse_mla_bwd_sm90_kernel_dq
 
             dq_block_k, dq_num_buf, dq_heads = dq_sm90
-            ds_smem = bwd_plan.SM90_DQ_DS_SMEM and k_slots % 8 == 0
-            if bwd_plan.SM90_DQ_PERSISTENT and dq_heads == 64 and not ds_smem:
-                from longtrain.dsa.triton.sparse_mla_bwd_sm90_dq import sparse_mla_bwd_sm90_kernel_dq_persistent
-
-                items = rows * triton.cdiv(num_heads, 64)
-                sparse_mla_bwd_sm90_kernel_dq_persistent[(min(items, _sm_count(_device_index(dev))),)](
-                    kv2d, *common, ds_buf, dq, row0, num_keys, k_slots, items, H=num_heads, D_V=d_v, D_R=d_r,
-                    HAS_LEN=topk_length is not None, BLOCK_K=dq_block_k, NUM_BUF=dq_num_buf, num_warps=8,
-                )  # fmt: skip
-            else:
-                # 128 heads per program: two programs per block of heads, each half of the columns.
-                dq_programs = triton.cdiv(num_heads, dq_heads) * (dq_heads // 64)
-                sparse_mla_bwd_sm90_kernel_dq[(rows * dq_programs,)](
-                    kv2d, *common, ds_buf, dq, row0, num_keys, k_slots, H=num_heads, D_V=d_v, D_R=d_r,
-                    HAS_LEN=topk_length is not None, BLOCK_K=dq_block_k, NUM_BUF=dq_num_buf, HEADS=dq_heads,
-                    DS_SMEM=ds_smem, num_warps=8,
-                )  # fmt: skip
+            # 128 heads per program: two programs per block of heads, each half of the columns.
+            dq_programs = triton.cdiv(num_heads, dq_heads) * (dq_heads // 64)
+            sparse_mla_bwd_sm90_kernel_dq[(rows * dq_programs,)](
+                kv2d, *common, ds_buf, dq, row0, num_keys, k_slots, H=num_heads, D_V=d_v, D_R=d_r,
+                HAS_LEN=topk_length is not None, BLOCK_K=dq_block_k, NUM_BUF=dq_num_buf, HEADS=dq_heads,
+                DS_SMEM=bwd_plan.SM90_DQ_DS_SMEM and k_slots % 8 == 0, num_warps=8,
+            )  # fmt: skip
         else:
             _launch(
                 "dq", sparse_mla_bwd_kernel_dq, _DQ_CANDIDATES, (rows * n_hb[1],),
@@ -626,15 +615,11 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _device_index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
 def _whole_waves(num_tokens: int, rows: int, programs_per_row: int, device: torch.device) -> int:
     """The row chunk for ``num_tokens`` rows in chunks of about ``rows``: as many chunks as ``rows`` gives, each
     rounded up to a row count whose programs fill whole waves of the GPU's SMs (one SM90 program per SM), so no
     launch ends on a partial wave but the last (1024-row chunks at 64 heads are 7.76 waves on 132 SMs, 1056 rows 8)."""
-    sms = _sm_count(_device_index(device))
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     step = sms // math.gcd(sms, programs_per_row)
     per_chunk = triton.cdiv(num_tokens, triton.cdiv(num_tokens, rows))
     return triton.cdiv(per_chunk, step) * step

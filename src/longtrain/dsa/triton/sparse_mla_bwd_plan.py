@@ -13,10 +13,8 @@ from longtrain.dsa.triton.sparse_mla_fwd import SM90_SMEM_BYTES, SM90_SMEM_LIMIT
 
 __all__ = [
     "SM90_BWD_DEFAULT",
-    "SM90_BWD_HEAD_MAJOR",
     "SM90_DQ_DS_SMEM",
     "SM90_DQ_HEADS",
-    "SM90_DQ_PERSISTENT",
     "SM90_DQ_RINGS",
     "sm90_backward_plan",
     "sm90_dq_plan",
@@ -29,10 +27,6 @@ __all__ = [
 # The fused SM90 kernel that config=None runs where it applies: "warp_specialized" (sparse_mla_bwd_sm90_ws.py) or
 # "fused" (the two-warpgroup kernel in sparse_mla_bwd_sm90.py).
 SM90_BWD_DEFAULT = "warp_specialized"
-# The warp-specialized kernel's program order where a row has several head blocks: False, a row's head blocks side
-# by side (they add into the same dkv rows at the same time); True, every row of the chunk for one head block, then
-# the next head block. Read at each call.
-SM90_BWD_HEAD_MAJOR = False
 # The SM90 dq kernel that config=None runs: heads per program where the head count is a multiple of 128 (64: one
 # program per 64 heads, every column; 128: two programs per 128 heads, half of the columns each) and each layout's
 # ring (block_k, num_buf). 64: on the H200 the 128-head layout (dS in registers) took 1.42 ms against 1.23 at
@@ -45,10 +39,6 @@ SM90_DQ_RINGS = {64: (64, 2), 128: (64, 2)}
 # and checked for sm_90a here; its GPU test is tests/gpu/test_dsa_triton_gpu.py -k ds_ring. Read at each
 # call.
 SM90_DQ_DS_SMEM = False
-# Whether the SM90 dq kernel with 64 heads per program and dS in registers runs persistent (one program per SM, its
-# ring running on from one (row, head block) into the next: sparse_mla_bwd_sm90_dq.py) instead of one program per
-# (row, head block). Read at each call.
-SM90_DQ_PERSISTENT = False
 # Heads per program of the SM90 kernels, and gathered slots per step of the fused one.
 _STACK_H = 64
 _DKV_BLOCK_K = 64

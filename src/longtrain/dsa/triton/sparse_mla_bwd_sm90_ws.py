@@ -253,7 +253,7 @@ def sparse_mla_bwd_sm90_ws_kernel(
     q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, lse2_ptr, delta_ptr, ds_ptr, dkv_ptr,
     row_offset, T_k, K_slots, sm_scale, qk_scale,
     H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr, DETERMINISTIC: gl.constexpr,
-    REGS_PROB: gl.constexpr, REGS_PRODUCER: gl.constexpr, num_warps: gl.constexpr, HEAD_MAJOR: gl.constexpr = False,
+    REGS_PROB: gl.constexpr, REGS_PRODUCER: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
     BLOCK_K: gl.constexpr = _BLOCK_K
@@ -290,14 +290,9 @@ def sparse_mla_bwd_sm90_ws_kernel(
     mbarrier.init(delta_bar, count=1)  # the producer, once delta is in shared memory
 
     pid = gl.program_id(0)
-    if HEAD_MAJOR:  # every row of the chunk for head block 0, then for head block 1, ...
-        rows = gl.num_programs(0) // NUM_HB
-        t_local = (pid % rows).to(gl.int64)
-        hb = pid // rows
-    else:  # a row's head blocks side by side
-        t_local = (pid // NUM_HB).to(gl.int64)
-        hb = pid % NUM_HB
+    t_local = (pid // NUM_HB).to(gl.int64)
     t = row_offset + t_local
+    hb = pid % NUM_HB
     if HAS_LEN:
         n_slots = gl.minimum(gl.maximum(gl.load(len_ptr + t).to(gl.int32), 0), K_slots)  # scalar
     else:

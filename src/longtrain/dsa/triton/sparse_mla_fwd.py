@@ -311,7 +311,7 @@ def _launch_sm90_pp(grid, args, meta) -> None:
     from longtrain.dsa.triton import sparse_mla_fwd_sm90_pp as pp
 
     pp.sparse_mla_fwd_sm90_pp_kernel[grid](
-        *args, **meta, SPLIT=pp.PP_SPLIT, REGS_WG1=pp.PP_NUM_REGS[0], REGS_PRODUCER=pp.PP_NUM_REGS[1], num_warps=4,
+        *args, **meta, REGS_WG1=pp.PP_NUM_REGS[0], REGS_PRODUCER=pp.PP_NUM_REGS[1], num_warps=4,
         maxnreg=pp.PP_MAXNREG,
     )  # fmt: skip
 

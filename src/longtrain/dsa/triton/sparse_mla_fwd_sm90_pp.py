@@ -45,7 +45,6 @@ from longtrain.dsa.triton.sparse_mla_fwd_sm90_ws import _gather, _mma_layout
 __all__ = [
     "PP_MAXNREG",
     "PP_NUM_REGS",
-    "PP_SPLIT",
     "pp_smem_bytes",
     "sparse_mla_fwd_sm90_pp_kernel",
 ]
@@ -55,49 +54,14 @@ _BLOCK_H = gl.constexpr(_HEADS)
 _SLOTS = 64  # slots per tile
 _BLOCK_K = gl.constexpr(_SLOTS)
 # setmaxnreg budgets of the worker partitions (warpgroup 1, the producer); warpgroup 0 gets the rest of the 168 x 3
-# per thread that one 384-thread program may hold on an SM (64K registers): 208. With Triton 3.6 the fewest spills
-# in the three loops together (warpgroup 1 / producer / warpgroup 0: 6 / 0 / 37 instructions, one value chain).
-PP_NUM_REGS = (200, 96)
+# per thread that one 384-thread program may hold on an SM (64K registers): 216.
+PP_NUM_REGS = (216, 72)
 PP_MAXNREG = 168
-# Whether each tile's logits start on the half that lands first (three wgmma chains: that half, then the other and
-# the rope tail) instead of waiting for both halves (two chains). Read at each launch.
-PP_SPLIT = True
-
-
-@gluon.jit
-def _gather_half(sc, sm, b: gl.constexpr, right: gl.constexpr, k0, D_V: gl.constexpr, D_R: gl.constexpr):
-    """cp.async one half of tile ``k0``'s gathered rows into buffer ``b``: value columns ``[0, D_V/2)``, or
-    ``[D_V/2, D_V)`` and the rope tail (``right``)."""
-    q_ptr, kv_ptr, idx_row, out_ptr, lse_ptr, sink_ptr, t, hb, n_slots, T_k, qk_scale = sc
-    q_v, q_t, kv_bufs, kt_bufs, p0_smem, p1_smem, m_smem, l_smem, bars = sm
-    D_QK: gl.constexpr = D_V + D_R
-    DH: gl.constexpr = D_V // 2
-    LV: gl.constexpr = _gather_layout(DH, 4)
-    LT: gl.constexpr = _gather_layout(max(D_R, 16), 4)
-    idx, valid = _load_idx(idx_row, k0, n_slots, T_k, _BLOCK_K, gl.SliceLayout(1, LV))  # [64] x 2
-    rows = gl.where(valid, idx, 0).to(gl.int64) * D_QK
-    _gather(kv_bufs.index(b).slice(right * DH, DH, dim=1), kv_ptr, rows, valid, right * DH, DH, LV)  # [64, DH]
-    if right and D_R > 0:
-        idx_t, valid_t = _load_idx(idx_row, k0, n_slots, T_k, _BLOCK_K, gl.SliceLayout(1, LT))
-        rows_t = gl.where(valid_t, idx_t, 0).to(gl.int64) * D_QK
-        _gather(kt_bufs.index(b), kv_ptr, rows_t, valid_t, D_V, D_R, LT)  # [64, D_R]
-
-
-@gluon.jit
-def _fill_half(sc, sm, b: gl.constexpr, right: gl.constexpr, k0, free_phase, D_V: gl.constexpr, D_R: gl.constexpr):
-    """Once its readers have released it, refill one half of buffer ``b`` (barrier ``2 b + right``)."""
-    ready, free = sm[8][0], sm[8][1]
-    mbarrier.wait(free.index(2 * b + right), free_phase)
-    _gather_half(sc, sm, b, right, k0, D_V, D_R)
-    cp.mbarrier_arrive(ready.index(2 * b + right), increment_count=False)
 
 
 @gluon.jit
 def _producer(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr):
-    """Worker partition: the queries, then every pair's tiles in halves, each as soon as its readers are done: tile
-    2j's left half (free once warpgroup 0's ``P_0 V_0`` is done), tile 2j+1's right half (warpgroup 1's
-    ``P_1 V_1``), tile 2j's right half (warpgroup 1's ``P_0 V_0``), tile 2j+1's left half (warpgroup 0's
-    ``P_1 V_1``)."""
+    """Worker partition: the queries, then both tiles of every pair."""
     q_ptr, kv_ptr, idx_row, out_ptr, lse_ptr, sink_ptr, t, hb, n_slots, T_k, qk_scale = sc
     q_v, q_t, kv_bufs, kt_bufs, p0_smem, p1_smem, m_smem, l_smem, bars = sm
     ready, free, q_bar, m0_ready, m1_ready, p0_ready, p1_ready, p1_free, l_ready, inv_ready = bars
@@ -114,12 +78,16 @@ def _producer(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr):
     cp.mbarrier_arrive(q_bar, increment_count=False)
 
     for j in range(gl.cdiv(n_slots, 2 * _BLOCK_K)):
-        free_phase = (j & 1) ^ 1
-        k0 = 2 * j * _BLOCK_K
-        _fill_half(sc, sm, 0, 0, k0, free_phase, D_V, D_R)
-        _fill_half(sc, sm, 1, 1, k0 + _BLOCK_K, free_phase, D_V, D_R)
-        _fill_half(sc, sm, 0, 1, k0, free_phase, D_V, D_R)
-        _fill_half(sc, sm, 1, 0, k0 + _BLOCK_K, free_phase, D_V, D_R)
+        for b in gl.static_range(2):
+            mbarrier.wait(free.index(b), (j & 1) ^ 1)
+            k0 = (2 * j + b) * _BLOCK_K
+            idx, valid = _load_idx(idx_row, k0, n_slots, T_k, _BLOCK_K, gl.SliceLayout(1, LV))  # [64] x 2
+            _gather(kv_bufs.index(b), kv_ptr, gl.where(valid, idx, 0).to(gl.int64) * D_QK, valid, 0, D_V, LV)
+            if D_R > 0:
+                idx_t, valid_t = _load_idx(idx_row, k0, n_slots, T_k, _BLOCK_K, gl.SliceLayout(1, LT))
+                rows_t = gl.where(valid_t, idx_t, 0).to(gl.int64) * D_QK
+                _gather(kt_bufs.index(b), kv_ptr, rows_t, valid_t, D_V, D_R, LT)  # [64, D_R]
+            cp.mbarrier_arrive(ready.index(b), increment_count=False)
 
 
 @gluon.jit
@@ -132,35 +100,13 @@ def _buffers(j):
 
 
 @gluon.jit
-def _tile_logits(sc, sm, bc: gl.constexpr, b, phase, k0, s_zero, D_R: gl.constexpr, SPLIT: gl.constexpr):
-    """``S = Q K_b^T`` scaled to base 2, invalid slots ``-inf``: ``[64, 64]`` fp32. ``SPLIT``: the half that arrives
-    first (left for tile 0, right for tile 1, the order the producer refills them in) as a chain of its own, issued
-    before the other half has landed; else one chain for the values and one for the rope tail once both halves have."""
+def _tile_logits(sc, sm, b, k0, s_zero, D_R: gl.constexpr):
+    """``S = Q K_b^T`` scaled to base 2, invalid slots ``-inf``: ``[64, 64]`` fp32 (two wgmma chains)."""
     q_ptr, kv_ptr, idx_row, out_ptr, lse_ptr, sink_ptr, t, hb, n_slots, T_k, qk_scale = sc
     q_v, q_t, kv_bufs, kt_bufs, p0_smem, p1_smem, m_smem, l_smem, bars = sm
-    ready = bars[0]
-    DH: gl.constexpr = kv_bufs.type.shape[2] // 2
-    first: gl.constexpr = bc  # tile 0 starts with its left half, tile 1 with its right half
-    if SPLIT:
-        mbarrier.wait(ready.index(2 * bc + first), phase)
-        fence_async_shared()
-        k_first = kv_bufs.index(b).slice(first * DH, DH, dim=1).permute((1, 0))
-        s = warpgroup_mma(q_v.slice(first * DH, DH, dim=1), k_first, s_zero, use_acc=False, is_async=True)
-        if first == 1 and D_R > 0:
-            s = warpgroup_mma(q_t, kt_bufs.index(b).permute((1, 0)), s, is_async=True)
-        mbarrier.wait(ready.index(2 * bc + 1 - first), phase)
-        fence_async_shared()
-        k_second = kv_bufs.index(b).slice((1 - first) * DH, DH, dim=1).permute((1, 0))
-        s = warpgroup_mma(q_v.slice((1 - first) * DH, DH, dim=1), k_second, s, is_async=True)
-        if first == 0 and D_R > 0:
-            s = warpgroup_mma(q_t, kt_bufs.index(b).permute((1, 0)), s, is_async=True)  # [64, 64]
-    else:
-        mbarrier.wait(ready.index(2 * bc), phase)
-        mbarrier.wait(ready.index(2 * bc + 1), phase)
-        fence_async_shared()
-        s = warpgroup_mma(q_v, kv_bufs.index(b).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        if D_R > 0:
-            s = warpgroup_mma(q_t, kt_bufs.index(b).permute((1, 0)), s, is_async=True)  # [64, 64]
+    s = warpgroup_mma(q_v, kv_bufs.index(b).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if D_R > 0:
+        s = warpgroup_mma(q_t, kt_bufs.index(b).permute((1, 0)), s, is_async=True)  # [64, 64]
     _, valid = _load_idx(idx_row, k0, n_slots, T_k, _BLOCK_K, gl.SliceLayout(0, s_zero.type.layout))  # [64]
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     return gl.where(valid[None, :], s * qk_scale, float("-inf"))
@@ -185,8 +131,7 @@ def _store_half(sc, acc, inv, col0, o_layout: gl.constexpr, H: gl.constexpr, D_V
 
 
 @gluon.jit
-def _warpgroup0(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr,
-                SPLIT: gl.constexpr):  # fmt: skip
+def _warpgroup0(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr):
     """Default partition: tile ``2j``'s logits and softmax, ``O[:, :D_V/2]`` over both tiles, the LSE."""
     q_ptr, kv_ptr, idx_row, out_ptr, lse_ptr, sink_ptr, t, hb, n_slots, T_k, qk_scale = sc
     q_v, q_t, kv_bufs, kt_bufs, p0_smem, p1_smem, m_smem, l_smem, bars = sm
@@ -207,33 +152,35 @@ def _warpgroup0(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, H
     for j in range(gl.cdiv(n_slots, 2 * _BLOCK_K)):
         phase = j & 1
         b0, b1 = _buffers(j)
-        s = _tile_logits(sc, sm, 0, b0, phase, 2 * j * _BLOCK_K, s_zero, D_R, SPLIT)  # [64, 64]
+        mbarrier.wait(ready.index(0), phase)
+        fence_async_shared()
+        s = _tile_logits(sc, sm, b0, 2 * j * _BLOCK_K, s_zero, D_R)  # [64, 64]
         m_new = gl.maximum(m_i, gl.max(s, 1))
         m_smem.store(m_new)
         mbarrier.arrive(m0_ready)
         m_use = _guard(m_new)
         alpha = gl.exp2(m_i - m_use)
-        p32 = gl.exp2(s - m_use[:, None])  # [64, 64], relative to this tile's max (kept for P_0 at the pair's)
+        p32 = gl.exp2(s - m_use[:, None])  # [64, 64], relative to this tile's max
         l_i = l_i * alpha + gl.sum(p32, 1)
+        p = p32.to(dtype)
+        p0_smem.store(p)  # tile 0's rope block (S_0 has read it) or a block of its own
+        fence_async_shared()
+        mbarrier.arrive(p0_ready)
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        acc = warpgroup_mma(gl.convert_layout(p32.to(dtype), p_layout), kv_bufs.index(b0).slice(0, DH, dim=1),
-                            acc, is_async=True)  # [64, DH]: O_L += P_0 V_0  # fmt: skip
-        # The pair's max from warpgroup 1: P_0 rescaled to it (from fp32) is warpgroup 1's operand.
+        acc = warpgroup_mma(gl.convert_layout(p, p_layout), kv_bufs.index(b0).slice(0, DH, dim=1), acc,
+                            is_async=True)  # [64, DH]: O_L += P_0 V_0  # fmt: skip
         mbarrier.wait(m1_ready, phase)
         m_pair = m_smem.load(row_s)
         beta = _to_pair_max(m_new, m_pair)
-        p0_smem.store((p32 * beta[:, None]).to(dtype))  # tile 0's rope block (S_0 has read it) or its own block
-        fence_async_shared()
-        mbarrier.arrive(p0_ready)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(free.index(0))  # tile 0's left half
+        mbarrier.arrive(free.index(0))
         acc = acc * gl.convert_layout(beta, row_o)[:, None]
         l_i = l_i * beta
         mbarrier.wait(p1_ready, phase)
         acc = warpgroup_mma(p1_smem, kv_bufs.index(b1).slice(0, DH, dim=1), acc, is_async=True)  # O_L += P_1 V_1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(p1_free)
-        mbarrier.arrive(free.index(2))  # tile 1's left half
+        mbarrier.arrive(free.index(1))
         m_i = m_pair
 
     # Row sums of both warpgroups (the same max), the sink, the LSE; 1 / denominator to warpgroup 1.
@@ -263,10 +210,10 @@ def _to_pair_max(m_new, m_pair):
 
 
 @gluon.jit
-def _warpgroup1(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr,
-                SPLIT: gl.constexpr):  # fmt: skip
-    """Worker partition: tile ``2j + 1``'s logits and softmax at the pair's max, ``O[:, D_V/2:]`` over both tiles
-    (its own ``P_1`` first, from registers, then warpgroup 0's ``P_0``)."""
+def _warpgroup1(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr):
+    """Worker partition: tile ``2j + 1``'s logits and softmax at the pair's max, ``O[:, D_V/2:]`` over both tiles:
+    ``P_0`` comes relative to tile 2j's max, so the accumulator is brought to that max, takes ``P_0 V_0``, then to
+    the pair's and takes ``P_1 V_1`` (the same factors as warpgroup 0's half)."""
     q_ptr, kv_ptr, idx_row, out_ptr, lse_ptr, sink_ptr, t, hb, n_slots, T_k, qk_scale = sc
     q_v, q_t, kv_bufs, kt_bufs, p0_smem, p1_smem, m_smem, l_smem, bars = sm
     ready, free, q_bar, m0_ready, m1_ready, p0_ready, p1_ready, p1_free, l_ready, inv_ready = bars
@@ -286,30 +233,33 @@ def _warpgroup1(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, H
     for j in range(gl.cdiv(n_slots, 2 * _BLOCK_K)):
         phase = j & 1
         b0, b1 = _buffers(j)
-        s = _tile_logits(sc, sm, 1, b1, phase, (2 * j + 1) * _BLOCK_K, s_zero, D_R, SPLIT)  # [64, 64]
-        m_local = gl.max(s, 1)
+        mbarrier.wait(ready.index(1), phase)
+        fence_async_shared()
+        s = _tile_logits(sc, sm, b1, (2 * j + 1) * _BLOCK_K, s_zero, D_R)  # [64, 64]
         mbarrier.wait(m0_ready, phase)
-        m_pair = gl.maximum(m_smem.load(row_s), m_local)  # with tile 2j's max (and the running max)
+        m_new = m_smem.load(row_s)  # tile 2j's max (with the running max)
+        m_pair = gl.maximum(m_new, gl.max(s, 1))
         m_smem.store(m_pair)
         mbarrier.arrive(m1_ready)
         m_use = _guard(m_pair)
-        alpha = gl.exp2(m_i - m_use)
         p32 = gl.exp2(s - m_use[:, None])  # [64, 64], relative to the pair's max
-        l_i = l_i * alpha + gl.sum(p32, 1)
+        l_i = l_i * gl.exp2(m_i - m_use) + gl.sum(p32, 1)
         p = p32.to(dtype)
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        acc = warpgroup_mma(gl.convert_layout(p, p_layout), kv_bufs.index(b1).slice(DH, DH, dim=1), acc,
-                            is_async=True)  # [64, DH]: O_R += P_1 V_1  # fmt: skip
         mbarrier.wait(p1_free, phase ^ 1)  # warpgroup 0 has finished reading the last pair's P_1
         p1_smem.store(p)
         fence_async_shared()
         mbarrier.arrive(p1_ready)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(free.index(3))  # tile 1's right half
+        beta = _to_pair_max(m_new, m_pair)
+        acc = acc * gl.convert_layout(gl.exp2(m_i - _guard(m_new)), row_o)[:, None]
         mbarrier.wait(p0_ready, phase)
         acc = warpgroup_mma(p0_smem, kv_bufs.index(b0).slice(DH, DH, dim=1), acc, is_async=True)  # O_R += P_0 V_0
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(free.index(1))  # tile 0's right half (and P_0 in its rope block)
+        mbarrier.arrive(free.index(0))
+        acc = acc * gl.convert_layout(beta, row_o)[:, None]
+        acc = warpgroup_mma(gl.convert_layout(p, p_layout), kv_bufs.index(b1).slice(DH, DH, dim=1), acc,
+                            is_async=True)  # [64, DH]: O_R += P_1 V_1  # fmt: skip
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(free.index(1))
         m_i = m_pair
 
     l_smem.store(l_i)
@@ -324,7 +274,7 @@ def sparse_mla_fwd_sm90_pp_kernel(
     T_k, K_slots, qk_scale,
     H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
     HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr,
-    SPLIT: gl.constexpr, REGS_WG1: gl.constexpr, REGS_PRODUCER: gl.constexpr, num_warps: gl.constexpr,
+    REGS_WG1: gl.constexpr, REGS_PRODUCER: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -351,13 +301,12 @@ def sparse_mla_fwd_sm90_pp_kernel(
     row_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
     m_smem = gl.allocate_shared_memory(gl.float32, [_BLOCK_H], row_sl)
     l_smem = gl.allocate_shared_memory(gl.float32, [_BLOCK_H], row_sl)
-    # Per half of each buffer (index 2 b + right): its gathered rows have landed / its readers are done with it.
-    ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     one = gl.allocate_shared_memory(gl.int64, [8, 1], mbarrier.MBarrierLayout())
-    for k in gl.static_range(4):
-        mbarrier.init(ready.index(k), count=128)  # every producer thread, when its copies have landed
-        mbarrier.init(free.index(k), count=1)  # the warpgroup whose P V reads it last
+    for b in gl.static_range(2):
+        mbarrier.init(ready.index(b), count=128)  # every producer thread, when its copies have landed
+        mbarrier.init(free.index(b), count=2)  # both consumers
     mbarrier.init(one.index(0), count=128)  # the queries: every producer thread
     for k in gl.static_range(1, 8):
         mbarrier.init(one.index(k), count=1)  # one warpgroup's hand-over
@@ -375,8 +324,8 @@ def sparse_mla_fwd_sm90_pp_kernel(
     sm = (q_v, q_t, kv_bufs, kt_bufs, p0_smem, p1_smem, m_smem, l_smem, bars)
     gl.warp_specialize(
         [
-            (_warpgroup0, (sc, sm, H, D_V, D_R, HAS_SINK, SPLIT)),
-            (_warpgroup1, (sc, sm, H, D_V, D_R, HAS_SINK, SPLIT)),
+            (_warpgroup0, (sc, sm, H, D_V, D_R, HAS_SINK)),
+            (_warpgroup1, (sc, sm, H, D_V, D_R, HAS_SINK)),
             (_producer, (sc, sm, H, D_V, D_R)),
         ],
         [4, 4],
