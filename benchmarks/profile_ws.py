@@ -1,6 +1,6 @@
 """Three warp-specialized SM90 launches at the GLM-5.2 shape (T = 16384, H = 64, K = 2048), for ``ncu``: the forward
-(argument ``block_k x num_stages``, default 64x2) or, with the argument ``bwd``, the backward (its default on SM90,
-the warp-specialized probabilities + dkv kernel, then the dq kernel).
+(argument ``block_k x num_stages``, default 64x2; ``pp``: the ping-pong forward) or, with the argument ``bwd``, the
+backward (its default on SM90, the warp-specialized probabilities + dkv kernel, then the dq kernel).
 
 ``ncu --set full -k regex:ws_kernel -s 2 -c 1 -o prof python benchmarks/profile_ws.py 32x4`` profiles the third;
 ``logs/ncu_dsa_fwd_ws_32x4_b0a921f_details.txt`` came from it.
@@ -27,8 +27,9 @@ if what == "bwd":
     for _ in range(3):
         run_bwd(q, kv, out, dout, lse, idx, length)
 else:
-    block_k, num_buf = (int(x) for x in what.split("x"))
-    cfg = KernelConfig(impl="sm90", layout="warp_specialized", num_warps=4, block_k=block_k, num_stages=num_buf)
+    block_k, num_buf = (64, 2) if what == "pp" else (int(x) for x in what.split("x"))
+    layout = "ping_pong" if what == "pp" else "warp_specialized"
+    cfg = KernelConfig(impl="sm90", layout=layout, num_warps=4, block_k=block_k, num_stages=num_buf)
     for _ in range(3):
         run_fwd(q, kv, idx, length, cfg)
 torch.cuda.synchronize()
