@@ -2,11 +2,12 @@
 
 ``python benchmarks/dsa_bwd_ws.py [--out-dir DIR] [--tokens 16384] [--heads 64,128]`` writes ``dsa_bwd_ws_<date>.md``:
 at T tokens of one document (K = 2048, GLM-5.2 dims, random causal index sets as in ``dsa.py``), the backward at
-``config=None`` (today's default), the two-warpgroup fused kernel forced (``layout="fused"``) and the
-warp-specialized one (``layout="warp_specialized"``), each with the largest relative difference of its dq and dkv
-from the default's (fp32 atomics in another order and bf16 roundings: not 0), then T = 4096 (and H = 128, K = 512)
-and the deterministic mode through each at T = 4096 (with whether two runs agree bit for bit). Correctness against
-float64 is the GPU test's (``tests/gpu/test_dsa_triton_gpu.py -k bwd_ws``).
+``config=None`` (today's default), the warp-specialized kernel forced (``layout="warp_specialized"``), the default
+with the producer loading each tile's indices after the wait for the buffer (``WS_BWD_PREFETCH_IDX = False``, as
+before 2026-12-06), with ``--fused`` the two-warpgroup fused kernel (``layout="fused"``), each with the largest
+relative difference of its dq and dkv from the default's (fp32 atomics in another order and bf16 roundings: not 0),
+then T = 4096 (and H = 128, K = 512) and the deterministic mode through each at T = 4096 (with whether two runs agree
+bit for bit). Correctness against float64 is the GPU test's (``tests/gpu/test_dsa_triton_gpu.py -k bwd_ws``).
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import RESULTS_DIR, write_report  # noqa: E402
 from longtrain.bench_suites.dsa import D_QK, D_V, TOPK, bench, causal_index_sets, mla_inputs, run_bwd, run_fwd  # noqa: E402
 from longtrain.dsa.triton import KernelConfig  # noqa: E402
+from longtrain.dsa.triton import sparse_mla_bwd_sm90_ws as ws  # noqa: E402
 
 FUSED = KernelConfig(impl="sm90", layout="fused", block_k=64, num_stages=1)
 WS = KernelConfig(impl="sm90", layout="warp_specialized", num_warps=4, block_k=64, num_stages=1)
+FUSED_TOO = False  # --fused: also time the two-warpgroup fused kernel
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -42,12 +45,23 @@ def _case(rows: list[dict], total: int, heads: int, deterministic: bool, topk: i
     out, lse = run_fwd(q, kv, idx, length, None)
     dout = torch.randn_like(out)
     ref = run_bwd(q, kv, out, dout, lse, idx, length, deterministic=deterministic)
-    for name, cfg in (("default (config=None)", None), ("sm90 fused (two warpgroups)", FUSED),
-                      ("sm90 warp_specialized", WS)):  # fmt: skip
-        cfgs = (cfg, None, None)
+    variants = [
+        ("default (config=None)", None),
+        ("sm90 warp_specialized", WS),
+        ("default, the producer loading a tile's indices after the wait", "indices-after-wait"),
+    ]
+    if FUSED_TOO:
+        variants.insert(1, ("sm90 fused (two warpgroups)", FUSED))
+    for name, cfg in variants:
+        prefetch = ws.WS_BWD_PREFETCH_IDX
+        if cfg == "indices-after-wait":
+            cfg, ws.WS_BWD_PREFETCH_IDX = None, False
         row = dict(shape=f"T={total} H={heads} K={topk} 1doc", mode="deterministic" if deterministic else "atomic",
                    kernel=name)  # fmt: skip
-        _time_variant(row, q, kv, out, dout, lse, idx, length, cfgs, deterministic, ref, flops)
+        try:
+            _time_variant(row, q, kv, out, dout, lse, idx, length, (cfg, None, None), deterministic, ref, flops)
+        finally:
+            ws.WS_BWD_PREFETCH_IDX = prefetch
         print(row, flush=True)
         rows.append(row)
 
@@ -146,7 +160,9 @@ if __name__ == "__main__":
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--heads", default="64,128")
     parser.add_argument("--pattern-probe", action="store_true")
+    parser.add_argument("--fused", action="store_true", help="also time the two-warpgroup fused kernel")
     args = parser.parse_args()
+    FUSED_TOO = args.fused
     if args.pattern_probe:
         pattern_probe(args.out_dir)
     else:

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import RESULTS_DIR, write_report  # noqa: E402
 from longtrain.bench_suites.dsa import D_QK, D_V, TOPK, bench, causal_index_sets, mla_inputs, run_fwd  # noqa: E402
 from longtrain.dsa.triton import KernelConfig  # noqa: E402
+from longtrain.dsa.triton import sparse_mla_fwd_sm90_ws as ws  # noqa: E402
 
 WS_RINGS = ((64, 2), (32, 4), (32, 3))
 PING_PONG = KernelConfig(impl="sm90", layout="ping_pong", num_warps=4, block_k=64, num_stages=2)
@@ -43,8 +44,12 @@ def main(out_dir: Path, totals: tuple[int, ...], heads_list: tuple[int, ...]) ->
             for bk, nb in WS_RINGS
         ]  # fmt: skip
         cfgs.append(("sm90 ping_pong 64 x 2", PING_PONG))
+        cfgs.append(("default, the producer loading a tile's indices after the wait", "indices-after-wait"))
         for name, cfg in cfgs:
             row = dict(shape=f"T={total} H={heads} K={TOPK} 1doc", kernel=name)
+            prefetch = ws.WS_PREFETCH_IDX
+            if cfg == "indices-after-wait":
+                cfg, ws.WS_PREFETCH_IDX = None, False
             try:
                 out, lse = run_fwd(q, kv, idx, length, cfg)
                 torch.cuda.synchronize()
@@ -58,6 +63,8 @@ def main(out_dir: Path, totals: tuple[int, ...], heads_list: tuple[int, ...]) ->
                            same_finite=bool(torch.equal(torch.isfinite(lse), finite)))  # fmt: skip
             except Exception as exc:  # a variant that fails is a row, not a crash
                 row.update(note=f"{type(exc).__name__}: {exc}"[:200])
+            finally:
+                ws.WS_PREFETCH_IDX = prefetch
             print(row, flush=True)
             rows.append(row)
     write_report(

@@ -49,6 +49,7 @@ from longtrain.dsa.triton.sparse_mla_fwd_sm90_ws import _gather, _mma_layout
 __all__ = [
     "WS_BWD_MAXNREG",
     "WS_BWD_NUM_REGS",
+    "WS_BWD_PREFETCH_IDX",
     "sparse_mla_bwd_sm90_ws_kernel",
 ]
 
@@ -60,11 +61,14 @@ _BLOCK_K = gl.constexpr(_SLOTS)
 # 168 x 3 per thread that one 384-thread program may hold on an SM (64K registers).
 WS_BWD_NUM_REGS = (152, 96)
 WS_BWD_MAXNREG = 168
+# Whether the producer loads a tile's slot indices one tile ahead, before it waits for the buffer (True), or after
+# (False). Read at each launch.
+WS_BWD_PREFETCH_IDX = True
 
 
 @gluon.jit
 def _producer(ptrs, row, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr,
-              DETERMINISTIC: gl.constexpr):  # fmt: skip
+              DETERMINISTIC: gl.constexpr, PREFETCH_IDX: gl.constexpr):  # fmt: skip
     """Worker partition: the stacked operand and the rope queries, then every tile of the row."""
     q_ptr, kv_ptr, dout_ptr, out_ptr, idx_row, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr = ptrs
     t, t_local, hb, n_slots, T_k, K_slots, sm_scale, qk_scale = row
@@ -81,14 +85,35 @@ def _producer(ptrs, row, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constex
         _gather(q_r, q_ptr + t * (H * D_QK), hr * D_QK, hr < H, D_V, D_R, LR)  # [64, D_R]
     cp.mbarrier_arrive(q_bar, increment_count=False)
 
+    rl_v: gl.constexpr = gl.SliceLayout(1, LV)
+    rl_r: gl.constexpr = gl.SliceLayout(1, LR)
+    # A tile's slot indices, -1 past the row's slots (validity below, after the wait, from the indices alone).
+    if PREFETCH_IDX:  # loaded one tile ahead, before the wait for the buffer: tile 0's here
+        idx, _ = _load_idx(idx_row, 0, n_slots, T_k, BLOCK_K, rl_v)  # [BLOCK_K]
+        if D_R > 0:
+            idx_r, _ = _load_idx(idx_row, 0, n_slots, T_k, BLOCK_K, rl_r)  # [BLOCK_K]
     for i in range(gl.cdiv(n_slots, BLOCK_K)):
+        if PREFETCH_IDX:
+            # Tile i+1's indices now, under the wait below and tile i's copies: with one buffer, the gather of tile
+            # i+1 then starts as soon as the buffer is free instead of a global load's latency later.
+            nxt, _ = _load_idx(idx_row, (i + 1) * BLOCK_K, n_slots, T_k, BLOCK_K, rl_v)  # [BLOCK_K]
+            if D_R > 0:
+                nxt_r, _ = _load_idx(idx_row, (i + 1) * BLOCK_K, n_slots, T_k, BLOCK_K, rl_r)  # [BLOCK_K]
         mbarrier.wait(free, (i & 1) ^ 1)
-        idx, valid = _load_idx(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, gl.SliceLayout(1, LV))  # [BLOCK_K] x 2
+        if not PREFETCH_IDX:  # loaded once the buffer is free
+            idx, _ = _load_idx(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, rl_v)  # [BLOCK_K]
+            if D_R > 0:
+                idx_r, _ = _load_idx(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, rl_r)  # [BLOCK_K]
+        valid = (idx >= 0) & (idx < T_k)
         _gather(v_buf, kv_ptr, gl.where(valid, idx, 0).to(gl.int64) * D_QK, valid, 0, D_V, LV)  # [BLOCK_K, D_V]
         if D_R > 0:
-            idx_r, valid_r = _load_idx(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, gl.SliceLayout(1, LR))
+            valid_r = (idx_r >= 0) & (idx_r < T_k)
             _gather(r_buf, kv_ptr, gl.where(valid_r, idx_r, 0).to(gl.int64) * D_QK, valid_r, D_V, D_R, LR)
         cp.mbarrier_arrive(ready, increment_count=False)
+        if PREFETCH_IDX:
+            idx = nxt
+            if D_R > 0:
+                idx_r = nxt_r
         if i == 0:  # while the first tile lands and its S / dP run
             mbarrier.wait(q_bar, 0)
             delta = _row_delta(out_ptr + t * (H * D_V), s_v.slice(_BLOCK_H, _BLOCK_H, dim=0), hb, H, D_V)  # [64]
@@ -253,7 +278,7 @@ def sparse_mla_bwd_sm90_ws_kernel(
     q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, lse2_ptr, delta_ptr, ds_ptr, dkv_ptr,
     row_offset, T_k, K_slots, sm_scale, qk_scale,
     H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr, DETERMINISTIC: gl.constexpr,
-    REGS_PROB: gl.constexpr, REGS_PRODUCER: gl.constexpr, num_warps: gl.constexpr,
+    REGS_PROB: gl.constexpr, REGS_PRODUCER: gl.constexpr, num_warps: gl.constexpr, PREFETCH_IDX: gl.constexpr = False,
 ):  # fmt: skip
     NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
     BLOCK_K: gl.constexpr = _BLOCK_K
@@ -304,7 +329,7 @@ def sparse_mla_bwd_sm90_ws_kernel(
         [
             (_dkv, (ptrs, row, sm, H, D_V, D_R, BLOCK_K, DETERMINISTIC)),
             (_probabilities, (ptrs, row, sm, H, D_V, D_R, BLOCK_K, DETERMINISTIC)),
-            (_producer, (ptrs, row, sm, H, D_V, D_R, BLOCK_K, DETERMINISTIC)),
+            (_producer, (ptrs, row, sm, H, D_V, D_R, BLOCK_K, DETERMINISTIC, PREFETCH_IDX)),
         ],
         [4, 4],
         [REGS_PROB, REGS_PRODUCER],

@@ -321,7 +321,7 @@ def _launch_sm90_ws(grid, args, meta, block_k: int, num_buf: int) -> None:
 
     ws.sparse_mla_fwd_sm90_ws_kernel[grid](
         *args, **meta, BLOCK_K=block_k, NUM_BUF=num_buf, REGS_RIGHT=ws.WS_NUM_REGS[0],
-        REGS_PRODUCER=ws.WS_NUM_REGS[1], num_warps=4, maxnreg=ws.WS_MAXNREG,
+        REGS_PRODUCER=ws.WS_NUM_REGS[1], PREFETCH_IDX=ws.WS_PREFETCH_IDX, num_warps=4, maxnreg=ws.WS_MAXNREG,
     )  # fmt: skip
 
 

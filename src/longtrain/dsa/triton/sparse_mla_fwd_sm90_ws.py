@@ -47,6 +47,7 @@ from longtrain.dsa.triton.sparse_mla_fwd_sm90 import _async_load, _gather_layout
 __all__ = [
     "WS_MAXNREG",
     "WS_NUM_REGS",
+    "WS_PREFETCH_IDX",
     "sparse_mla_fwd_sm90_ws_kernel",
     "ws_smem_bytes",
     "ws_unsupported_reason",
@@ -58,6 +59,9 @@ _BLOCK_H = gl.constexpr(_HEADS)
 # of the 168 x 3 per thread that one 384-thread program may hold on an SM (64K registers).
 WS_NUM_REGS = (160, 96)
 WS_MAXNREG = 168
+# Whether the producer loads a tile's slot indices one tile ahead, before it waits for the tile's buffer (True), or
+# after (False). Read at each launch.
+WS_PREFETCH_IDX = True
 
 
 @gluon.constexpr_function
@@ -75,7 +79,7 @@ def _gather(dst, base, rows, valid, col0, WIDTH: gl.constexpr, L: gl.constexpr):
 
 @gluon.jit
 def _producer(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr,
-              BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr):  # fmt: skip
+              BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, PREFETCH_IDX: gl.constexpr):  # fmt: skip
     """Worker partition: the queries, then every tile of the row into the ring."""
     q_ptr, kv_ptr, idx_row, out_ptr, lse_ptr, sink_ptr, t, hb, n_slots, T_k, qk_scale = sc
     q_v, q_t, kv_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_bar = sm
@@ -91,17 +95,36 @@ def _producer(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS
         _gather(q_t, q_row, ht * D_QK, ht < H, D_V, D_R, LT)  # [64, D_R]
     cp.mbarrier_arrive(q_bar, increment_count=False)
 
+    rl_v: gl.constexpr = gl.SliceLayout(1, LV)
+    rl_t: gl.constexpr = gl.SliceLayout(1, LT)
+    # A tile's slot indices, -1 past the row's slots (validity below, after the wait, from the indices alone).
+    if PREFETCH_IDX:  # loaded one tile ahead, before the wait for the buffer: tile 0's here
+        idx, _ = _load_idx(idx_row, 0, n_slots, T_k, BLOCK_K, rl_v)  # [BLOCK_K]
+        if D_R > 0:
+            idx_t, _ = _load_idx(idx_row, 0, n_slots, T_k, BLOCK_K, rl_t)  # [BLOCK_K]
     for i in range(gl.cdiv(n_slots, BLOCK_K)):
         b = i % NUM_BUF
+        if PREFETCH_IDX:
+            # Tile i+1's indices now: their load runs under the wait below and tile i's copies, so the copies of
+            # tile i+1 start as soon as its buffer is free instead of a global load's latency later.
+            nxt, _ = _load_idx(idx_row, (i + 1) * BLOCK_K, n_slots, T_k, BLOCK_K, rl_v)  # [BLOCK_K]
+            if D_R > 0:
+                nxt_t, _ = _load_idx(idx_row, (i + 1) * BLOCK_K, n_slots, T_k, BLOCK_K, rl_t)  # [BLOCK_K]
         mbarrier.wait(free.index(b), ((i // NUM_BUF) & 1) ^ 1)
-        idx, valid = _load_idx(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, gl.SliceLayout(1, LV))  # [BLOCK_K] x 2
-        rows = gl.where(valid, idx, 0).to(gl.int64) * D_QK
-        _gather(kv_bufs.index(b), kv_ptr, rows, valid, 0, D_V, LV)  # [BLOCK_K, D_V]
+        if not PREFETCH_IDX:  # loaded once the buffer is free
+            idx, _ = _load_idx(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, rl_v)  # [BLOCK_K]
+            if D_R > 0:
+                idx_t, _ = _load_idx(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, rl_t)  # [BLOCK_K]
+        valid = (idx >= 0) & (idx < T_k)
+        _gather(kv_bufs.index(b), kv_ptr, gl.where(valid, idx, 0).to(gl.int64) * D_QK, valid, 0, D_V, LV)
         if D_R > 0:
-            idx_t, valid_t = _load_idx(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, gl.SliceLayout(1, LT))
-            rows_t = gl.where(valid_t, idx_t, 0).to(gl.int64) * D_QK
-            _gather(kt_bufs.index(b), kv_ptr, rows_t, valid_t, D_V, D_R, LT)  # [BLOCK_K, D_R]
+            valid_t = (idx_t >= 0) & (idx_t < T_k)
+            _gather(kt_bufs.index(b), kv_ptr, gl.where(valid_t, idx_t, 0).to(gl.int64) * D_QK, valid_t, D_V, D_R, LT)
         cp.mbarrier_arrive(ready.index(b), increment_count=False)
+        if PREFETCH_IDX:
+            idx = nxt
+            if D_R > 0:
+                idx_t = nxt_t
 
 
 @gluon.jit
@@ -330,7 +353,7 @@ def sparse_mla_fwd_sm90_ws_kernel(
     H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
     HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr,
     BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, REGS_RIGHT: gl.constexpr, REGS_PRODUCER: gl.constexpr,
-    num_warps: gl.constexpr,
+    num_warps: gl.constexpr, PREFETCH_IDX: gl.constexpr = False,
 ):  # fmt: skip
     NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -379,7 +402,7 @@ def sparse_mla_fwd_sm90_ws_kernel(
         [
             (_softmax_left, (sc, sm, H, D_V, D_R, HAS_SINK, BLOCK_K, NUM_BUF)),
             (_right_half, (sc, sm, H, D_V, D_R, HAS_SINK, BLOCK_K, NUM_BUF)),
-            (_producer, (sc, sm, H, D_V, D_R, HAS_SINK, BLOCK_K, NUM_BUF)),
+            (_producer, (sc, sm, H, D_V, D_R, HAS_SINK, BLOCK_K, NUM_BUF, PREFETCH_IDX)),
         ],
         [4, 4],
         [REGS_RIGHT, REGS_PRODUCER],
