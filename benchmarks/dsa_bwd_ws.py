@@ -3,11 +3,11 @@
 ``python benchmarks/dsa_bwd_ws.py [--out-dir DIR] [--tokens 16384] [--heads 64,128]`` writes ``dsa_bwd_ws_<date>.md``:
 at T tokens of one document (K = 2048, GLM-5.2 dims, random causal index sets as in ``dsa.py``), the backward at
 ``config=None`` (today's default), the warp-specialized kernel forced (``layout="warp_specialized"``), the default
-with the producer loading each tile's indices after the wait for the buffer (``WS_BWD_PREFETCH_IDX = False``, as
-before 2026-12-06), with ``--fused`` the two-warpgroup fused kernel (``layout="fused"``), each with the largest
-relative difference of its dq and dkv from the default's (fp32 atomics in another order and bf16 roundings: not 0),
-then T = 4096 (and H = 128, K = 512) and the deterministic mode through each at T = 4096 (with whether two runs agree
-bit for bit). Correctness against float64 is the GPU test's (``tests/gpu/test_dsa_triton_gpu.py -k bwd_ws``).
+with the producer loading each tile's indices one tile ahead, before the wait for the buffer (``WS_BWD_PREFETCH_IDX =
+True``; not the default), with ``--fused`` the two-warpgroup fused kernel (``layout="fused"``), each with the
+largest relative difference of its dq and dkv from the default's (fp32 atomics in another order and bf16 roundings:
+not 0), then T = 4096 (and H = 128, K = 512) and the deterministic mode through each at T = 4096 (with whether two
+runs agree bit for bit). Correctness against float64 is the GPU test's (``tests/gpu/test_dsa_triton_gpu.py -k bwd_ws``).
 """
 
 from __future__ import annotations
@@ -48,14 +48,14 @@ def _case(rows: list[dict], total: int, heads: int, deterministic: bool, topk: i
     variants = [
         ("default (config=None)", None),
         ("sm90 warp_specialized", WS),
-        ("default, the producer loading a tile's indices after the wait", "indices-after-wait"),
+        ("default, the producer loading a tile's indices one tile ahead", "indices-ahead"),
     ]
     if FUSED_TOO:
         variants.insert(1, ("sm90 fused (two warpgroups)", FUSED))
     for name, cfg in variants:
         prefetch = ws.WS_BWD_PREFETCH_IDX
-        if cfg == "indices-after-wait":
-            cfg, ws.WS_BWD_PREFETCH_IDX = None, False
+        if cfg == "indices-ahead":
+            cfg, ws.WS_BWD_PREFETCH_IDX = None, True
         row = dict(shape=f"T={total} H={heads} K={topk} 1doc", mode="deterministic" if deterministic else "atomic",
                    kernel=name)  # fmt: skip
         try:

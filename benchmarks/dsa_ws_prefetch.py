@@ -1,5 +1,6 @@
 """The warp-specialized SM90 sparse MLA kernels with the producer loading each tile's slot indices one tile ahead
-(``WS_PREFETCH_IDX`` / ``WS_BWD_PREFETCH_IDX``, the default) or after the wait for the tile's buffer (as before).
+(``WS_PREFETCH_IDX`` / ``WS_BWD_PREFETCH_IDX``; the forward's default, not the backward's) or after the wait for the
+tile's buffer.
 
 ``python benchmarks/dsa_ws_prefetch.py [--out-dir DIR]`` writes ``dsa_ws_prefetch_<date>.md``: the forward and the
 whole backward at ``config=None`` both ways, alternating, on one document (GLM-5.2 dims, random causal index sets as
@@ -66,10 +67,11 @@ def main(out_dir: Path) -> None:
                                   "bwd_tflops", "out_equal", "dq_equal"],
         "Sparse MLA forward and whole backward at config=None (bf16, one document, query t selects min(t+1, K) random "
         "causal keys; FLOPs over valid slots: forward 2 * valid * H * (576 + 512), backward 2 * valid * H * (3 * 576 "
-        "+ 2 * 512)), the warp-specialized kernels' producers loading each tile's slot indices one tile ahead (the "
-        "default) or after the wait for its buffer, alternating, each way twice; triton.testing.do_bench medians "
-        "(backward with 20th/80th percentiles). out_equal / dq_equal: bit for bit against the first run one tile "
-        "ahead. Reproduce: `python benchmarks/dsa_ws_prefetch.py`.",
+        "+ 2 * 512)), the warp-specialized kernels' producers (forward and backward together) loading each tile's "
+        "slot indices one tile ahead or after the wait for its buffer, alternating, each way twice; "
+        "triton.testing.do_bench medians (backward with 20th/80th percentiles). out_equal / dq_equal: bit for bit "
+        "against the first run one tile ahead. Defaults since 2026-12-06: the forward one tile ahead, the backward "
+        "after the wait. Reproduce: `python benchmarks/dsa_ws_prefetch.py`.",
         out_dir=out_dir, title="Sparse MLA: slot indices one tile ahead in the warp-specialized producers",
     )  # fmt: skip
 

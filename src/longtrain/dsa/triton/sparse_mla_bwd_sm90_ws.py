@@ -62,8 +62,10 @@ _BLOCK_K = gl.constexpr(_SLOTS)
 WS_BWD_NUM_REGS = (152, 96)
 WS_BWD_MAXNREG = 168
 # Whether the producer loads a tile's slot indices one tile ahead, before it waits for the buffer (True), or after
-# (False). Read at each launch.
-WS_BWD_PREFETCH_IDX = True
+# (False). False: one tile ahead was slower on an H100 (T = 4096, H = 128, K = 512: 5.95 / 5.99 ms against 5.70 /
+# 5.75; T = 16384 within 1 %; benchmarks/results/dsa_ws_prefetch_0a9b2ae_h100_2026-12-06.md), where the forward's
+# producer gains from it. Read at each launch.
+WS_BWD_PREFETCH_IDX = False
 
 
 @gluon.jit

@@ -60,7 +60,9 @@ _BLOCK_H = gl.constexpr(_HEADS)
 WS_NUM_REGS = (160, 96)
 WS_MAXNREG = 168
 # Whether the producer loads a tile's slot indices one tile ahead, before it waits for the tile's buffer (True), or
-# after (False). Read at each launch.
+# after (False). ncu showed the producer stalled on that load after every free while the consumers waited for tiles;
+# one tile ahead was 1-3 % faster in every pair of an alternating H100 run (T = 16384, H = 64: 9.40 / 9.49 ms against
+# 9.56 / 9.81; benchmarks/results/dsa_ws_prefetch_0a9b2ae_h100_2026-12-06.md). Read at each launch.
 WS_PREFETCH_IDX = True
 
 
