@@ -251,6 +251,51 @@ def test_sparse_mla_bf16(T, T_k, H, D, d_v, K, with_sink, forced, dtype):
 
 @_SM90
 @pytest.mark.parametrize(
+    "T,H,K,ring,with_sink",
+    [(1000, 64, 2048, (64, 2), True), (600, 128, 1000, (64, 2), False), (700, 96, 300, (32, 4), True),
+     (500, 64, 520, (32, 3), False), (5, 128, 64, (64, 2), True)],
+    ids=["64x2-sink", "H128-K1000", "H96-32x4-sink", "32x3", "fewer-items-than-SMs"],
+)  # fmt: skip
+def test_ws_forward_persistent_equals_one_program_per_item(monkeypatch, T, H, K, ring, with_sink):
+    """The warp-specialized forward run persistent (``WS_PERSISTENT``: one program per SM, each taking every G-th
+    item and carrying its ring, handovers and query buffer from item to item) gives out and lse equal bit for bit to
+    one program per item (the same arithmetic per item), over rows without slots, ragged lengths, invalid and
+    repeated indices, and more items than SMs."""
+    from longtrain.dsa.triton import KernelConfig
+    from longtrain.dsa.triton import sparse_mla_fwd_sm90_ws as ws
+    from longtrain.dsa.triton.sparse_mla_fwd import sparse_mla_fwd
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(T + H + K)
+    T_k = max(2 * K, 64)
+    q = torch.randn((T, H, 576), generator=gen, device=dev).to(torch.bfloat16)
+    kv2d = torch.randn((T_k, 576), generator=gen, device=dev).to(torch.bfloat16)
+    idx, length = _index_sets(T, T_k, K, gen, dev)
+    idx[min(3, T - 1), :7] = torch.tensor([-1, T_k, 2**30, 3, 3, 3, -5], dtype=torch.int32, device=dev)
+    sink = torch.randn(H, generator=gen, device=dev) if with_sink else None
+    config = KernelConfig(impl="sm90", layout="warp_specialized", block_k=ring[0], num_warps=4, num_stages=ring[1])
+    runs = {}
+    for persistent in (True, False):
+        monkeypatch.setattr(ws, "WS_PERSISTENT", persistent)
+        items = T * -(-H // 64)
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        assert (ws.ws_programs(items, dev) < items) == (persistent and items > sms)
+        runs[persistent] = sparse_mla_fwd(q, kv2d, idx, 192**-0.5, 512, length, sink, config)
+    assert (length == 0).any()
+    assert torch.equal(runs[True][0], runs[False][0])
+    assert torch.equal(runs[True][1], runs[False][1])
+    out, lse = runs[True]
+    ref, ref_lse = sparse_mla_reference(q.double(), kv2d[:, None].double(), idx, 192**-0.5, d_v=512,
+                                        topk_length=length, attn_sink=sink.double() if with_sink else None)  # fmt: skip
+    _check_rule("out", out, _torch_bf16(q, kv2d[:, None], idx, 192**-0.5, 512, length, sink), ref)
+    # lse: fp32 sums of exactly representable bf16 products against float64.
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], rtol=1e-5, atol=1e-5)
+
+
+@_SM90
+@pytest.mark.parametrize(
     "H,K,dq",
     [(64, 512, (64, 2)), (128, 1000, (64, 2)), (128, 1000, (64, 3, 128)), (64, 1024, (32, 4))],
     ids=["64x2", "H128-K1000", "128heads-64x3", "32x4"],

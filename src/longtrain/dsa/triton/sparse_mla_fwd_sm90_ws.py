@@ -19,6 +19,12 @@ keys). The schedule is the one the best public Hopper kernels use for this op (1
 * the **right warpgroup** rescales its accumulator and computes ``O_right += P V[:, D_V/2:]`` (a column slice of the
   value block) from the shared ``P``, so it runs under the softmax warpgroup's next logits.
 
+Programs are persistent (``WS_PERSISTENT``): one per SM, taking items (query row, block of 64 heads) ``pid, pid + G,
+...``; the ring and the ``P`` handovers run on across items, and the producer loads an item's queries as soon as the
+softmax warpgroup has computed the previous item's last logits (``q_ready`` / ``q_free``), so the next item's queries
+and first tiles load under the current item's last softmax, ``P V`` and output store. With ``WS_PERSISTENT = False``
+the launch has one program per item (the same code, one loop trip each).
+
 Barriers: ``ready[b]`` (the producer's 128 threads), ``free[b]`` (one arrive per consumer), ``p_ready[j]`` /
 ``p_free[j]`` (the shared ``P`` and its factors, one buffer, or two with a ring of three or more tiles, so that the
 softmax warpgroup can hand over tile i+1 before the right warpgroup has finished tile i; after the loop ``p_ready``
@@ -47,8 +53,10 @@ from longtrain.dsa.triton.sparse_mla_fwd_sm90 import _async_load, _gather_layout
 __all__ = [
     "WS_MAXNREG",
     "WS_NUM_REGS",
+    "WS_PERSISTENT",
     "WS_PREFETCH_IDX",
     "sparse_mla_fwd_sm90_ws_kernel",
+    "ws_programs",
     "ws_smem_bytes",
     "ws_unsupported_reason",
 ]
@@ -56,14 +64,21 @@ __all__ = [
 _HEADS = 64  # heads per program (one wgmma tile of M)
 _BLOCK_H = gl.constexpr(_HEADS)
 # setmaxnreg budgets of the worker partitions (the right half, the producer); the softmax warpgroup gets the rest
-# of the 168 x 3 per thread that one 384-thread program may hold on an SM (64K registers).
-WS_NUM_REGS = (160, 96)
+# of the 168 x 3 per thread that one 384-thread program may hold on an SM (64K registers): 232. The persistent
+# producer's item loop needs 112 (ptxas spilled 8 bytes at 96 and 104, and at 120 with the softmax warpgroup at 224).
+WS_NUM_REGS = (160, 112)
 WS_MAXNREG = 168
 # Whether the producer loads a tile's slot indices one tile ahead, before it waits for the tile's buffer (True), or
 # after (False). ncu showed the producer stalled on that load after every free while the consumers waited for tiles;
 # one tile ahead was 1-3 % faster in every pair of an alternating H100 run (T = 16384, H = 64: 9.40 / 9.49 ms against
 # 9.56 / 9.81; benchmarks/results/dsa_ws_prefetch_0a9b2ae_h100_2026-12-06.md). Read at each launch.
 WS_PREFETCH_IDX = True
+# Whether a launch runs one program per SM, each taking items (query row, head block) pid, pid + G, ... (True), or one
+# program per item (False). Persistent programs load the next item's queries while the current item's last tile is
+# still in its softmax and P V, and gather the next item's first tiles into the ring as it frees, instead of paying a
+# program's launch, its queries' and its first tile's latency, and its output store, with nothing running under them.
+# Read at each launch.
+WS_PERSISTENT = True
 
 
 @gluon.constexpr_function
@@ -80,90 +95,124 @@ def _gather(dst, base, rows, valid, col0, WIDTH: gl.constexpr, L: gl.constexpr):
 
 
 @gluon.jit
-def _producer(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr,
-              BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, PREFETCH_IDX: gl.constexpr):  # fmt: skip
-    """Worker partition: the queries, then every tile of the row into the ring."""
-    q_ptr, kv_ptr, idx_row, out_ptr, lse_ptr, sink_ptr, t, hb, n_slots, T_k, qk_scale = sc
-    q_v, q_t, kv_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_bar = sm
-    D_QK: gl.constexpr = D_V + D_R
-    LV: gl.constexpr = _gather_layout(D_V, 4)
-    LT: gl.constexpr = _gather_layout(max(D_R, 16), 4)
-
-    q_row = q_ptr + t * (H * D_QK)
-    hh = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, LV))
-    _gather(q_v, q_row, hh * D_QK, hh < H, 0, D_V, LV)  # [64, D_V]
-    if D_R > 0:
-        ht = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, LT))
-        _gather(q_t, q_row, ht * D_QK, ht < H, D_V, D_R, LT)  # [64, D_R]
-    cp.mbarrier_arrive(q_bar, increment_count=False)
-
-    rl_v: gl.constexpr = gl.SliceLayout(1, LV)
-    rl_t: gl.constexpr = gl.SliceLayout(1, LT)
-    # A tile's slot indices, -1 past the row's slots (validity below, after the wait, from the indices alone).
-    if PREFETCH_IDX:  # loaded one tile ahead, before the wait for the buffer: tile 0's here
-        idx, _ = _load_idx(idx_row, 0, n_slots, T_k, BLOCK_K, rl_v)  # [BLOCK_K]
-        if D_R > 0:
-            idx_t, _ = _load_idx(idx_row, 0, n_slots, T_k, BLOCK_K, rl_t)  # [BLOCK_K]
-    for i in range(gl.cdiv(n_slots, BLOCK_K)):
-        b = i % NUM_BUF
-        if PREFETCH_IDX:
-            # Tile i+1's indices now: their load runs under the wait below and tile i's copies, so the copies of
-            # tile i+1 start as soon as its buffer is free instead of a global load's latency later.
-            nxt, _ = _load_idx(idx_row, (i + 1) * BLOCK_K, n_slots, T_k, BLOCK_K, rl_v)  # [BLOCK_K]
-            if D_R > 0:
-                nxt_t, _ = _load_idx(idx_row, (i + 1) * BLOCK_K, n_slots, T_k, BLOCK_K, rl_t)  # [BLOCK_K]
-        mbarrier.wait(free.index(b), ((i // NUM_BUF) & 1) ^ 1)
-        if not PREFETCH_IDX:  # loaded once the buffer is free
-            idx, _ = _load_idx(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, rl_v)  # [BLOCK_K]
-            if D_R > 0:
-                idx_t, _ = _load_idx(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, rl_t)  # [BLOCK_K]
-        valid = (idx >= 0) & (idx < T_k)
-        _gather(kv_bufs.index(b), kv_ptr, gl.where(valid, idx, 0).to(gl.int64) * D_QK, valid, 0, D_V, LV)
-        if D_R > 0:
-            valid_t = (idx_t >= 0) & (idx_t < T_k)
-            _gather(kt_bufs.index(b), kv_ptr, gl.where(valid_t, idx_t, 0).to(gl.int64) * D_QK, valid_t, D_V, D_R, LT)
-        cp.mbarrier_arrive(ready.index(b), increment_count=False)
-        if PREFETCH_IDX:
-            idx = nxt
-            if D_R > 0:
-                idx_t = nxt_t
+def _item(sc, item, H: gl.constexpr, HAS_LEN: gl.constexpr):
+    """Work item ``item`` (query-major, head blocks fastest): its query row, head block, index row and slot count."""
+    q_ptr, kv_ptr, idx_ptr, len_ptr, out_ptr, lse_ptr, sink_ptr, T_q, K_slots, T_k, qk_scale = sc
+    NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
+    t = (item // NUM_HB).to(gl.int64)
+    hb = item % NUM_HB
+    if HAS_LEN:
+        n_slots = gl.minimum(gl.maximum(gl.load(len_ptr + t).to(gl.int32), 0), K_slots)  # scalar
+    else:
+        n_slots = K_slots
+    return t, hb, idx_ptr + t * K_slots, n_slots
 
 
 @gluon.jit
-def _right_half(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr,
-                BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr):  # fmt: skip
-    """Worker partition: ``O[:, D_V/2:] = sum_i P_i V_i[:, D_V/2:]`` from the shared ``P`` and factors."""
-    q_ptr, kv_ptr, idx_row, out_ptr, lse_ptr, sink_ptr, t, hb, n_slots, T_k, qk_scale = sc
-    q_v, q_t, kv_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_bar = sm
+def _producer(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr,
+              HAS_SINK: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr,
+              PREFETCH_IDX: gl.constexpr):  # fmt: skip
+    """Worker partition: per item, the queries (once the softmax warpgroup has read the previous item's for the last
+    time), then every tile of the row into the ring, which runs on across items."""
+    q_ptr, kv_ptr, idx_ptr, len_ptr, out_ptr, lse_ptr, sink_ptr, T_q, K_slots, T_k, qk_scale = sc
+    q_v, q_t, kv_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_ready, q_free = sm
+    D_QK: gl.constexpr = D_V + D_R
+    NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
+    LV: gl.constexpr = _gather_layout(D_V, 4)
+    LT: gl.constexpr = _gather_layout(max(D_R, 16), 4)
+    rl_v: gl.constexpr = gl.SliceLayout(1, LV)
+    rl_t: gl.constexpr = gl.SliceLayout(1, LT)
+
+    g = 0  # tiles of this program's earlier items: the ring position of the item's first tile
+    for item in range(gl.program_id(0), T_q * NUM_HB, gl.num_programs(0)):
+        t, hb, idx_row, n_slots = _item(sc, item, H, HAS_LEN)
+        k = (item - gl.program_id(0)) // gl.num_programs(0)  # this program's earlier items: the query barriers' phase
+        mbarrier.wait(q_free, (k & 1) ^ 1)
+        q_row = q_ptr + t * (H * D_QK)
+        hh = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=rl_v)
+        _gather(q_v, q_row, hh * D_QK, hh < H, 0, D_V, LV)  # [64, D_V]
+        if D_R > 0:
+            ht = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=rl_t)
+            _gather(q_t, q_row, ht * D_QK, ht < H, D_V, D_R, LT)  # [64, D_R]
+        cp.mbarrier_arrive(q_ready, increment_count=False)
+        # A tile's slot indices, -1 past the row's slots (validity below, after the wait, from the indices alone).
+        if PREFETCH_IDX:  # loaded one tile ahead, before the wait for the buffer: tile 0's here
+            idx, _ = _load_idx(idx_row, 0, n_slots, T_k, BLOCK_K, rl_v)  # [BLOCK_K]
+            if D_R > 0:
+                idx_t, _ = _load_idx(idx_row, 0, n_slots, T_k, BLOCK_K, rl_t)  # [BLOCK_K]
+        n_tiles = gl.cdiv(n_slots, BLOCK_K)
+        for i in range(n_tiles):
+            r = g + i
+            b = r % NUM_BUF
+            if PREFETCH_IDX:
+                # Tile i+1's indices now: their load runs under the wait below and tile i's copies, so the copies
+                # of tile i+1 start as soon as its buffer is free instead of a global load's latency later.
+                nxt, _ = _load_idx(idx_row, (i + 1) * BLOCK_K, n_slots, T_k, BLOCK_K, rl_v)  # [BLOCK_K]
+                if D_R > 0:
+                    nxt_t, _ = _load_idx(idx_row, (i + 1) * BLOCK_K, n_slots, T_k, BLOCK_K, rl_t)  # [BLOCK_K]
+            mbarrier.wait(free.index(b), ((r // NUM_BUF) & 1) ^ 1)
+            if not PREFETCH_IDX:  # loaded once the buffer is free
+                idx, _ = _load_idx(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, rl_v)  # [BLOCK_K]
+                if D_R > 0:
+                    idx_t, _ = _load_idx(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, rl_t)  # [BLOCK_K]
+            valid = (idx >= 0) & (idx < T_k)
+            _gather(kv_bufs.index(b), kv_ptr, gl.where(valid, idx, 0).to(gl.int64) * D_QK, valid, 0, D_V, LV)
+            if D_R > 0:
+                valid_t = (idx_t >= 0) & (idx_t < T_k)
+                rows_t = gl.where(valid_t, idx_t, 0).to(gl.int64) * D_QK
+                _gather(kt_bufs.index(b), kv_ptr, rows_t, valid_t, D_V, D_R, LT)
+            cp.mbarrier_arrive(ready.index(b), increment_count=False)
+            if PREFETCH_IDX:
+                idx = nxt
+                if D_R > 0:
+                    idx_t = nxt_t
+        g += n_tiles
+
+
+@gluon.jit
+def _right_half(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr,
+                HAS_SINK: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr):  # fmt: skip
+    """Worker partition: ``O[:, D_V/2:] = sum_i P_i V_i[:, D_V/2:]`` from the shared ``P`` and factors, per item."""
+    q_ptr, kv_ptr, idx_ptr, len_ptr, out_ptr, lse_ptr, sink_ptr, T_q, K_slots, T_k, qk_scale = sc
+    q_v, q_t, kv_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_ready, q_free = sm
     DH: gl.constexpr = D_V // 2
+    NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
     NUM_P: gl.constexpr = p_smem.type.shape[0]
     o_layout: gl.constexpr = _mma_layout(DH)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    acc = gl.zeros([_BLOCK_H, DH], gl.float32, layout=o_layout)
-    n_tiles = gl.cdiv(n_slots, BLOCK_K)
-    for i in range(n_tiles):
-        b = i % NUM_BUF
-        j = i % NUM_P
-        mbarrier.wait(p_ready.index(j), (i // NUM_P) & 1)
-        alpha = a_smem.index(j).load(row_o)  # [64]
-        acc = acc * alpha[:, None]
-        acc = warpgroup_mma(p_smem.index(j), kv_bufs.index(b).slice(DH, DH, dim=1), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(p_free.index(j))
-        mbarrier.arrive(free.index(b))
-    mbarrier.wait(p_ready.index(n_tiles % NUM_P), (n_tiles // NUM_P) & 1)
-    inv = a_smem.index(n_tiles % NUM_P).load(row_o)  # [64]: 1 / denominator, 0 for rows without keys
-    out = (acc * inv[:, None]).to(out_ptr.dtype.element_ty)
-    oh = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=row_o)
-    oc = DH + gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
-    gl.store(out_ptr + t * (H * D_V) + oh[:, None] * D_V + oc[None, :], out, mask=(oh < H)[:, None])
+    g = 0  # ring position of the item's first tile
+    pc = 0  # handovers of P (and, per item, of 1 / denominator) before this item's first
+    for item in range(gl.program_id(0), T_q * NUM_HB, gl.num_programs(0)):
+        t, hb, idx_row, n_slots = _item(sc, item, H, HAS_LEN)
+        acc = gl.zeros([_BLOCK_H, DH], gl.float32, layout=o_layout)
+        n_tiles = gl.cdiv(n_slots, BLOCK_K)
+        for i in range(n_tiles):
+            b = (g + i) % NUM_BUF
+            j = (pc + i) % NUM_P
+            mbarrier.wait(p_ready.index(j), ((pc + i) // NUM_P) & 1)
+            alpha = a_smem.index(j).load(row_o)  # [64]
+            acc = acc * alpha[:, None]
+            acc = warpgroup_mma(p_smem.index(j), kv_bufs.index(b).slice(DH, DH, dim=1), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(p_free.index(j))
+            mbarrier.arrive(free.index(b))
+        e = pc + n_tiles
+        mbarrier.wait(p_ready.index(e % NUM_P), (e // NUM_P) & 1)
+        inv = a_smem.index(e % NUM_P).load(row_o)  # [64]: 1 / denominator, 0 for rows without keys
+        mbarrier.arrive(p_free.index(e % NUM_P))
+        out = (acc * inv[:, None]).to(out_ptr.dtype.element_ty)
+        oh = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=row_o)
+        oc = DH + gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
+        gl.store(out_ptr + t * (H * D_V) + oh[:, None] * D_V + oc[None, :], out, mask=(oh < H)[:, None])
+        g += n_tiles
+        pc = e + 1
 
 
 @gluon.jit
 def _logits(sm, b, s_zero, D_R: gl.constexpr):
     """Issue ``S = Q K_b^T`` (async): one wgmma chain per part (values, rope tail)."""
-    q_v, q_t, kv_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_bar = sm
+    q_v, q_t, kv_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_ready, q_free = sm
     s = warpgroup_mma(q_v, kv_bufs.index(b).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     if D_R > 0:
         s = warpgroup_mma(q_t, kt_bufs.index(b).permute((1, 0)), s, is_async=True)  # [64, BLOCK_K]
@@ -172,10 +221,11 @@ def _logits(sm, b, s_zero, D_R: gl.constexpr):
 
 @gluon.jit
 def _softmax_step(sm, s, valid, m_i, l_i, qk_scale, i):
-    """Online softmax of tile ``i``'s logits; hands ``P`` and the rescale factors to the right warpgroup.
+    """Online softmax of a tile's logits; hands ``P`` and the rescale factors to the right warpgroup as the
+    program's ``i``-th handover.
 
     Returns the new row max and sum, ``P`` in fp32 (the logits' layout) and the factors."""
-    q_v, q_t, kv_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_bar = sm
+    q_v, q_t, kv_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_ready, q_free = sm
     s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1))
     # A row that has seen no valid slot yet keeps m = -inf; shifting by 0 gives p = alpha = 0, not NaN.
@@ -195,25 +245,26 @@ def _softmax_step(sm, s, valid, m_i, l_i, qk_scale, i):
 
 
 @gluon.jit
-def _deferred_step(sm, idx_row, n_slots, T_k, qk_scale, i, p, acc, m_i, l_i, s_zero, D_R: gl.constexpr,
+def _deferred_step(sm, idx_row, n_slots, T_k, qk_scale, i, g, pc, p, acc, m_i, l_i, s_zero, D_R: gl.constexpr,
                    BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, p_layout: gl.constexpr, col_s: gl.constexpr,
                    row_o: gl.constexpr):  # fmt: skip
-    """Tile i's logits and tile i-1's ``P V`` issued together; tile i's softmax while the ``P V`` runs."""
-    q_v, q_t, kv_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_bar = sm
+    """Tile i's logits and tile i-1's ``P V`` issued together; tile i's softmax while the ``P V`` runs (``g``, ``pc``:
+    the ring position and handover index of the item's first tile)."""
+    q_v, q_t, kv_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_ready, q_free = sm
     DH: gl.constexpr = kv_bufs.type.shape[2] // 2
-    b = i % NUM_BUF
-    bp = (i - 1) % NUM_BUF
+    b = (g + i) % NUM_BUF
+    bp = (g + i - 1) % NUM_BUF
     # Every input register of the wgmmas issued together is defined before the first of them, and none is written
     # while they run (else ptxas serializes them, C7513): P is carried in fp32 and rounded here, so the softmax
     # below, which runs while this wgmma reads P, writes other registers.
     p_op = gl.convert_layout(p.to(p_smem.dtype), p_layout)
-    mbarrier.wait(ready.index(b), (i // NUM_BUF) & 1)
+    mbarrier.wait(ready.index(b), ((g + i) // NUM_BUF) & 1)
     fence_async_shared()
     s = _logits(sm, b, s_zero, D_R)
     acc = warpgroup_mma(p_op, kv_bufs.index(bp).slice(0, DH, dim=1), acc, is_async=True)  # [64, DH]: tile i-1
     _, valid = _load_idx(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, col_s)  # [BLOCK_K]
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-    m_i, l_i, p, alpha = _softmax_step(sm, s, valid, m_i, l_i, qk_scale, i)
+    m_i, l_i, p, alpha = _softmax_step(sm, s, valid, m_i, l_i, qk_scale, pc + i)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     mbarrier.arrive(free.index(bp))
     acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -221,36 +272,37 @@ def _deferred_step(sm, idx_row, n_slots, T_k, qk_scale, i, p, acc, m_i, l_i, s_z
 
 
 @gluon.jit
-def _pair_step(sm, idx_row, n_slots, T_k, qk_scale, a, p, acc, m_i, l_i, s_zero, D_R: gl.constexpr,
+def _pair_step(sm, idx_row, n_slots, T_k, qk_scale, a, g, pc, p, acc, m_i, l_i, s_zero, D_R: gl.constexpr,
                BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, p_layout: gl.constexpr, col_s: gl.constexpr,
                row_o: gl.constexpr):  # fmt: skip
     """Tiles a and a+1 (a ring of four or more tiles: a-1, a and a+1 are in use at once).
 
     Tile a's logits with tile a-1's ``P V``; then tile a+1's logits, issued before tile a's softmax, which runs under
-    them; then tile a's ``P V``, under tile a+1's softmax. Nothing is in flight across the loop's back edge."""
-    q_v, q_t, kv_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_bar = sm
+    them; then tile a's ``P V``, under tile a+1's softmax. Nothing is in flight across the loop's back edge (``g``,
+    ``pc``: the ring position and handover index of the item's first tile)."""
+    q_v, q_t, kv_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_ready, q_free = sm
     DH: gl.constexpr = kv_bufs.type.shape[2] // 2
-    ba = a % NUM_BUF
-    bb = (a + 1) % NUM_BUF
-    bp = (a - 1) % NUM_BUF
+    ba = (g + a) % NUM_BUF
+    bb = (g + a + 1) % NUM_BUF
+    bp = (g + a - 1) % NUM_BUF
     p_op = gl.convert_layout(p.to(p_smem.dtype), p_layout)
-    mbarrier.wait(ready.index(ba), (a // NUM_BUF) & 1)
+    mbarrier.wait(ready.index(ba), ((g + a) // NUM_BUF) & 1)
     fence_async_shared()
     s_a = _logits(sm, ba, s_zero, D_R)
     acc = warpgroup_mma(p_op, kv_bufs.index(bp).slice(0, DH, dim=1), acc, is_async=True)  # [64, DH]: tile a-1
     _, valid_a = _load_idx(idx_row, a * BLOCK_K, n_slots, T_k, BLOCK_K, col_s)  # [BLOCK_K]
     s_a = warpgroup_mma_wait(num_outstanding=1, deps=(s_a,))
-    mbarrier.wait(ready.index(bb), ((a + 1) // NUM_BUF) & 1)
+    mbarrier.wait(ready.index(bb), ((g + a + 1) // NUM_BUF) & 1)
     fence_async_shared()
     s_b = _logits(sm, bb, s_zero, D_R)
     _, valid_b = _load_idx(idx_row, (a + 1) * BLOCK_K, n_slots, T_k, BLOCK_K, col_s)  # [BLOCK_K]
-    m_i, l_i, p_a, alpha_a = _softmax_step(sm, s_a, valid_a, m_i, l_i, qk_scale, a)
+    m_i, l_i, p_a, alpha_a = _softmax_step(sm, s_a, valid_a, m_i, l_i, qk_scale, pc + a)
     s_b, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_b, acc))
     mbarrier.arrive(free.index(bp))
     acc = acc * gl.convert_layout(alpha_a, row_o)[:, None]
     p_op = gl.convert_layout(p_a.to(p_smem.dtype), p_layout)
     acc = warpgroup_mma(p_op, kv_bufs.index(ba).slice(0, DH, dim=1), acc, is_async=True)  # [64, DH]: tile a
-    m_i, l_i, p_b, alpha_b = _softmax_step(sm, s_b, valid_b, m_i, l_i, qk_scale, a + 1)
+    m_i, l_i, p_b, alpha_b = _softmax_step(sm, s_b, valid_b, m_i, l_i, qk_scale, pc + a + 1)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     mbarrier.arrive(free.index(ba))
     acc = acc * gl.convert_layout(alpha_b, row_o)[:, None]
@@ -258,10 +310,11 @@ def _pair_step(sm, idx_row, n_slots, T_k, qk_scale, a, p, acc, m_i, l_i, s_zero,
 
 
 @gluon.jit
-def _finish(sc, sm, m_i, l_i, n_tiles, H: gl.constexpr, HAS_SINK: gl.constexpr, row_s: gl.constexpr):
-    """Store the LSE and hand ``1 / denominator`` (0 for rows without keys) to the right warpgroup."""
-    q_ptr, kv_ptr, idx_row, out_ptr, lse_ptr, sink_ptr, t, hb, n_slots, T_k, qk_scale = sc
-    q_v, q_t, kv_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_bar = sm
+def _finish(sc, sm, t, hb, m_i, l_i, e, H: gl.constexpr, HAS_SINK: gl.constexpr, row_s: gl.constexpr):
+    """Store the LSE and hand ``1 / denominator`` (0 for rows without keys) to the right warpgroup as the program's
+    ``e``-th handover."""
+    q_ptr, kv_ptr, idx_ptr, len_ptr, out_ptr, lse_ptr, sink_ptr, T_q, K_slots, T_k, qk_scale = sc
+    q_v, q_t, kv_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_ready, q_free = sm
     offs_h = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=row_s)
     mask_h = offs_h < H
     has_keys = l_i > 0.0
@@ -274,24 +327,26 @@ def _finish(sc, sm, m_i, l_i, n_tiles, H: gl.constexpr, HAS_SINK: gl.constexpr, 
     lse = gl.where(has_keys, (m_i + gl.log2(gl.where(has_keys, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     gl.store(lse_ptr + t * H + offs_h, lse, mask=mask_h)
     NUM_P: gl.constexpr = p_smem.type.shape[0]
-    mbarrier.wait(p_free.index(n_tiles % NUM_P), ((n_tiles // NUM_P) & 1) ^ 1)
-    a_smem.index(n_tiles % NUM_P).store(inv)
-    mbarrier.arrive(p_ready.index(n_tiles % NUM_P))
+    mbarrier.wait(p_free.index(e % NUM_P), ((e // NUM_P) & 1) ^ 1)
+    a_smem.index(e % NUM_P).store(inv)
+    mbarrier.arrive(p_ready.index(e % NUM_P))
     return inv
 
 
 @gluon.jit
-def _softmax_left(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr,
-                  BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr):  # fmt: skip
-    """Default partition: logits, online softmax, the shared ``P``, ``O[:, :D_V/2]`` and the LSE.
+def _softmax_left(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr,
+                  HAS_SINK: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr):  # fmt: skip
+    """Default partition: logits, online softmax, the shared ``P``, ``O[:, :D_V/2]`` and the LSE, per item.
 
-    With two tiles in the ring, tile i's ``P V`` runs right after its softmax. With three or more, it is deferred:
-    tile i+1's logits and tile i's ``P V`` are issued together, so the softmax of tile i+1 runs while the tensor
-    cores do tile i's ``P V`` (and the right warpgroup its half); two tiles are then in use while the producer
+    With two tiles in the ring, tile i's ``P V`` runs right after its softmax, and the queries are released to the
+    producer (for the next item) as soon as the last tile's logits have completed. With three or more, it is
+    deferred: tile i+1's logits and tile i's ``P V`` are issued together, so the softmax of tile i+1 runs while the
+    tensor cores do tile i's ``P V`` (and the right warpgroup its half); two tiles are then in use while the producer
     fills the others. With four or more, tiles go in pairs (:func:`_pair_step`), a remainder tile deferred."""
-    q_ptr, kv_ptr, idx_row, out_ptr, lse_ptr, sink_ptr, t, hb, n_slots, T_k, qk_scale = sc
-    q_v, q_t, kv_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_bar = sm
+    q_ptr, kv_ptr, idx_ptr, len_ptr, out_ptr, lse_ptr, sink_ptr, T_q, K_slots, T_k, qk_scale = sc
+    q_v, q_t, kv_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_ready, q_free = sm
     DH: gl.constexpr = D_V // 2
+    NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     s_layout: gl.constexpr = _mma_layout(BLOCK_K)
     o_layout: gl.constexpr = _mma_layout(DH)
@@ -299,69 +354,85 @@ def _softmax_left(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-
-    m_i = gl.full([_BLOCK_H], float("-inf"), gl.float32, layout=row_s)
-    l_i = gl.zeros([_BLOCK_H], gl.float32, layout=row_s)
-    acc = gl.zeros([_BLOCK_H, DH], gl.float32, layout=o_layout)
     s_zero = gl.zeros([_BLOCK_H, BLOCK_K], gl.float32, layout=s_layout)
-    mbarrier.wait(q_bar, 0)
-    n_tiles = gl.cdiv(n_slots, BLOCK_K)
-    if NUM_BUF >= 3:
-        if n_tiles > 0:
-            mbarrier.wait(ready.index(0), 0)
-            fence_async_shared()
-            s = _logits(sm, 0, s_zero, D_R)
-            _, valid = _load_idx(idx_row, 0, n_slots, T_k, BLOCK_K, col_s)  # [BLOCK_K]
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            m_i, l_i, p, alpha = _softmax_step(sm, s, valid, m_i, l_i, qk_scale, 0)
-            n_pairs = (n_tiles - 1) // 2 if NUM_BUF >= 4 else 0
-            for j in range(n_pairs):
-                acc, m_i, l_i, p = _pair_step(sm, idx_row, n_slots, T_k, qk_scale, 1 + 2 * j, p, acc, m_i, l_i,
-                                              s_zero, D_R, BLOCK_K, NUM_BUF, p_layout, col_s, row_o)  # fmt: skip
-            for i in range(1 + 2 * n_pairs, n_tiles):
-                acc, m_i, l_i, p = _deferred_step(sm, idx_row, n_slots, T_k, qk_scale, i, p, acc, m_i, l_i, s_zero,
-                                                  D_R, BLOCK_K, NUM_BUF, p_layout, col_s, row_o)  # fmt: skip
-            b_last = (n_tiles - 1) % NUM_BUF
-            v_last = kv_bufs.index(b_last).slice(0, DH, dim=1)
-            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_last, acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(free.index(b_last))
-    else:
-        for i in range(n_tiles):
-            b = i % NUM_BUF
-            mbarrier.wait(ready.index(b), (i // NUM_BUF) & 1)
-            fence_async_shared()
-            s = _logits(sm, b, s_zero, D_R)
-            _, valid = _load_idx(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, col_s)  # [BLOCK_K]
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            m_i, l_i, p, alpha = _softmax_step(sm, s, valid, m_i, l_i, qk_scale, i)
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            v_left = kv_bufs.index(b).slice(0, DH, dim=1)
-            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_left, acc, is_async=True)  # [64, DH]
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(free.index(b))
 
-    inv = _finish(sc, sm, m_i, l_i, n_tiles, H, HAS_SINK, row_s)
-    out = (acc * gl.convert_layout(inv, row_o)[:, None]).to(out_ptr.dtype.element_ty)
-    oh = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=row_o)
-    oc = gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
-    gl.store(out_ptr + t * (H * D_V) + oh[:, None] * D_V + oc[None, :], out, mask=(oh < H)[:, None])
+    g = 0  # ring position of the item's first tile
+    pc = 0  # handovers to the right warpgroup before this item's first
+    for item in range(gl.program_id(0), T_q * NUM_HB, gl.num_programs(0)):
+        t, hb, idx_row, n_slots = _item(sc, item, H, HAS_LEN)
+        k = (item - gl.program_id(0)) // gl.num_programs(0)  # this program's earlier items: the query barriers' phase
+        m_i = gl.full([_BLOCK_H], float("-inf"), gl.float32, layout=row_s)
+        l_i = gl.zeros([_BLOCK_H], gl.float32, layout=row_s)
+        acc = gl.zeros([_BLOCK_H, DH], gl.float32, layout=o_layout)
+        mbarrier.wait(q_ready, k & 1)
+        n_tiles = gl.cdiv(n_slots, BLOCK_K)
+        if NUM_BUF >= 3:
+            if n_tiles > 0:
+                b0 = g % NUM_BUF
+                mbarrier.wait(ready.index(b0), (g // NUM_BUF) & 1)
+                fence_async_shared()
+                s = _logits(sm, b0, s_zero, D_R)
+                _, valid = _load_idx(idx_row, 0, n_slots, T_k, BLOCK_K, col_s)  # [BLOCK_K]
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+                m_i, l_i, p, alpha = _softmax_step(sm, s, valid, m_i, l_i, qk_scale, pc)
+                n_pairs = (n_tiles - 1) // 2 if NUM_BUF >= 4 else 0
+                for j in range(n_pairs):
+                    acc, m_i, l_i, p = _pair_step(sm, idx_row, n_slots, T_k, qk_scale, 1 + 2 * j, g, pc, p, acc, m_i,
+                                                  l_i, s_zero, D_R, BLOCK_K, NUM_BUF, p_layout, col_s,
+                                                  row_o)  # fmt: skip
+                for i in range(1 + 2 * n_pairs, n_tiles):
+                    acc, m_i, l_i, p = _deferred_step(sm, idx_row, n_slots, T_k, qk_scale, i, g, pc, p, acc, m_i,
+                                                      l_i, s_zero, D_R, BLOCK_K, NUM_BUF, p_layout, col_s,
+                                                      row_o)  # fmt: skip
+                b_last = (g + n_tiles - 1) % NUM_BUF
+                v_last = kv_bufs.index(b_last).slice(0, DH, dim=1)
+                acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_last, acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(free.index(b_last))
+            mbarrier.arrive(q_free)
+        else:
+            for i in range(n_tiles):
+                b = (g + i) % NUM_BUF
+                mbarrier.wait(ready.index(b), ((g + i) // NUM_BUF) & 1)
+                fence_async_shared()
+                s = _logits(sm, b, s_zero, D_R)
+                _, valid = _load_idx(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, col_s)  # [BLOCK_K]
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+                if i == n_tiles - 1:  # the queries' last reader has completed: the producer may load the next item's
+                    mbarrier.arrive(q_free)
+                m_i, l_i, p, alpha = _softmax_step(sm, s, valid, m_i, l_i, qk_scale, pc + i)
+                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                v_left = kv_bufs.index(b).slice(0, DH, dim=1)
+                acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_left, acc, is_async=True)  # [64, DH]
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(free.index(b))
+            if n_tiles == 0:
+                mbarrier.arrive(q_free)
+
+        inv = _finish(sc, sm, t, hb, m_i, l_i, pc + n_tiles, H, HAS_SINK, row_s)
+        out = (acc * gl.convert_layout(inv, row_o)[:, None]).to(out_ptr.dtype.element_ty)
+        oh = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=row_o)
+        oc = gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
+        gl.store(out_ptr + t * (H * D_V) + oh[:, None] * D_V + oc[None, :], out, mask=(oh < H)[:, None])
+        g += n_tiles
+        pc += n_tiles + 1
 
 
-@gluon.jit(do_not_specialize=["T_k", "K_slots"])
+@gluon.jit(do_not_specialize=["T_q", "T_k", "K_slots"])
 def sparse_mla_fwd_sm90_ws_kernel(
     q_ptr, kv_ptr, idx_ptr, len_ptr, sink_ptr, out_ptr, lse_ptr,
-    T_k, K_slots, qk_scale,
+    T_q, T_k, K_slots, qk_scale,
     H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
     HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr,
     BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, REGS_RIGHT: gl.constexpr, REGS_PRODUCER: gl.constexpr,
     num_warps: gl.constexpr, PREFETCH_IDX: gl.constexpr = False,
 ):  # fmt: skip
-    NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
+    """Items ``(query row, block of 64 heads)``, query-major: program ``pid`` takes items ``pid, pid + G, ...`` for
+    ``G`` programs (one item each when ``G`` covers them all, or persistent with fewer programs)."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     gl.static_assert(num_warps == 4, "the default partition is one warpgroup")
 
-    # Shared memory: queries and the ring, each as (left values, right values, rope tail); P and its factors.
+    # Shared memory: queries and the ring, each as (values, rope tail); P and its factors.
     qv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BLOCK_H, D_V], dtype)
     kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, D_V], dtype)
     q_v = gl.allocate_shared_memory(dtype, [_BLOCK_H, D_V], qv_sl)
@@ -382,33 +453,37 @@ def sparse_mla_fwd_sm90_ws_kernel(
     free = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     p_ready = gl.allocate_shared_memory(gl.int64, [NUM_P, 1], mbarrier.MBarrierLayout())
     p_free = gl.allocate_shared_memory(gl.int64, [NUM_P, 1], mbarrier.MBarrierLayout())
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for j in gl.static_range(NUM_BUF):
         mbarrier.init(ready.index(j), count=128)  # every producer thread, when its copies have landed
         mbarrier.init(free.index(j), count=2)  # both consumers
     for j in gl.static_range(NUM_P):
         mbarrier.init(p_ready.index(j), count=1)
         mbarrier.init(p_free.index(j), count=1)  # the right warpgroup
-    mbarrier.init(q_bar, count=128)
+    mbarrier.init(q_ready, count=128)
+    mbarrier.init(q_free, count=1)  # the softmax warpgroup
 
-    pid = gl.program_id(0)
-    t = (pid // NUM_HB).to(gl.int64)
-    hb = pid % NUM_HB
-    if HAS_LEN:
-        n_slots = gl.minimum(gl.maximum(gl.load(len_ptr + t).to(gl.int32), 0), K_slots)  # scalar
-    else:
-        n_slots = K_slots
-    sc = (q_ptr, kv_ptr, idx_ptr + t * K_slots, out_ptr, lse_ptr, sink_ptr, t, hb, n_slots, T_k, qk_scale)
-    sm = (q_v, q_t, kv_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_bar)
+    sc = (q_ptr, kv_ptr, idx_ptr, len_ptr, out_ptr, lse_ptr, sink_ptr, T_q, K_slots, T_k, qk_scale)
+    sm = (q_v, q_t, kv_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_ready, q_free)
     gl.warp_specialize(
         [
-            (_softmax_left, (sc, sm, H, D_V, D_R, HAS_SINK, BLOCK_K, NUM_BUF)),
-            (_right_half, (sc, sm, H, D_V, D_R, HAS_SINK, BLOCK_K, NUM_BUF)),
-            (_producer, (sc, sm, H, D_V, D_R, HAS_SINK, BLOCK_K, NUM_BUF, PREFETCH_IDX)),
+            (_softmax_left, (sc, sm, H, D_V, D_R, HAS_LEN, HAS_SINK, BLOCK_K, NUM_BUF)),
+            (_right_half, (sc, sm, H, D_V, D_R, HAS_LEN, HAS_SINK, BLOCK_K, NUM_BUF)),
+            (_producer, (sc, sm, H, D_V, D_R, HAS_LEN, HAS_SINK, BLOCK_K, NUM_BUF, PREFETCH_IDX)),
         ],
         [4, 4],
         [REGS_RIGHT, REGS_PRODUCER],
     )
+
+
+def ws_programs(num_items: int, device: torch.device) -> int:
+    """Programs of a launch over ``num_items`` items: one per SM when ``WS_PERSISTENT`` (each takes every G-th item;
+    one program fits an SM), else one per item."""
+    if not WS_PERSISTENT or num_items == 0:
+        return max(num_items, 1)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return min(num_items, torch.cuda.get_device_properties(index).multi_processor_count)
 
 
 def ws_smem_bytes(block_k: int, num_buf: int, d_qk: int, itemsize: int) -> int:

@@ -1,0 +1,100 @@
+"""The warp-specialized SM90 sparse MLA forward persistent (``WS_PERSISTENT``: one program per SM taking every G-th
+(query row, head block) item) against one program per item, alternating.
+
+``python benchmarks/dsa_fwd_persistent.py [--out-dir DIR] [--baseline-file FILE]`` writes
+``dsa_fwd_persistent_<date>.md``: the forward at ``config=None`` both ways on one document (GLM-5.2 dims, random causal
+index sets as in ``dsa.py``), each way twice, with whether the two give the same output bit for bit (they run the same
+arithmetic per item). ``--baseline-file`` also times a copy of an earlier ``sparse_mla_fwd_sm90_ws.py`` (one program
+per item, its own launch signature ``(..., lse, T_k, K_slots, qk_scale)``), e.g. the last commit's, in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import RESULTS_DIR, write_report  # noqa: E402
+from longtrain.bench_suites.dsa import D_QK, D_V, bench, causal_index_sets, mla_inputs, run_fwd  # noqa: E402
+from longtrain.dsa.triton import sparse_mla_fwd as fwd_mod  # noqa: E402
+from longtrain.dsa.triton import sparse_mla_fwd_sm90_ws as ws  # noqa: E402
+
+CASES = ((16384, 64, 2048), (16384, 128, 2048), (4096, 64, 2048), (4096, 128, 512))
+
+
+def _baseline_launcher(path: Path):
+    """A ``_launch_sm90_ws`` replacement that runs the kernel of an earlier copy of the module at ``path``."""
+    spec = importlib.util.spec_from_file_location("ws_baseline", path)
+    old = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(old)
+
+    def launch(grid, args, meta, block_k, num_buf):
+        old.sparse_mla_fwd_sm90_ws_kernel[grid](
+            *args, **meta, BLOCK_K=block_k, NUM_BUF=num_buf, REGS_RIGHT=old.WS_NUM_REGS[0],
+            REGS_PRODUCER=old.WS_NUM_REGS[1], PREFETCH_IDX=getattr(old, "WS_PREFETCH_IDX", False), num_warps=4,
+            maxnreg=old.WS_MAXNREG,
+        )  # fmt: skip
+
+    return launch
+
+
+def _variants(baseline: Path | None) -> list[str]:
+    return ["persistent", "per item"] + (["baseline file"] if baseline is not None else [])
+
+
+def _run(variant: str, baseline_launch, fn):
+    saved = (ws.WS_PERSISTENT, fwd_mod._launch_sm90_ws)
+    try:
+        ws.WS_PERSISTENT = variant == "persistent"
+        if variant == "baseline file":
+            fwd_mod._launch_sm90_ws = baseline_launch
+        return fn()
+    finally:
+        ws.WS_PERSISTENT, fwd_mod._launch_sm90_ws = saved
+
+
+def main(out_dir: Path, baseline: Path | None) -> None:
+    baseline_launch = _baseline_launcher(baseline) if baseline is not None else None
+    dev = torch.device("cuda")
+    rows: list[dict] = []
+    for total, heads, topk in CASES:
+        idx, length, _, _ = causal_index_sets([total], topk, dev)
+        q, kv = mla_inputs(total, heads, dev)
+        valid = int(length.sum())
+        fwd = functools.partial(run_fwd, q, kv, idx, length, None)
+        first = None
+        for rnd in (1, 2):
+            for variant in _variants(baseline):
+                o, _ = _run(variant, baseline_launch, fwd)
+                first = o if first is None else first
+                ms = _run(variant, baseline_launch, functools.partial(bench, fwd, rep_ms=400))
+                rows.append(dict(
+                    shape=f"T={total} H={heads} K={topk} 1doc", variant=variant, run=rnd, fwd_ms=ms[0], p20=ms[1],
+                    p80=ms[2], tflops=2 * valid * heads * (D_QK + D_V) / ms[0] / 1e9,
+                    out_equal=bool(torch.equal(o, first)),
+                ))  # fmt: skip
+                print(rows[-1], flush=True)
+    write_report(
+        "dsa_fwd_persistent", rows, ["shape", "variant", "run", "fwd_ms", "p20", "p80", "tflops", "out_equal"],
+        "Sparse MLA forward at config=None (bf16, one document, query t selects min(t+1, K) random causal keys; FLOPs "
+        "over valid slots, 2 * valid * H * (576 + 512)): the warp-specialized kernel persistent (one program per SM, "
+        "items pid, pid + G, ...) or one program per item, alternating, each twice"
+        + (f", and the kernel of `{baseline.name}` (an earlier copy of the module, one program per item)"
+           if baseline is not None else "")
+        + "; triton.testing.do_bench medians with 20th/80th percentiles. out_equal: bit for bit against the first "
+        "variant's output. Reproduce: `python benchmarks/dsa_fwd_persistent.py`.",
+        out_dir=out_dir, title="Sparse MLA forward: persistent warp-specialized programs",
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--baseline-file", type=Path, default=None)
+    args = parser.parse_args()
+    main(args.out_dir, args.baseline_file)
