@@ -58,32 +58,36 @@ def _run(variant: str, baseline_launch, fn):
         ws.WS_PERSISTENT, fwd_mod._launch_sm90_ws = saved
 
 
-def main(out_dir: Path, baseline: Path | None) -> None:
+def main(out_dir: Path, baseline: Path | None, cases, rounds: int, regs: tuple[int, int] | None) -> None:
     baseline_launch = _baseline_launcher(baseline) if baseline is not None else None
+    if regs is not None:
+        ws.WS_NUM_REGS = regs
     dev = torch.device("cuda")
     rows: list[dict] = []
-    for total, heads, topk in CASES:
+    for total, heads, topk in cases:
         idx, length, _, _ = causal_index_sets([total], topk, dev)
         q, kv = mla_inputs(total, heads, dev)
         valid = int(length.sum())
         fwd = functools.partial(run_fwd, q, kv, idx, length, None)
         first = None
-        for rnd in (1, 2):
+        for rnd in range(1, rounds + 1):
             for variant in _variants(baseline):
                 o, _ = _run(variant, baseline_launch, fwd)
                 first = o if first is None else first
                 ms = _run(variant, baseline_launch, functools.partial(bench, fwd, rep_ms=400))
                 rows.append(dict(
-                    shape=f"T={total} H={heads} K={topk} 1doc", variant=variant, run=rnd, fwd_ms=ms[0], p20=ms[1],
+                    shape=f"T={total} H={heads} K={topk} 1doc", variant=variant, run=rnd,
+                    regs="file's" if variant == "baseline file" else str(ws.WS_NUM_REGS), fwd_ms=ms[0], p20=ms[1],
                     p80=ms[2], tflops=2 * valid * heads * (D_QK + D_V) / ms[0] / 1e9,
                     out_equal=bool(torch.equal(o, first)),
                 ))  # fmt: skip
                 print(rows[-1], flush=True)
     write_report(
-        "dsa_fwd_persistent", rows, ["shape", "variant", "run", "fwd_ms", "p20", "p80", "tflops", "out_equal"],
+        "dsa_fwd_persistent", rows, ["shape", "variant", "regs", "run", "fwd_ms", "p20", "p80", "tflops", "out_equal"],
         "Sparse MLA forward at config=None (bf16, one document, query t selects min(t+1, K) random causal keys; FLOPs "
         "over valid slots, 2 * valid * H * (576 + 512)): the warp-specialized kernel persistent (one program per SM, "
-        "items pid, pid + G, ...) or one program per item, alternating, each twice"
+        f"items pid, pid + G, ...) or one program per item, alternating, each {rounds} times; regs: the setmaxnreg "
+        "budgets of its right-half and producer warpgroups (the softmax warpgroup gets 504 minus their sum)"
         + (f", and the kernel of `{baseline.name}` (an earlier copy of the module, one program per item)"
            if baseline is not None else "")
         + "; triton.testing.do_bench medians with 20th/80th percentiles. out_equal: bit for bit against the first "
@@ -96,5 +100,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--baseline-file", type=Path, default=None)
+    parser.add_argument("--case", action="append", default=None, help="T,H,K (repeatable); default: four shapes")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--regs", default=None, help="R,P: WS_NUM_REGS for this run (right half, producer)")
     args = parser.parse_args()
-    main(args.out_dir, args.baseline_file)
+    cases = [tuple(int(x) for x in c.split(",")) for c in args.case] if args.case else CASES
+    regs = tuple(int(x) for x in args.regs.split(",")) if args.regs else None
+    main(args.out_dir, args.baseline_file, cases, args.rounds, regs)
