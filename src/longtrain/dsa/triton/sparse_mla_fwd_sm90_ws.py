@@ -64,9 +64,11 @@ __all__ = [
 _HEADS = 64  # heads per program (one wgmma tile of M)
 _BLOCK_H = gl.constexpr(_HEADS)
 # setmaxnreg budgets of the worker partitions (the right half, the producer); the softmax warpgroup gets the rest
-# of the 168 x 3 per thread that one 384-thread program may hold on an SM (64K registers): 232. The persistent
-# producer's item loop needs 112 (ptxas spilled 8 bytes at 96 and 104, and at 120 with the softmax warpgroup at 224).
-WS_NUM_REGS = (160, 112)
+# of the 168 x 3 per thread that one 384-thread program may hold on an SM (64K registers): 248. With the producer at
+# 96, ptxas keeps one 64-bit value of the persistent producer on the stack (reloaded once per item); 112 registers
+# avoid it but leave the softmax warpgroup 232, and that ran slower on an H100
+# (benchmarks/results/dsa_fwd_persistent_b25c3c0_h100_2026-12-06.md).
+WS_NUM_REGS = (160, 96)
 WS_MAXNREG = 168
 # Whether the producer loads a tile's slot indices one tile ahead, before it waits for the tile's buffer (True), or
 # after (False). ncu showed the producer stalled on that load after every free while the consumers waited for tiles;
