@@ -236,8 +236,9 @@ def test_warp_specialized_kernel_compiles_for_hopper(block_k, num_buf, prefetch,
     if block_k == 64 or triton.__version__.startswith("3.6."):
         # At most one 64-bit value on the stack: with the producer at 96 registers, ptxas keeps the persistent
         # producer's index-row base (formed before the partitions split) there, stored once per program and reloaded
-        # once per item, never per tile. 112 registers remove it but leave the softmax warpgroup 232, which ran
-        # slower (benchmarks/results/dsa_fwd_persistent_b25c3c0_h100_2026-12-06.md).
+        # once per item, never per tile. 112 registers remove it but leave the softmax warpgroup 232,
+        # which ran slower (benchmarks/results/dsa_fwd_persistent_regs_160_112_b25c3c0_h100_2026-12-06.md
+        # against ..._regs_160_96_...).
         assert stats["stack"] <= 8 and stats["local"] == 0, stats
     assert stats["wgmma_serialized"] == [], stats
     assert set(WS_NUM_REGS) <= set(stats["setmaxnreg"]), stats

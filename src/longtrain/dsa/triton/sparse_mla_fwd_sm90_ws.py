@@ -66,8 +66,8 @@ _BLOCK_H = gl.constexpr(_HEADS)
 # setmaxnreg budgets of the worker partitions (the right half, the producer); the softmax warpgroup gets the rest
 # of the 168 x 3 per thread that one 384-thread program may hold on an SM (64K registers): 248. With the producer at
 # 96, ptxas keeps one 64-bit value of the persistent producer on the stack (reloaded once per item); 112 registers
-# avoid it but leave the softmax warpgroup 232, and that ran slower on an H100
-# (benchmarks/results/dsa_fwd_persistent_b25c3c0_h100_2026-12-06.md).
+# avoid it but leave the softmax warpgroup 232, and that ran slower on an H100 (benchmarks/results/
+# dsa_fwd_persistent_regs_160_112_b25c3c0_h100_2026-12-06.md against ..._regs_160_96_...).
 WS_NUM_REGS = (160, 96)
 WS_MAXNREG = 168
 # Whether the producer loads a tile's slot indices one tile ahead, before it waits for the tile's buffer (True), or
