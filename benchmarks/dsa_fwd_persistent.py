@@ -1,11 +1,13 @@
 """The warp-specialized SM90 sparse MLA forward persistent (``WS_PERSISTENT``: one program per SM taking every G-th
 (query row, head block) item) against one program per item, alternating.
 
-``python benchmarks/dsa_fwd_persistent.py [--out-dir DIR] [--baseline-file FILE]`` writes
+``python benchmarks/dsa_fwd_persistent.py [--out-dir DIR] [--baseline-file FILE] [--case T,H,K] [--rounds N]
+[--regs R,P]`` writes
 ``dsa_fwd_persistent_<date>.md``: the forward at ``config=None`` both ways on one document (GLM-5.2 dims, random causal
 index sets as in ``dsa.py``), each way twice, with whether the two give the same output bit for bit (they run the same
 arithmetic per item). ``--baseline-file`` also times a copy of an earlier ``sparse_mla_fwd_sm90_ws.py`` (one program
 per item, its own launch signature ``(..., lse, T_k, K_slots, qk_scale)``), e.g. the last commit's, in the same run.
+``--memcheck`` runs small launches only, for ``compute-sanitizer --tool memcheck``.
 """
 
 from __future__ import annotations
@@ -58,6 +60,28 @@ def _run(variant: str, baseline_launch, fn):
         ws.WS_PERSISTENT, fwd_mod._launch_sm90_ws = saved
 
 
+def memcheck() -> None:
+    """Small launches for compute-sanitizer: persistent and per item, H = 64 and 128, with and without lengths (rows
+    without slots, invalid and out-of-range slots), the default ring and a forced 32 x 4, more items than SMs."""
+    from longtrain.dsa.triton import KernelConfig
+
+    dev = torch.device("cuda")
+    ring = KernelConfig(impl="sm90", layout="warp_specialized", block_k=32, num_warps=4, num_stages=4)
+    for heads in (64, 128):
+        for persistent in (True, False):
+            ws.WS_PERSISTENT = persistent
+            for with_len in (True, False):
+                for cfg in (None, ring):
+                    idx, length, _, _ = causal_index_sets([300], 256, dev)
+                    idx[3, :6] = torch.tensor([-1, 10**6, 2**30, 3, 3, -5], dtype=torch.int32, device=dev)
+                    length[7] = 0
+                    q, kv = mla_inputs(300, heads, dev)
+                    out, _ = run_fwd(q, kv, idx, length if with_len else None, cfg)
+                    torch.cuda.synchronize()
+                    print("memcheck case", heads, persistent, with_len, cfg is not None, bool(out.isfinite().all()))
+    ws.WS_PERSISTENT = True
+
+
 def main(out_dir: Path, baseline: Path | None, cases, rounds: int, regs: tuple[int, int] | None) -> None:
     baseline_launch = _baseline_launcher(baseline) if baseline is not None else None
     if regs is not None:
@@ -103,7 +127,11 @@ if __name__ == "__main__":
     parser.add_argument("--case", action="append", default=None, help="T,H,K (repeatable); default: four shapes")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--regs", default=None, help="R,P: WS_NUM_REGS for this run (right half, producer)")
+    parser.add_argument("--memcheck", action="store_true", help="small launches only, for compute-sanitizer")
     args = parser.parse_args()
+    if args.memcheck:
+        memcheck()
+        sys.exit(0)
     cases = [tuple(int(x) for x in c.split(",")) for c in args.case] if args.case else CASES
     regs = tuple(int(x) for x in args.regs.split(",")) if args.regs else None
     main(args.out_dir, args.baseline_file, cases, args.rounds, regs)
