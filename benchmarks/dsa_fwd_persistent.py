@@ -46,18 +46,21 @@ def _baseline_launcher(path: Path):
 
 
 def _variants(baseline: Path | None) -> list[str]:
-    return ["persistent", "per item"] + (["baseline file"] if baseline is not None else [])
+    return ["persistent", "persistent, queries prefetched to L2", "per item"] + (
+        ["baseline file"] if baseline is not None else []
+    )
 
 
 def _run(variant: str, baseline_launch, fn):
-    saved = (ws.WS_PERSISTENT, fwd_mod._launch_sm90_ws)
+    saved = (ws.WS_PERSISTENT, ws.WS_PREFETCH_Q, fwd_mod._launch_sm90_ws)
     try:
-        ws.WS_PERSISTENT = variant == "persistent"
+        ws.WS_PERSISTENT = variant.startswith("persistent")
+        ws.WS_PREFETCH_Q = variant.endswith("L2")
         if variant == "baseline file":
             fwd_mod._launch_sm90_ws = baseline_launch
         return fn()
     finally:
-        ws.WS_PERSISTENT, fwd_mod._launch_sm90_ws = saved
+        ws.WS_PERSISTENT, ws.WS_PREFETCH_Q, fwd_mod._launch_sm90_ws = saved
 
 
 def memcheck() -> None:

@@ -275,16 +275,18 @@ def test_ws_forward_persistent_equals_one_program_per_item(monkeypatch, T, H, K,
     sink = torch.randn(H, generator=gen, device=dev) if with_sink else None
     config = KernelConfig(impl="sm90", layout="warp_specialized", block_k=ring[0], num_warps=4, num_stages=ring[1])
     runs = {}
-    for persistent in (True, False):
+    for persistent, prefetch_q in ((True, False), (True, True), (False, False)):
         monkeypatch.setattr(ws, "WS_PERSISTENT", persistent)
+        monkeypatch.setattr(ws, "WS_PREFETCH_Q", prefetch_q)
         items = T * -(-H // 64)
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
         assert (ws.ws_programs(items, dev) < items) == (persistent and items > sms)
-        runs[persistent] = sparse_mla_fwd(q, kv2d, idx, 192**-0.5, 512, length, sink, config)
+        runs[persistent, prefetch_q] = sparse_mla_fwd(q, kv2d, idx, 192**-0.5, 512, length, sink, config)
     assert (length == 0).any()
-    assert torch.equal(runs[True][0], runs[False][0])
-    assert torch.equal(runs[True][1], runs[False][1])
-    out, lse = runs[True]
+    for key in ((True, True), (False, False)):  # the queries' L2 prefetch changes no result either
+        assert torch.equal(runs[True, False][0], runs[key][0])
+        assert torch.equal(runs[True, False][1], runs[key][1])
+    out, lse = runs[True, False]
     ref, ref_lse = sparse_mla_reference(q.double(), kv2d[:, None].double(), idx, 192**-0.5, d_v=512,
                                         topk_length=length, attn_sink=sink.double() if with_sink else None)  # fmt: skip
     _check_rule("out", out, _torch_bf16(q, kv2d[:, None], idx, 192**-0.5, 512, length, sink), ref)

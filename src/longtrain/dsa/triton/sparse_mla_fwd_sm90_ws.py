@@ -55,6 +55,7 @@ __all__ = [
     "WS_NUM_REGS",
     "WS_PERSISTENT",
     "WS_PREFETCH_IDX",
+    "WS_PREFETCH_Q",
     "sparse_mla_fwd_sm90_ws_kernel",
     "ws_programs",
     "ws_smem_bytes",
@@ -81,6 +82,9 @@ WS_PREFETCH_IDX = True
 # program's launch, its queries' and its first tile's latency, and its output store, with nothing running under them.
 # Read at each launch.
 WS_PERSISTENT = True
+# Whether the persistent producer prefetches the next item's queries into L2 (prefetch.global.L2) four tiles before
+# the item ends, so that their load after the last logits hits L2. Read at each launch.
+WS_PREFETCH_Q = False
 
 
 @gluon.constexpr_function
@@ -113,7 +117,7 @@ def _item(sc, item, H: gl.constexpr, HAS_LEN: gl.constexpr):
 @gluon.jit
 def _producer(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr,
               HAS_SINK: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr,
-              PREFETCH_IDX: gl.constexpr):  # fmt: skip
+              PREFETCH_IDX: gl.constexpr, PREFETCH_Q: gl.constexpr):  # fmt: skip
     """Worker partition: per item, the queries (once the softmax warpgroup has read the previous item's for the last
     time), then every tile of the row into the ring, which runs on across items."""
     q_ptr, kv_ptr, idx_ptr, len_ptr, out_ptr, lse_ptr, sink_ptr, T_q, K_slots, T_k, qk_scale = sc
@@ -146,6 +150,9 @@ def _producer(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS
         for i in range(n_tiles):
             r = g + i
             b = r % NUM_BUF
+            if PREFETCH_Q:  # noqa: SIM102 (a constexpr guard around a runtime test)
+                if i == gl.maximum(n_tiles - 4, 0):  # the next item's queries into L2, four tiles before they load
+                    _prefetch_queries(q_ptr, item + gl.num_programs(0), T_q, H, D_QK)
             if PREFETCH_IDX:
                 # Tile i+1's indices now: their load runs under the wait below and tile i's copies, so the copies
                 # of tile i+1 start as soon as its buffer is free instead of a global load's latency later.
@@ -169,6 +176,23 @@ def _producer(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS
                 if D_R > 0:
                     idx_t = nxt_t
         g += n_tiles
+
+
+@gluon.jit
+def _prefetch_queries(q_ptr, item, T_q, H: gl.constexpr, D_QK: gl.constexpr):
+    """``prefetch.global.L2`` of item ``item``'s query block (its heads are one contiguous run of rows), if any."""
+    NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
+    HEADS: gl.constexpr = _BLOCK_H if H > _BLOCK_H else H
+    LINES: gl.constexpr = (HEADS * D_QK * 2 + 127) // 128  # 128-byte lines (16-bit queries)
+    L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    if item < T_q * NUM_HB:
+        t = (item // NUM_HB).to(gl.int64)
+        hb = item % NUM_HB
+        base = (q_ptr + t * (H * D_QK) + hb * (_BLOCK_H * D_QK)).to(gl.pointer_type(gl.int8), bitcast=True)
+        for c in gl.static_range(0, LINES, 128):
+            line = gl.minimum(c + gl.arange(0, 128, layout=L), LINES - 1)
+            gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [base + line * 128],
+                                      dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
 
 
 @gluon.jit
@@ -427,7 +451,7 @@ def sparse_mla_fwd_sm90_ws_kernel(
     H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
     HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr,
     BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, REGS_RIGHT: gl.constexpr, REGS_PRODUCER: gl.constexpr,
-    num_warps: gl.constexpr, PREFETCH_IDX: gl.constexpr = False,
+    num_warps: gl.constexpr, PREFETCH_IDX: gl.constexpr = False, PREFETCH_Q: gl.constexpr = False,
 ):  # fmt: skip
     """Items ``(query row, block of 64 heads)``, query-major: program ``pid`` takes items ``pid, pid + G, ...`` for
     ``G`` programs (one item each when ``G`` covers them all, or persistent with fewer programs)."""
@@ -472,7 +496,7 @@ def sparse_mla_fwd_sm90_ws_kernel(
         [
             (_softmax_left, (sc, sm, H, D_V, D_R, HAS_LEN, HAS_SINK, BLOCK_K, NUM_BUF)),
             (_right_half, (sc, sm, H, D_V, D_R, HAS_LEN, HAS_SINK, BLOCK_K, NUM_BUF)),
-            (_producer, (sc, sm, H, D_V, D_R, HAS_LEN, HAS_SINK, BLOCK_K, NUM_BUF, PREFETCH_IDX)),
+            (_producer, (sc, sm, H, D_V, D_R, HAS_LEN, HAS_SINK, BLOCK_K, NUM_BUF, PREFETCH_IDX, PREFETCH_Q)),
         ],
         [4, 4],
         [REGS_RIGHT, REGS_PRODUCER],
