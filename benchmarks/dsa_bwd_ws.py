@@ -83,9 +83,10 @@ def _time_variant(row, q, kv, out, dout, lse, idx, length, cfgs, deterministic, 
 
 @gluon.jit
 def _pattern_kernel(dst_ptr, keys_ptr, n_tiles, D: gl.constexpr, W: gl.constexpr, MMA: gl.constexpr,
-                    num_warps: gl.constexpr):  # fmt: skip
+                    num_warps: gl.constexpr, FIXED: gl.constexpr = False):  # fmt: skip
     """Add [64, D] fp32 pieces (value row*1e-3 + col*1e-4) into 64 random rows per tile, W columns per access, from
-    a wgmma accumulator's layout (MMA) or a blocked one (each warp-wide access whole row segments)."""
+    a wgmma accumulator's layout (MMA) or a blocked one (each warp-wide access whole row segments). ``FIXED``: each
+    value as int64 fixed point (x 2^32, rounded) into an int64 table, the order-independent (deterministic) sum."""
     if MMA:
         L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, W, 16])
     else:
@@ -96,6 +97,9 @@ def _pattern_kernel(dst_ptr, keys_ptr, n_tiles, D: gl.constexpr, W: gl.constexpr
         keys = gl.load(keys_ptr + tile * 64 + rows).to(gl.int64) * D  # [64]
         for c in gl.static_range(D // W):
             val = rows[:, None].to(gl.float32) * 1e-3 + (c * W + cols)[None, :].to(gl.float32) * 1e-4  # [64, W]
+            if FIXED:
+                x = val * 4294967296.0
+                val = gl.where(x >= 0, x + 0.5, x - 0.5).to(gl.int64)  # [64, W]: rounded half away from zero
             gl.atomic_add(dst_ptr + keys[:, None] + c * W + cols[None, :], val, sem="relaxed")
 
 
@@ -125,12 +129,26 @@ def pattern_probe(out_dir: Path) -> None:
                            cols=w, grid=what, ms=ms, GBps=n_items * d * 4 / ms / 1e6, rel_err=err)  # fmt: skip
                 print(row, flush=True)
                 rows.append(row)
+        # The same sums as int64 fixed point (row segments, one program per SM): bitwise reproducible in any order.
+        dst64 = torch.zeros(n_keys, d, device=dev, dtype=torch.int64)
+        fn = functools.partial(_pattern_kernel[(sms,)], dst64, keys, n_items // 64, D=d, W=w, MMA=False, num_warps=4,
+                               FIXED=True)  # fmt: skip
+        fn()
+        torch.cuda.synchronize()
+        err = ((dst64.double() / 2**32 - ref.double()).abs().max() / ref.abs().max()).item()
+        ms = bench(fn)[0]
+        row = dict(table=f"[{n_keys}, {d}] int64", layout="row segments, int64 fixed point (2^-32)", cols=w,
+                   grid=f"{sms} programs (one per SM)", ms=ms, GBps=n_items * d * 4 / ms / 1e6,
+                   rel_err=err)  # fmt: skip
+        print(row, flush=True)
+        rows.append(row)
     write_report(
         "dsa_reduce_pattern", rows, ["table", "layout", "cols", "grid", "ms", "GBps", "rel_err"],
         f"{n_items} rows added into {n_keys} random rows in tiles of 64 rows, 4 warps per program, fp32 atomics "
         "(`gl.atomic_add`, relaxed): the wgmma accumulator's layout (per warp-wide access 8 rows x 32 bytes) against "
         "a blocked layout (whole row segments of W columns, v4). GB/s of added data; rel_err against torch "
-        "index_add_. Reproduce: `python benchmarks/dsa_bwd_ws.py --pattern-probe`.",
+        "index_add_; the int64 rows add the same values as fixed point (x 2^32, rounded; GB/s counted as the fp32 "
+        "data it stands for). Reproduce: `python benchmarks/dsa_bwd_ws.py --pattern-probe`.",
         out_dir=out_dir, title="fp32 atomics into random rows: access pattern",
     )  # fmt: skip
 
