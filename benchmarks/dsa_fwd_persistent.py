@@ -64,13 +64,13 @@ def _run(variant: str, baseline_launch, fn):
 
 
 def memcheck() -> None:
-    """Small launches for compute-sanitizer: persistent and per item, H = 64 and 128, with and without lengths (rows
+    """Small launches for compute-sanitizer: persistent and per item, H = 64, 96 and 128, with and without lengths (rows
     without slots, invalid and out-of-range slots), the default ring and a forced 32 x 4, more items than SMs."""
     from longtrain.dsa.triton import KernelConfig
 
     dev = torch.device("cuda")
     ring = KernelConfig(impl="sm90", layout="warp_specialized", block_k=32, num_warps=4, num_stages=4)
-    for heads in (64, 128):
+    for heads in (64, 96, 128):
         for persistent in (True, False):
             ws.WS_PERSISTENT = persistent
             for with_len in (True, False):

@@ -226,7 +226,8 @@ def test_warp_specialized_kernel_compiles_for_hopper(block_k, num_buf, prefetch,
 
     types = ["*bf16", "*bf16", "*i32", "*i32", "*fp32", "*bf16", "*fp32", "i32", "i32", "i32", "fp32"]
     consts = dict(H=64, D_V=512, D_R=d_r, HAS_LEN=True, HAS_SINK=True, BLOCK_K=block_k, NUM_BUF=num_buf,
-                  REGS_RIGHT=WS_NUM_REGS[0], REGS_PRODUCER=WS_NUM_REGS[1], PREFETCH_IDX=prefetch)  # fmt: skip
+                  REGS_RIGHT=WS_NUM_REGS[0], REGS_PRODUCER=WS_NUM_REGS[1], PREFETCH_IDX=prefetch,
+                  PREFETCH_Q=prefetch)  # fmt: skip
     stats = compile_sm90("longtrain.dsa.triton.sparse_mla_fwd_sm90_ws", "sparse_mla_fwd_sm90_ws_kernel", types,
                          consts, num_warps=4, maxnreg=WS_MAXNREG)  # fmt: skip
     assert stats["cp_async"] and stats["wgmma"], stats
