@@ -83,10 +83,11 @@ WS_PREFETCH_IDX = True
 # Read at each launch.
 WS_PERSISTENT = True
 # Whether the persistent producer prefetches the next item's queries into L2 (prefetch.global.L2) four tiles before
-# the item ends, so that their load after the last logits hits L2. On an H100, alternating, 3 runs each: 18.05-18.09
-# ms (20th percentiles) against 18.16-18.52 without at T = 16384, H = 128, the same at H = 64 and at T = 4096,
-# H = 128, K = 512 (benchmarks/results/dsa_fwd_persistent_157f7b1_h100_2026-12-06.md). Read at each launch.
-WS_PREFETCH_Q = True
+# the item ends, so that their load after the last logits hits L2. Off: within these H100s' noise. At T = 16384,
+# H = 128 one alternating run gave 20th percentiles of 18.05-18.09 ms against 18.16-18.52 without it
+# (benchmarks/results/dsa_fwd_persistent_157f7b1_h100_2026-12-06.md), another 17.81-18.76 against 17.72-17.78
+# (dsa_fwd_persistent_7f6816f_h100_2026-12-06.md); the same at H = 64 and at T = 4096, K = 512. Read at each launch.
+WS_PREFETCH_Q = False
 
 
 @gluon.constexpr_function
