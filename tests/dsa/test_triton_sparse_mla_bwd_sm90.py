@@ -384,7 +384,7 @@ def test_sm90_row_chunks_fill_whole_waves(monkeypatch, tokens, rows, per_row, sm
     scratch gives, each rounded up to whole waves of the GPU's SMs."""
     from longtrain.dsa.triton import sparse_mla_bwd as mb
 
-    monkeypatch.setattr(mb, "_sm_count", lambda index: sms)
+    monkeypatch.setattr(mb, "sm_count", lambda device: sms)
     chunk = mb._whole_waves(tokens, rows, per_row, torch.device("cuda", 0))
     assert chunk == expected and chunk * per_row % sms == 0
     if rows * per_row >= sms:

@@ -249,11 +249,9 @@ def test_warp_specialized_kernel_compiles_for_hopper(block_k, num_buf, prefetch,
 def test_warp_specialized_programs_persistent_or_one_per_item(monkeypatch):
     """The warp-specialized launch: one program per SM when persistent (never more programs than items), one per
     item otherwise; the GPU tests check the two give the same output bit for bit."""
-    from types import SimpleNamespace
-
     from longtrain.dsa.triton import sparse_mla_fwd_sm90_ws as ws
 
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(ws, "sm_count", lambda device: 132)
     dev = torch.device("cuda", 0)
     monkeypatch.setattr(ws, "WS_PERSISTENT", True)
     assert [ws.ws_programs(n, dev) for n in (1, 131, 132, 133, 32768)] == [1, 131, 132, 132, 132]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ __all__ = [
     "interpreting",
     "next_pow2",
     "require_available",
+    "sm_count",
     "sparse_mla_unfit",
 ]
 
@@ -35,6 +37,16 @@ _MAX_D = 1024
 def interpreting() -> bool:
     """Whether Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+@functools.cache
+def _sm_count_of(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of CUDA ``device`` (cached per device): the wave of one-program-per-SM launches."""
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def next_pow2(n: int) -> int:

@@ -33,7 +33,6 @@ its matmuls are wgmma of N = 32.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -41,7 +40,7 @@ import triton
 import triton.language as tl
 
 from longtrain.dsa.triton import sparse_mla_bwd_plan as bwd_plan
-from longtrain.dsa.triton._common import KernelConfig, dot_precision, interpreting, next_pow2
+from longtrain.dsa.triton._common import KernelConfig, dot_precision, interpreting, next_pow2, sm_count
 from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_backward_plan, sm90_dq_plan
 from longtrain.dsa.triton.sparse_mla_fwd import LOG2E, _row_col_mask, fwd_block_h
 
@@ -611,16 +610,11 @@ def sink_grad(attn_sink: torch.Tensor, lse2: torch.Tensor, delta: torch.Tensor) 
     return (-torch.exp2(attn_sink.float() * LOG2E - lse2) * delta).sum(0)
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _whole_waves(num_tokens: int, rows: int, programs_per_row: int, device: torch.device) -> int:
     """The row chunk for ``num_tokens`` rows in chunks of about ``rows``: as many chunks as ``rows`` gives, each
     rounded up to a row count whose programs fill whole waves of the GPU's SMs (one SM90 program per SM), so no
     launch ends on a partial wave but the last (1024-row chunks at 64 heads are 7.76 waves on 132 SMs, 1056 rows 8)."""
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    sms = sm_count(device)
     step = sms // math.gcd(sms, programs_per_row)
     per_chunk = triton.cdiv(num_tokens, triton.cdiv(num_tokens, rows))
     return triton.cdiv(per_chunk, step) * step

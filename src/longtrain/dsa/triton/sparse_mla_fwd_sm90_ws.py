@@ -48,6 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from longtrain.dsa.triton._common import sm_count
 from longtrain.dsa.triton.sparse_mla_fwd_sm90 import _async_load, _gather_layout, _load_idx, sm90_unsupported_reason
 
 __all__ = [
@@ -513,8 +514,7 @@ def ws_programs(num_items: int, device: torch.device) -> int:
     one program fits an SM), else one per item."""
     if not WS_PERSISTENT or num_items == 0:
         return max(num_items, 1)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return min(num_items, torch.cuda.get_device_properties(index).multi_processor_count)
+    return min(num_items, sm_count(device))
 
 
 def ws_smem_bytes(block_k: int, num_buf: int, d_qk: int, itemsize: int) -> int:
