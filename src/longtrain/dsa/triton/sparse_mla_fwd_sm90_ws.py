@@ -1,10 +1,10 @@
 """Sparse MLA forward for Hopper (SM90) in Gluon, warp-specialized: a producer warpgroup gathers, one warpgroup owns
 the logits, the softmax and the left half of the values, another the right half.
 
-Same contract and math as :func:`longtrain.dsa.triton.sparse_mla_fwd.sparse_mla_fwd_kernel` (one program per
-(query row, block of 64 heads), fp32 online softmax in base 2, invalid slots masked, exact zeros for rows without
-keys). The schedule is the one the best public Hopper kernels use for this op (1 producer + 2 consumer warpgroups,
-``d_v`` split between the consumers); the code is ours:
+Same contract and math as :func:`longtrain.dsa.triton.sparse_mla_fwd.sparse_mla_fwd_kernel` (per item (query row,
+block of 64 heads), fp32 online softmax in base 2, invalid slots masked, exact zeros for rows without keys). The
+schedule is the one the best public Hopper kernels use for this op (1 producer + 2 consumer warpgroups, ``d_v`` split
+between the consumers); the code is ours:
 
 * the **producer** (4 warps, few registers) cp.asyncs the queries once and then the row's gathered latent rows into
   a ring of ``NUM_BUF`` tiles of ``BLOCK_K`` rows, each tile kept as two shared-memory blocks (values ``[BLOCK_K,
@@ -27,8 +27,10 @@ the launch has one program per item (the same code, one loop trip each).
 
 Barriers: ``ready[b]`` (the producer's 128 threads), ``free[b]`` (one arrive per consumer), ``p_ready[j]`` /
 ``p_free[j]`` (the shared ``P`` and its factors, one buffer, or two with a ring of three or more tiles, so that the
-softmax warpgroup can hand over tile i+1 before the right warpgroup has finished tile i; after the loop ``p_ready``
-once more hands over ``1 / denominator``).
+softmax warpgroup can hand over tile i+1 before the right warpgroup has finished tile i; after an item's tiles
+``p_ready`` once more hands over ``1 / denominator``; ring positions and handover indices count on across items),
+``q_ready`` (the producer's 128 threads: the item's queries landed) / ``q_free`` (the softmax warpgroup: its last
+logits of the item have completed).
 Shared memory at the GLM shape (64 heads, D_qk 576, 2 tiles of 64 rows): 72 + 144 + 8 KiB.
 
 Gluon kernels do not run in Triton's CPU interpreter; ``sparse_mla_fwd`` uses this kernel only where
