@@ -70,6 +70,7 @@ def memcheck() -> None:
 
     dev = torch.device("cuda")
     ring = KernelConfig(impl="sm90", layout="warp_specialized", block_k=32, num_warps=4, num_stages=4)
+    default = ws.WS_PERSISTENT
     for heads in (64, 96, 128):
         for persistent in (True, False):
             ws.WS_PERSISTENT = persistent
@@ -82,7 +83,7 @@ def memcheck() -> None:
                     out, _ = run_fwd(q, kv, idx, length if with_len else None, cfg)
                     torch.cuda.synchronize()
                     print("memcheck case", heads, persistent, with_len, cfg is not None, bool(out.isfinite().all()))
-    ws.WS_PERSISTENT = True
+    ws.WS_PERSISTENT = default
 
 
 def main(out_dir: Path, baseline: Path | None, cases, rounds: int, regs: tuple[int, int] | None) -> None:

@@ -19,11 +19,11 @@ between the consumers); the code is ours:
 * the **right warpgroup** rescales its accumulator and computes ``O_right += P V[:, D_V/2:]`` (a column slice of the
   value block) from the shared ``P``, so it runs under the softmax warpgroup's next logits.
 
-Programs are persistent (``WS_PERSISTENT``): one per SM, taking items (query row, block of 64 heads) ``pid, pid + G,
-...``; the ring and the ``P`` handovers run on across items, and the producer loads an item's queries as soon as the
-softmax warpgroup has computed the previous item's last logits (``q_ready`` / ``q_free``), so the next item's queries
-and first tiles load under the current item's last softmax, ``P V`` and output store. With ``WS_PERSISTENT = False``
-the launch has one program per item (the same code, one loop trip each).
+A launch has one program per item (query row, block of 64 heads) by default, or, with ``WS_PERSISTENT``, one per SM
+taking items ``pid, pid + G, ...`` (the same code: one loop trip per program, or many); the ring and the ``P``
+handovers run on across items, and the producer loads an item's queries as soon as the softmax warpgroup has computed
+the previous item's last logits (``q_ready`` / ``q_free``), so that a persistent program loads the next item's queries
+and first tiles under the current item's last softmax, ``P V`` and output store.
 
 Barriers: ``ready[b]`` (the producer's 128 threads), ``free[b]`` (one arrive per consumer), ``p_ready[j]`` /
 ``p_free[j]`` (the shared ``P`` and its factors, one buffer, or two with a ring of three or more tiles, so that the
@@ -82,9 +82,14 @@ WS_PREFETCH_IDX = True
 # Whether a launch runs one program per SM, each taking items (query row, head block) pid, pid + G, ... (True), or one
 # program per item (False). Persistent programs load the next item's queries while the current item's last tile is
 # still in its softmax and P V, and gather the next item's first tiles into the ring as it frees, instead of paying a
-# program's launch, its queries' and its first tile's latency, and its output store, with nothing running under them.
-# Read at each launch.
-WS_PERSISTENT = True
+# program's launch, its queries' and its first tile's latency, and its output store, with nothing running under them:
+# on H100s 2-3 % faster at H = 128 and at T = 4096, K = 512, the same at H = 64
+# (benchmarks/results/dsa_fwd_persistent_5bfe2b5_h100_2026-12-06.md). Off by default: the items are dealt statically,
+# so a program that starts late (its SM held by a kernel on another stream, e.g. the NCCL kernels of an all-gather
+# that FSDP overlaps with this layer: one of them leaves no room for a 224 KiB program) still runs its whole share
+# after it, and the launch ends that much later; one program per item lets the other SMs take the work. Read at each
+# launch.
+WS_PERSISTENT = False
 # Whether the persistent producer prefetches the next item's queries into L2 (prefetch.global.L2) four tiles before
 # the item ends, so that their load after the last logits hits L2. Off: within these H100s' noise. At T = 16384,
 # H = 128 one alternating run gave 20th percentiles of 18.05-18.09 ms against 18.16-18.52 without it
