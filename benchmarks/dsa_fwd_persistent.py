@@ -1,13 +1,17 @@
-"""The warp-specialized SM90 sparse MLA forward persistent (``WS_PERSISTENT``: one program per SM taking every G-th
-(query row, head block) item) against one program per item, alternating.
+"""The warp-specialized SM90 sparse MLA forward's schedules, alternating: one program per item, runs of ``WS_RUN``
+consecutive items per program, and persistent (``WS_PERSISTENT``: one program per SM taking every G-th (query row,
+head block) item).
 
 ``python benchmarks/dsa_fwd_persistent.py [--out-dir DIR] [--baseline-file FILE] [--case T,H,K] [--rounds N]
-[--regs R,P]`` writes
-``dsa_fwd_persistent_<date>.md``: the forward at ``config=None`` both ways on one document (GLM-5.2 dims, random causal
-index sets as in ``dsa.py``), each way twice, with whether the two give the same output bit for bit (they run the same
-arithmetic per item). ``--baseline-file`` also times a copy of an earlier ``sparse_mla_fwd_sm90_ws.py`` (one program
-per item, its own launch signature ``(..., lse, T_k, K_slots, qk_scale)``), e.g. the last commit's, in the same run.
-``--memcheck`` runs small launches only, for ``compute-sanitizer --tool memcheck``.
+[--regs R,P] [--runs 2,4,8] [--contention BLOCKS,MS]`` writes
+``dsa_fwd_persistent_<date>.md``: the forward at ``config=None`` every way on one document (GLM-5.2 dims, random
+causal index sets as in ``dsa.py``), each way ``--rounds`` times, with whether each gives the same output bit for bit
+(they run the same arithmetic per item). ``--baseline-file`` also times a copy of an earlier
+``sparse_mla_fwd_sm90_ws.py`` (one program per item, its own launch signature ``(..., lse, T_k, K_slots,
+qk_scale)``), e.g. the last commit's, in the same run. ``--contention BLOCKS,MS`` adds rows timed while a kernel of
+``BLOCKS`` programs that each hold an SM for ``MS`` ms runs on another stream, launched just before the forward (as
+the NCCL kernels of an all-gather that FSDP overlaps with a layer hold their SMs). ``--memcheck`` runs small launches
+only, for ``compute-sanitizer --tool memcheck``.
 """
 
 from __future__ import annotations
@@ -15,10 +19,13 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
+import statistics
 import sys
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import RESULTS_DIR, write_report  # noqa: E402
@@ -45,51 +52,92 @@ def _baseline_launcher(path: Path):
     return launch
 
 
-def _variants(baseline: Path | None) -> list[str]:
-    return ["persistent", "persistent, queries prefetched to L2", "per item"] + (
-        ["baseline file"] if baseline is not None else []
-    )
+def _variants(runs: list[int], baseline: Path | None) -> dict[str, tuple[bool, int, bool]]:
+    """name -> (WS_PERSISTENT, WS_RUN, WS_PREFETCH_Q); ``baseline file`` runs the earlier copy's kernel."""
+    table = {"per item": (False, 1, False)}
+    table.update({f"runs of {r}": (False, r, False) for r in runs})
+    table.update({"persistent": (True, 1, False), "persistent, queries prefetched to L2": (True, 1, True)})
+    if baseline is not None:
+        table["baseline file"] = (False, 1, False)
+    return table
 
 
-def _run(variant: str, baseline_launch, fn):
-    saved = (ws.WS_PERSISTENT, ws.WS_PREFETCH_Q, fwd_mod._launch_sm90_ws)
+def _run(name: str, knobs: tuple[bool, int, bool], baseline_launch, fn):
+    saved = (ws.WS_PERSISTENT, ws.WS_RUN, ws.WS_PREFETCH_Q, fwd_mod._launch_sm90_ws)
     try:
-        ws.WS_PERSISTENT = variant.startswith("persistent")
-        ws.WS_PREFETCH_Q = variant.endswith("L2")
-        if variant == "baseline file":
+        ws.WS_PERSISTENT, ws.WS_RUN, ws.WS_PREFETCH_Q = knobs
+        if name == "baseline file":
             fwd_mod._launch_sm90_ws = baseline_launch
         return fn()
     finally:
-        ws.WS_PERSISTENT, ws.WS_PREFETCH_Q, fwd_mod._launch_sm90_ws = saved
+        ws.WS_PERSISTENT, ws.WS_RUN, ws.WS_PREFETCH_Q, fwd_mod._launch_sm90_ws = saved
+
+
+@triton.jit
+def _busy_kernel(out_ptr, ns):
+    """Hold an SM for ``ns`` nanoseconds (128 threads: with their registers no 384-thread forward program, which takes
+    the whole register file, fits beside one)."""
+    lane = tl.arange(0, 128)
+    t0 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [lane], dtype=tl.int64, is_pure=False, pack=1)
+    elapsed = tl.zeros([128], tl.int64)
+    while tl.min(elapsed, axis=0) < ns:
+        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [lane], dtype=tl.int64, is_pure=False,
+                                        pack=1)  # fmt: skip
+        elapsed = now - t0
+    tl.store(out_ptr + tl.program_id(0) * 128 + lane, elapsed)
+
+
+def _contended_ms(fwd, blocks: int, busy_ms: float, reps: int = 10) -> tuple[float, float, float]:
+    """Median, 20th and 80th percentile of the forward's time (launch to end, on the current stream) with ``blocks``
+    busy programs of ``busy_ms`` launched just before it on another stream."""
+    side = torch.cuda.Stream()
+    sink = torch.empty(blocks * 128, dtype=torch.int64, device="cuda")
+    times = []
+    for _ in range(reps + 2):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            _busy_kernel[(blocks,)](sink, int(busy_ms * 1e6), num_warps=4)
+        fwd()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    times = sorted(times[2:])
+    q = statistics.quantiles(times, n=5)
+    return statistics.median(times), q[0], q[3]
 
 
 def memcheck() -> None:
-    """Small launches for compute-sanitizer: persistent and per item, H = 64, 96 and 128, with and without lengths (rows
-    without slots, invalid and out-of-range slots), the default ring and a forced 32 x 4, more items than SMs."""
+    """Small launches for compute-sanitizer: persistent, runs of 3 and per item, H = 64, 96 and 128, with and without
+    lengths (rows without slots, invalid and out-of-range slots), the default ring and a forced 32 x 4, more items
+    than SMs."""
     from longtrain.dsa.triton import KernelConfig
 
     dev = torch.device("cuda")
     ring = KernelConfig(impl="sm90", layout="warp_specialized", block_k=32, num_warps=4, num_stages=4)
-    default = ws.WS_PERSISTENT
     for heads in (64, 96, 128):
-        for persistent in (True, False):
-            ws.WS_PERSISTENT = persistent
+        for name, knobs in (("persistent", (True, 1, False)), ("runs of 3", (False, 3, True)),
+                            ("per item", (False, 1, False))):  # fmt: skip
             for with_len in (True, False):
                 for cfg in (None, ring):
                     idx, length, _, _ = causal_index_sets([300], 256, dev)
                     idx[3, :6] = torch.tensor([-1, 10**6, 2**30, 3, 3, -5], dtype=torch.int32, device=dev)
                     length[7] = 0
                     q, kv = mla_inputs(300, heads, dev)
-                    out, _ = run_fwd(q, kv, idx, length if with_len else None, cfg)
+                    fwd = functools.partial(run_fwd, q, kv, idx, length if with_len else None, cfg)
+                    out, _ = _run(name, knobs, None, fwd)
                     torch.cuda.synchronize()
-                    print("memcheck case", heads, persistent, with_len, cfg is not None, bool(out.isfinite().all()))
-    ws.WS_PERSISTENT = default
+                    print("memcheck case", heads, name, with_len, cfg is not None, bool(out.isfinite().all()))
 
 
-def main(out_dir: Path, baseline: Path | None, cases, rounds: int, regs: tuple[int, int] | None) -> None:
+def main(out_dir: Path, baseline: Path | None, cases, rounds: int, regs: tuple[int, int] | None, runs: list[int],
+         contention: tuple[int, float] | None) -> None:  # fmt: skip
     baseline_launch = _baseline_launcher(baseline) if baseline is not None else None
     if regs is not None:
         ws.WS_NUM_REGS = regs
+    variants = _variants(runs, baseline)
     dev = torch.device("cuda")
     rows: list[dict] = []
     for total, heads, topk in cases:
@@ -99,28 +147,43 @@ def main(out_dir: Path, baseline: Path | None, cases, rounds: int, regs: tuple[i
         fwd = functools.partial(run_fwd, q, kv, idx, length, None)
         first = None
         for rnd in range(1, rounds + 1):
-            for variant in _variants(baseline):
-                o, _ = _run(variant, baseline_launch, fwd)
+            for name, knobs in variants.items():
+                o, _ = _run(name, knobs, baseline_launch, fwd)
                 first = o if first is None else first
-                ms = _run(variant, baseline_launch, functools.partial(bench, fwd, rep_ms=400))
-                rows.append(dict(
-                    shape=f"T={total} H={heads} K={topk} 1doc", variant=variant, run=rnd,
-                    regs="file's" if variant == "baseline file" else str(ws.WS_NUM_REGS), fwd_ms=ms[0], p20=ms[1],
-                    p80=ms[2], tflops=2 * valid * heads * (D_QK + D_V) / ms[0] / 1e9,
-                    out_equal=bool(torch.equal(o, first)),
-                ))  # fmt: skip
-                print(rows[-1], flush=True)
+                timings = [("none", _run(name, knobs, baseline_launch, functools.partial(bench, fwd, rep_ms=400)))]
+                if contention is not None:
+                    timed = functools.partial(_contended_ms, fwd, *contention)
+                    timings.append((f"{contention[0]} SMs for {contention[1]} ms",
+                                    _run(name, knobs, baseline_launch, timed)))  # fmt: skip
+                for other, ms in timings:
+                    rows.append(dict(
+                        shape=f"T={total} H={heads} K={topk} 1doc", variant=name, run=rnd, other_stream=other,
+                        regs="file's" if name == "baseline file" else str(ws.WS_NUM_REGS), fwd_ms=ms[0], p20=ms[1],
+                        p80=ms[2], tflops=2 * valid * heads * (D_QK + D_V) / ms[0] / 1e9,
+                        out_equal=bool(torch.equal(o, first)),
+                    ))  # fmt: skip
+                    print(rows[-1], flush=True)
+    if contention is not None:
+        busy = _contended_ms(lambda: None, *contention)
+        rows.append(dict(shape="-", variant="the busy kernel alone", run=1, other_stream=f"{contention[0]} SMs for "
+                         f"{contention[1]} ms", regs="-", fwd_ms=busy[0], p20=busy[1], p80=busy[2], tflops=0.0,
+                         out_equal=True))  # fmt: skip
     write_report(
-        "dsa_fwd_persistent", rows, ["shape", "variant", "regs", "run", "fwd_ms", "p20", "p80", "tflops", "out_equal"],
+        "dsa_fwd_persistent", rows,
+        ["shape", "variant", "other_stream", "regs", "run", "fwd_ms", "p20", "p80", "tflops", "out_equal"],
         "Sparse MLA forward at config=None (bf16, one document, query t selects min(t+1, K) random causal keys; FLOPs "
-        "over valid slots, 2 * valid * H * (576 + 512)): the warp-specialized kernel persistent (one program per SM, "
-        f"items pid, pid + G, ...) or one program per item, alternating, each {rounds} times; regs: the setmaxnreg "
-        "budgets of its right-half and producer warpgroups (the softmax warpgroup gets 504 minus their sum)"
+        "over valid slots, 2 * valid * H * (576 + 512)): the warp-specialized kernel with one program per item, with "
+        "runs of consecutive items per program (WS_RUN), or persistent (one program per SM, items pid, pid + G, ...), "
+        f"alternating, each {rounds} times; regs: the setmaxnreg budgets of its right-half and producer warpgroups "
+        "(the softmax warpgroup gets 504 minus their sum)"
         + (f", and the kernel of `{baseline.name}` (an earlier copy of the module, one program per item)"
            if baseline is not None else "")
         + "; triton.testing.do_bench medians with 20th/80th percentiles. out_equal: bit for bit against the first "
-        "variant's output. Reproduce: `python benchmarks/dsa_fwd_persistent.py`.",
-        out_dir=out_dir, title="Sparse MLA forward: persistent warp-specialized programs",
+        "variant's output. other_stream: rows timed (CUDA events, launch to end, 10 repetitions) while a kernel whose "
+        "programs each hold one SM for that long runs on another stream, launched just before the forward, as the NCCL "
+        "kernels of an overlapped all-gather do; the last row is that kernel alone. Reproduce: `python "
+        "benchmarks/dsa_fwd_persistent.py` with the arguments in the machine header's command line.",
+        out_dir=out_dir, title="Sparse MLA forward: schedules of the warp-specialized programs",
     )  # fmt: skip
 
 
@@ -131,6 +194,8 @@ if __name__ == "__main__":
     parser.add_argument("--case", action="append", default=None, help="T,H,K (repeatable); default: four shapes")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--regs", default=None, help="R,P: WS_NUM_REGS for this run (right half, producer)")
+    parser.add_argument("--runs", default="2,4,8", help="WS_RUN values to time besides 1 (comma-separated)")
+    parser.add_argument("--contention", default=None, help="BLOCKS,MS: also time beside a kernel holding BLOCKS SMs")
     parser.add_argument("--memcheck", action="store_true", help="small launches only, for compute-sanitizer")
     args = parser.parse_args()
     if args.memcheck:
@@ -138,4 +203,6 @@ if __name__ == "__main__":
         sys.exit(0)
     cases = [tuple(int(x) for x in c.split(",")) for c in args.case] if args.case else CASES
     regs = tuple(int(x) for x in args.regs.split(",")) if args.regs else None
-    main(args.out_dir, args.baseline_file, cases, args.rounds, regs)
+    runs = [int(x) for x in args.runs.split(",") if x]
+    contention = (int(args.contention.split(",")[0]), float(args.contention.split(",")[1])) if args.contention else None
+    main(args.out_dir, args.baseline_file, cases, args.rounds, regs, runs, contention)

@@ -256,11 +256,12 @@ def test_sparse_mla_bf16(T, T_k, H, D, d_v, K, with_sink, forced, dtype):
      (500, 64, 520, (32, 3), False), (5, 128, 64, (64, 2), True)],
     ids=["64x2-sink", "H128-K1000", "H96-32x4-sink", "32x3", "fewer-items-than-SMs"],
 )  # fmt: skip
-def test_ws_forward_persistent_equals_one_program_per_item(monkeypatch, T, H, K, ring, with_sink):
+def test_ws_forward_schedules_equal_one_program_per_item(monkeypatch, T, H, K, ring, with_sink):
     """The warp-specialized forward run persistent (``WS_PERSISTENT``: one program per SM, each taking every G-th
-    item and carrying its ring, handovers and query buffer from item to item) gives out and lse equal bit for bit to
-    one program per item (the same arithmetic per item), over rows without slots, ragged lengths, invalid and
-    repeated indices, and more items than SMs."""
+    item and carrying its ring, handovers and query buffer from item to item), or in runs of ``WS_RUN`` consecutive
+    items per program (3: the last run shorter; 4), with and without the queries' L2 prefetch, gives out and lse
+    equal bit for bit to one program per item (the same arithmetic per item), over rows without slots, ragged
+    lengths, invalid and repeated indices, and more items than SMs."""
     from longtrain.dsa.triton import KernelConfig
     from longtrain.dsa.triton import sparse_mla_fwd_sm90_ws as ws
     from longtrain.dsa.triton.sparse_mla_fwd import sparse_mla_fwd
@@ -274,19 +275,23 @@ def test_ws_forward_persistent_equals_one_program_per_item(monkeypatch, T, H, K,
     idx[min(3, T - 1), :7] = torch.tensor([-1, T_k, 2**30, 3, 3, 3, -5], dtype=torch.int32, device=dev)
     sink = torch.randn(H, generator=gen, device=dev) if with_sink else None
     config = KernelConfig(impl="sm90", layout="warp_specialized", block_k=ring[0], num_warps=4, num_stages=ring[1])
+    items = T * -(-H // 64)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
     runs = {}
-    for persistent, prefetch_q in ((True, False), (True, True), (False, False)):
+    for persistent, run, prefetch_q in ((False, 1, False), (True, 1, False), (True, 1, True), (False, 3, False),
+                                        (False, 3, True), (False, 4, False)):  # fmt: skip
         monkeypatch.setattr(ws, "WS_PERSISTENT", persistent)
+        monkeypatch.setattr(ws, "WS_RUN", run)
         monkeypatch.setattr(ws, "WS_PREFETCH_Q", prefetch_q)
-        items = T * -(-H // 64)
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        assert (ws.ws_programs(items, dev) < items) == (persistent and items > sms)
-        runs[persistent, prefetch_q] = sparse_mla_fwd(q, kv2d, idx, 192**-0.5, 512, length, sink, config)
+        programs, kernel_run = ws.ws_schedule(items, dev)
+        assert (programs < items) == (persistent and items > sms or not persistent and run > 1 and items > 1)
+        assert kernel_run == (0 if persistent else run)
+        runs[persistent, run, prefetch_q] = sparse_mla_fwd(q, kv2d, idx, 192**-0.5, 512, length, sink, config)
+    out, lse = runs[False, 1, False]
+    for key, (o, l) in runs.items():  # every schedule, and the queries' L2 prefetch, change no result
+        assert torch.equal(out, o), key
+        assert torch.equal(lse, l), key
     assert (length == 0).any()
-    for key in ((True, True), (False, False)):  # the queries' L2 prefetch changes no result either
-        assert torch.equal(runs[True, False][0], runs[key][0])
-        assert torch.equal(runs[True, False][1], runs[key][1])
-    out, lse = runs[True, False]
     ref, ref_lse = sparse_mla_reference(q.double(), kv2d[:, None].double(), idx, 192**-0.5, d_v=512,
                                         topk_length=length, attn_sink=sink.double() if with_sink else None)  # fmt: skip
     _check_rule("out", out, _torch_bf16(q, kv2d[:, None], idx, 192**-0.5, 512, length, sink), ref)

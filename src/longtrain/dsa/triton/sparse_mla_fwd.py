@@ -321,12 +321,12 @@ def _launch_sm90_ws(grid, args, meta, block_k: int, num_buf: int) -> None:
 
     num_items = grid[0]
     q = args[0]
-    programs = ws.ws_programs(num_items, q.device)
+    programs, run = ws.ws_schedule(num_items, q.device)
     # The kernel takes the query count before the key count: (..., lse, T_q, T_k, K_slots, qk_scale).
     args = (*args[:7], q.shape[0], *args[7:])
     ws.sparse_mla_fwd_sm90_ws_kernel[(programs,)](
         *args, **meta, BLOCK_K=block_k, NUM_BUF=num_buf, REGS_RIGHT=ws.WS_NUM_REGS[0],
-        REGS_PRODUCER=ws.WS_NUM_REGS[1], PREFETCH_IDX=ws.WS_PREFETCH_IDX,
+        REGS_PRODUCER=ws.WS_NUM_REGS[1], RUN=run, PREFETCH_IDX=ws.WS_PREFETCH_IDX,
         PREFETCH_Q=ws.WS_PREFETCH_Q and programs < num_items, num_warps=4, maxnreg=ws.WS_MAXNREG,
     )  # fmt: skip
 

@@ -59,8 +59,9 @@ __all__ = [
     "WS_PERSISTENT",
     "WS_PREFETCH_IDX",
     "WS_PREFETCH_Q",
+    "WS_RUN",
     "sparse_mla_fwd_sm90_ws_kernel",
-    "ws_programs",
+    "ws_schedule",
     "ws_smem_bytes",
     "ws_unsupported_reason",
 ]
@@ -90,6 +91,11 @@ WS_PREFETCH_IDX = True
 # after it, and the launch ends that much later; one program per item lets the other SMs take the work. Read at each
 # launch.
 WS_PERSISTENT = False
+# Consecutive items per program when not persistent (1: one program per item). A program runs its items as a
+# persistent one does (the next item's queries and first tiles load under the current item's end), and the hardware
+# scheduler hands the runs to whichever SM frees first, so a late SM delays one run, not a G-th of the launch.
+# Read at each launch.
+WS_RUN = 1
 # Whether the persistent producer prefetches the next item's queries into L2 (prefetch.global.L2) four tiles before
 # the item ends, so that their load after the last logits hits L2. Off: within these H100s' noise. At T = 16384,
 # H = 128 one alternating run gave 20th percentiles of 18.05-18.09 ms against 18.16-18.52 without it
@@ -126,24 +132,41 @@ def _item(sc, item, H: gl.constexpr, HAS_LEN: gl.constexpr):
 
 
 @gluon.jit
+def _items(T_q, H: gl.constexpr, RUN: gl.constexpr):
+    """This program's items as ``range(first, stop, step)``: with ``RUN == 0`` (persistent) every G-th item from
+    ``pid`` for ``G`` programs, else the contiguous run ``pid * RUN ..`` of at most ``RUN`` items."""
+    NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
+    num_items = T_q * NUM_HB
+    if RUN == 0:
+        first = gl.program_id(0)
+        stop = num_items
+        step = gl.num_programs(0)
+    else:
+        first = gl.program_id(0) * RUN
+        stop = gl.minimum(first + RUN, num_items)
+        step = 1
+    return first, stop, step
+
+
+@gluon.jit
 def _producer(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr,
-              HAS_SINK: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr,
+              HAS_SINK: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, RUN: gl.constexpr,
               PREFETCH_IDX: gl.constexpr, PREFETCH_Q: gl.constexpr):  # fmt: skip
     """Worker partition: per item, the queries (once the softmax warpgroup has read the previous item's for the last
     time), then every tile of the row into the ring, which runs on across items."""
     q_ptr, kv_ptr, idx_ptr, len_ptr, out_ptr, lse_ptr, sink_ptr, T_q, K_slots, T_k, qk_scale = sc
     q_v, q_t, kv_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_ready, q_free = sm
     D_QK: gl.constexpr = D_V + D_R
-    NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
     LV: gl.constexpr = _gather_layout(D_V, 4)
     LT: gl.constexpr = _gather_layout(max(D_R, 16), 4)
     rl_v: gl.constexpr = gl.SliceLayout(1, LV)
     rl_t: gl.constexpr = gl.SliceLayout(1, LT)
 
     g = 0  # tiles of this program's earlier items: the ring position of the item's first tile
-    for item in range(gl.program_id(0), T_q * NUM_HB, gl.num_programs(0)):
+    first, stop, step = _items(T_q, H, RUN)
+    for item in range(first, stop, step):
         t, hb, idx_row, n_slots = _item(sc, item, H, HAS_LEN)
-        k = (item - gl.program_id(0)) // gl.num_programs(0)  # this program's earlier items: the query barriers' phase
+        k = (item - first) // step  # this program's earlier items: the query barriers' phase
         mbarrier.wait(q_free, (k & 1) ^ 1)
         q_row = q_ptr + t * (H * D_QK)
         hh = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=rl_v)
@@ -163,7 +186,7 @@ def _producer(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS
             b = r % NUM_BUF
             if PREFETCH_Q:  # noqa: SIM102 (a constexpr guard around a runtime test)
                 if i == gl.maximum(n_tiles - 4, 0):  # the next item's queries into L2, four tiles before they load
-                    _prefetch_queries(q_ptr, item + gl.num_programs(0), T_q, H, D_QK)
+                    _prefetch_queries(q_ptr, item + step, stop, H, D_QK)
             if PREFETCH_IDX:
                 # Tile i+1's indices now: their load runs under the wait below and tile i's copies, so the copies
                 # of tile i+1 start as soon as its buffer is free instead of a global load's latency later.
@@ -190,13 +213,14 @@ def _producer(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS
 
 
 @gluon.jit
-def _prefetch_queries(q_ptr, item, T_q, H: gl.constexpr, D_QK: gl.constexpr):
-    """``prefetch.global.L2`` of item ``item``'s query block (its heads are one contiguous run of rows), if any."""
+def _prefetch_queries(q_ptr, item, stop, H: gl.constexpr, D_QK: gl.constexpr):
+    """``prefetch.global.L2`` of item ``item``'s query block (its heads are one contiguous run of rows), if it is one
+    of this program's (``item < stop``)."""
     NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
     HEADS: gl.constexpr = _BLOCK_H if H > _BLOCK_H else H
     LINES: gl.constexpr = (HEADS * D_QK * 2 + 127) // 128  # 128-byte lines (16-bit queries)
     L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    if item < T_q * NUM_HB:
+    if item < stop:
         t = (item // NUM_HB).to(gl.int64)
         hb = item % NUM_HB
         # The last block of a head count that is not a multiple of 64 has fewer rows: no line past them.
@@ -210,19 +234,19 @@ def _prefetch_queries(q_ptr, item, T_q, H: gl.constexpr, D_QK: gl.constexpr):
 
 @gluon.jit
 def _right_half(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr,
-                HAS_SINK: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr):  # fmt: skip
+                HAS_SINK: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, RUN: gl.constexpr):  # fmt: skip
     """Worker partition: ``O[:, D_V/2:] = sum_i P_i V_i[:, D_V/2:]`` from the shared ``P`` and factors, per item."""
     q_ptr, kv_ptr, idx_ptr, len_ptr, out_ptr, lse_ptr, sink_ptr, T_q, K_slots, T_k, qk_scale = sc
     q_v, q_t, kv_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_ready, q_free = sm
     DH: gl.constexpr = D_V // 2
-    NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
     NUM_P: gl.constexpr = p_smem.type.shape[0]
     o_layout: gl.constexpr = _mma_layout(DH)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
     g = 0  # ring position of the item's first tile
     pc = 0  # handovers of P (and, per item, of 1 / denominator) before this item's first
-    for item in range(gl.program_id(0), T_q * NUM_HB, gl.num_programs(0)):
+    first, stop, step = _items(T_q, H, RUN)
+    for item in range(first, stop, step):
         t, hb, idx_row, n_slots = _item(sc, item, H, HAS_LEN)
         acc = gl.zeros([_BLOCK_H, DH], gl.float32, layout=o_layout)
         n_tiles = gl.cdiv(n_slots, BLOCK_K)
@@ -374,7 +398,8 @@ def _finish(sc, sm, t, hb, m_i, l_i, e, H: gl.constexpr, HAS_SINK: gl.constexpr,
 
 @gluon.jit
 def _softmax_left(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr,
-                  HAS_SINK: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr):  # fmt: skip
+                  HAS_SINK: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr,
+                  RUN: gl.constexpr):  # fmt: skip
     """Default partition: logits, online softmax, the shared ``P``, ``O[:, :D_V/2]`` and the LSE, per item.
 
     With two tiles in the ring, tile i's ``P V`` runs right after its softmax, and the queries are released to the
@@ -385,7 +410,6 @@ def _softmax_left(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
     q_ptr, kv_ptr, idx_ptr, len_ptr, out_ptr, lse_ptr, sink_ptr, T_q, K_slots, T_k, qk_scale = sc
     q_v, q_t, kv_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_ready, q_free = sm
     DH: gl.constexpr = D_V // 2
-    NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     s_layout: gl.constexpr = _mma_layout(BLOCK_K)
     o_layout: gl.constexpr = _mma_layout(DH)
@@ -397,9 +421,10 @@ def _softmax_left(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
 
     g = 0  # ring position of the item's first tile
     pc = 0  # handovers to the right warpgroup before this item's first
-    for item in range(gl.program_id(0), T_q * NUM_HB, gl.num_programs(0)):
+    first, stop, step = _items(T_q, H, RUN)
+    for item in range(first, stop, step):
         t, hb, idx_row, n_slots = _item(sc, item, H, HAS_LEN)
-        k = (item - gl.program_id(0)) // gl.num_programs(0)  # this program's earlier items: the query barriers' phase
+        k = (item - first) // step  # this program's earlier items: the query barriers' phase
         m_i = gl.full([_BLOCK_H], float("-inf"), gl.float32, layout=row_s)
         l_i = gl.zeros([_BLOCK_H], gl.float32, layout=row_s)
         acc = gl.zeros([_BLOCK_H, DH], gl.float32, layout=o_layout)
@@ -464,10 +489,12 @@ def sparse_mla_fwd_sm90_ws_kernel(
     H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
     HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr,
     BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, REGS_RIGHT: gl.constexpr, REGS_PRODUCER: gl.constexpr,
-    num_warps: gl.constexpr, PREFETCH_IDX: gl.constexpr = False, PREFETCH_Q: gl.constexpr = False,
+    num_warps: gl.constexpr, RUN: gl.constexpr = 1, PREFETCH_IDX: gl.constexpr = False,
+    PREFETCH_Q: gl.constexpr = False,
 ):  # fmt: skip
-    """Items ``(query row, block of 64 heads)``, query-major: program ``pid`` takes items ``pid, pid + G, ...`` for
-    ``G`` programs (one item each when ``G`` covers them all, or persistent with fewer programs)."""
+    """Items ``(query row, block of 64 heads)``, query-major: program ``pid`` takes the ``RUN`` items from
+    ``pid * RUN`` (``RUN = 1``: one program per item), or with ``RUN = 0`` (persistent) the items ``pid, pid + G, ...``
+    for ``G`` programs."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     gl.static_assert(num_warps == 4, "the default partition is one warpgroup")
 
@@ -507,21 +534,24 @@ def sparse_mla_fwd_sm90_ws_kernel(
     sm = (q_v, q_t, kv_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_ready, q_free)
     gl.warp_specialize(
         [
-            (_softmax_left, (sc, sm, H, D_V, D_R, HAS_LEN, HAS_SINK, BLOCK_K, NUM_BUF)),
-            (_right_half, (sc, sm, H, D_V, D_R, HAS_LEN, HAS_SINK, BLOCK_K, NUM_BUF)),
-            (_producer, (sc, sm, H, D_V, D_R, HAS_LEN, HAS_SINK, BLOCK_K, NUM_BUF, PREFETCH_IDX, PREFETCH_Q)),
+            (_softmax_left, (sc, sm, H, D_V, D_R, HAS_LEN, HAS_SINK, BLOCK_K, NUM_BUF, RUN)),
+            (_right_half, (sc, sm, H, D_V, D_R, HAS_LEN, HAS_SINK, BLOCK_K, NUM_BUF, RUN)),
+            (_producer, (sc, sm, H, D_V, D_R, HAS_LEN, HAS_SINK, BLOCK_K, NUM_BUF, RUN, PREFETCH_IDX, PREFETCH_Q)),
         ],
         [4, 4],
         [REGS_RIGHT, REGS_PRODUCER],
     )
 
 
-def ws_programs(num_items: int, device: torch.device) -> int:
-    """Programs of a launch over ``num_items`` items: one per SM when ``WS_PERSISTENT`` (each takes every G-th item;
-    one program fits an SM), else one per item."""
-    if not WS_PERSISTENT or num_items == 0:
-        return max(num_items, 1)
-    return min(num_items, sm_count(device))
+def ws_schedule(num_items: int, device: torch.device) -> tuple[int, int]:
+    """``(programs, RUN)`` of a launch over ``num_items`` items: one program per SM taking every G-th item
+    (``RUN = 0``) when ``WS_PERSISTENT``, else one program per run of ``WS_RUN`` consecutive items (one program fits
+    an SM)."""
+    if WS_PERSISTENT and num_items > 0:
+        return min(num_items, sm_count(device)), 0
+    if not isinstance(WS_RUN, int) or isinstance(WS_RUN, bool) or WS_RUN < 1:
+        raise ValueError(f"WS_RUN must be a positive int (consecutive items per program), got {WS_RUN!r}")
+    return max(-(-num_items // WS_RUN), 1), WS_RUN
 
 
 def ws_smem_bytes(block_k: int, num_buf: int, d_qk: int, itemsize: int) -> int:
