@@ -89,7 +89,7 @@ def _busy_kernel(out_ptr, ns):
 
 def _contended_ms(fwd, blocks: int, busy_ms: float, reps: int = 10) -> tuple[float, float, float]:
     """Median, 20th and 80th percentile of the forward's time (launch to end, on the current stream) with ``blocks``
-    busy programs of ``busy_ms`` launched just before it on another stream."""
+    busy programs of ``busy_ms`` launched just before it on another stream (``fwd=None``: the busy kernel alone)."""
     side = torch.cuda.Stream()
     sink = torch.empty(blocks * 128, dtype=torch.int64, device="cuda")
     times = []
@@ -100,7 +100,10 @@ def _contended_ms(fwd, blocks: int, busy_ms: float, reps: int = 10) -> tuple[flo
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             _busy_kernel[(blocks,)](sink, int(busy_ms * 1e6), num_warps=4)
-        fwd()
+        if fwd is None:  # the busy kernel alone: end once it has
+            torch.cuda.current_stream().wait_stream(side)
+        else:
+            fwd()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
@@ -164,7 +167,7 @@ def main(out_dir: Path, baseline: Path | None, cases, rounds: int, regs: tuple[i
                     ))  # fmt: skip
                     print(rows[-1], flush=True)
     if contention is not None:
-        busy = _contended_ms(lambda: None, *contention)
+        busy = _contended_ms(None, *contention)
         rows.append(dict(shape="-", variant="the busy kernel alone", run=1, other_stream=f"{contention[0]} SMs for "
                          f"{contention[1]} ms", regs="-", fwd_ms=busy[0], p20=busy[1], p80=busy[2], tflops=0.0,
                          out_equal=True))  # fmt: skip
@@ -182,7 +185,7 @@ def main(out_dir: Path, baseline: Path | None, cases, rounds: int, regs: tuple[i
         "variant's output. other_stream: rows timed (CUDA events, launch to end, 10 repetitions) while a kernel whose "
         "programs each hold one SM for that long runs on another stream, launched just before the forward, as the NCCL "
         "kernels of an overlapped all-gather do; the last row is that kernel alone. Reproduce: `python "
-        "benchmarks/dsa_fwd_persistent.py` with the arguments in the machine header's command line.",
+        f"benchmarks/dsa_fwd_persistent.py {' '.join(sys.argv[1:])}`.",
         out_dir=out_dir, title="Sparse MLA forward: schedules of the warp-specialized programs",
     )  # fmt: skip
 

@@ -19,11 +19,12 @@ between the consumers); the code is ours:
 * the **right warpgroup** rescales its accumulator and computes ``O_right += P V[:, D_V/2:]`` (a column slice of the
   value block) from the shared ``P``, so it runs under the softmax warpgroup's next logits.
 
-A launch has one program per item (query row, block of 64 heads) by default, or, with ``WS_PERSISTENT``, one per SM
-taking items ``pid, pid + G, ...`` (the same code: one loop trip per program, or many); the ring and the ``P``
-handovers run on across items, and the producer loads an item's queries as soon as the softmax warpgroup has computed
-the previous item's last logits (``q_ready`` / ``q_free``), so that a persistent program loads the next item's queries
-and first tiles under the current item's last softmax, ``P V`` and output store.
+A launch has one program per run of ``WS_RUN`` (4) consecutive items (query row, block of 64 heads) by default (1:
+one program per item), or, with ``WS_PERSISTENT``, one per SM taking items ``pid, pid + G, ...`` (the same code: one
+loop trip per item); the ring and the ``P`` handovers run on across a program's items, and the producer loads an
+item's queries as soon as the softmax warpgroup has computed the previous item's last logits (``q_ready`` /
+``q_free``), so that a program loads its next item's queries and first tiles under the current item's last softmax,
+``P V`` and output store.
 
 Barriers: ``ready[b]`` (the producer's 128 threads), ``free[b]`` (one arrive per consumer), ``p_ready[j]`` /
 ``p_free[j]`` (the shared ``P`` and its factors, one buffer, or two with a ring of three or more tiles, so that the
@@ -93,9 +94,12 @@ WS_PREFETCH_IDX = True
 WS_PERSISTENT = False
 # Consecutive items per program when not persistent (1: one program per item). A program runs its items as a
 # persistent one does (the next item's queries and first tiles load under the current item's end), and the hardware
-# scheduler hands the runs to whichever SM frees first, so a late SM delays one run, not a G-th of the launch.
-# Read at each launch.
-WS_RUN = 1
+# scheduler hands the runs to whichever SM frees first, so an SM held by another stream's kernel delays at most one
+# run, not a G-th of the launch. 4: in an alternating H100 run, 20th percentiles 9.20 / 9.39 ms at T = 16384, H = 64
+# against 9.32 / 9.67 per item and 9.40 / 9.66 persistent, 18.42 / 18.83 at H = 128 against 18.82 / 19.28 and
+# 18.45 / 18.67; beside a kernel holding 16 SMs for 3 ms on another stream 9.72 / 10.05 ms (per item 9.88 / 9.68,
+# persistent 12.02 / 12.27) (benchmarks/results/dsa_fwd_persistent_41fe22c_h100_2026-12-06.md). Read at each launch.
+WS_RUN = 4
 # Whether the persistent producer prefetches the next item's queries into L2 (prefetch.global.L2) four tiles before
 # the item ends, so that their load after the last logits hits L2. Off: within these H100s' noise. At T = 16384,
 # H = 128 one alternating run gave 20th percentiles of 18.05-18.09 ms against 18.16-18.52 without it
