@@ -1,6 +1,6 @@
-"""The warp-specialized SM90 sparse MLA forward's schedules, alternating: one program per item, runs of ``WS_RUN``
-consecutive items per program, and persistent (``WS_PERSISTENT``: one program per SM taking every G-th (query row,
-head block) item).
+"""The warp-specialized SM90 sparse MLA forward's schedules (``WS_SCHEDULE``), alternating: one program per item,
+runs of ``WS_RUN`` consecutive items per program, persistent (one program per SM taking every G-th (query row, head
+block) item) and dynamic (one program per SM taking its next item from a counter).
 
 ``python benchmarks/dsa_fwd_persistent.py [--out-dir DIR] [--baseline-file FILE] [--case T,H,K] [--rounds N]
 [--regs R,P] [--runs 2,4,8] [--contention BLOCKS,MS]`` writes
@@ -52,25 +52,26 @@ def _baseline_launcher(path: Path):
     return launch
 
 
-def _variants(runs: list[int], baseline: Path | None) -> dict[str, tuple[bool, int, bool]]:
-    """name -> (WS_PERSISTENT, WS_RUN, WS_PREFETCH_Q); ``baseline file`` runs the earlier copy's kernel."""
-    table = {"per item": (False, 1, False)}
-    table.update({f"runs of {r}": (False, r, False) for r in runs})
-    table.update({"persistent": (True, 1, False), "persistent, queries prefetched to L2": (True, 1, True)})
+def _variants(runs: list[int], baseline: Path | None) -> dict[str, tuple[str, int, bool]]:
+    """name -> (WS_SCHEDULE, WS_RUN, WS_PREFETCH_Q); ``baseline file`` runs the earlier copy's kernel."""
+    table = {"per item": ("runs", 1, False)}
+    table.update({f"runs of {r}": ("runs", r, False) for r in runs})
+    table.update({"persistent": ("persistent", 1, False), "dynamic": ("dynamic", 1, False),
+                  "dynamic, queries prefetched to L2": ("dynamic", 1, True)})  # fmt: skip
     if baseline is not None:
-        table["baseline file"] = (False, 1, False)
+        table["baseline file"] = ("runs", 1, False)
     return table
 
 
-def _run(name: str, knobs: tuple[bool, int, bool], baseline_launch, fn):
-    saved = (ws.WS_PERSISTENT, ws.WS_RUN, ws.WS_PREFETCH_Q, fwd_mod._launch_sm90_ws)
+def _run(name: str, knobs: tuple[str, int, bool], baseline_launch, fn):
+    saved = (ws.WS_SCHEDULE, ws.WS_RUN, ws.WS_PREFETCH_Q, fwd_mod._launch_sm90_ws)
     try:
-        ws.WS_PERSISTENT, ws.WS_RUN, ws.WS_PREFETCH_Q = knobs
+        ws.WS_SCHEDULE, ws.WS_RUN, ws.WS_PREFETCH_Q = knobs
         if name == "baseline file":
             fwd_mod._launch_sm90_ws = baseline_launch
         return fn()
     finally:
-        ws.WS_PERSISTENT, ws.WS_RUN, ws.WS_PREFETCH_Q, fwd_mod._launch_sm90_ws = saved
+        ws.WS_SCHEDULE, ws.WS_RUN, ws.WS_PREFETCH_Q, fwd_mod._launch_sm90_ws = saved
 
 
 @triton.jit
@@ -113,16 +114,16 @@ def _contended_ms(fwd, blocks: int, busy_ms: float, reps: int = 10) -> tuple[flo
 
 
 def memcheck() -> None:
-    """Small launches for compute-sanitizer: persistent, runs of 3 and per item, H = 64, 96 and 128, with and without
-    lengths (rows without slots, invalid and out-of-range slots), the default ring and a forced 32 x 4, more items
-    than SMs."""
+    """Small launches for compute-sanitizer: persistent, runs of 3, per item and dynamic, H = 64, 96 and 128, with
+    and without lengths (rows without slots, invalid and out-of-range slots), the default ring and a forced 32 x 4,
+    more items than SMs."""
     from longtrain.dsa.triton import KernelConfig
 
     dev = torch.device("cuda")
     ring = KernelConfig(impl="sm90", layout="warp_specialized", block_k=32, num_warps=4, num_stages=4)
     for heads in (64, 96, 128):
-        for name, knobs in (("persistent", (True, 1, False)), ("runs of 3", (False, 3, True)),
-                            ("per item", (False, 1, False))):  # fmt: skip
+        for name, knobs in (("persistent", ("persistent", 1, False)), ("runs of 3", ("runs", 3, True)),
+                            ("per item", ("runs", 1, False)), ("dynamic", ("dynamic", 1, True))):  # fmt: skip
             for with_len in (True, False):
                 for cfg in (None, ring):
                     idx, length, _, _ = causal_index_sets([300], 256, dev)
@@ -176,7 +177,8 @@ def main(out_dir: Path, baseline: Path | None, cases, rounds: int, regs: tuple[i
         ["shape", "variant", "other_stream", "regs", "run", "fwd_ms", "p20", "p80", "tflops", "out_equal"],
         "Sparse MLA forward at config=None (bf16, one document, query t selects min(t+1, K) random causal keys; FLOPs "
         "over valid slots, 2 * valid * H * (576 + 512)): the warp-specialized kernel with one program per item, with "
-        "runs of consecutive items per program (WS_RUN), or persistent (one program per SM, items pid, pid + G, ...), "
+        "runs of consecutive items per program (WS_RUN), persistent (one program per SM, items pid, pid + G, ...) or "
+        "dynamic (one program per SM, each next item from a counter), "
         f"alternating, each {rounds} times; regs: the setmaxnreg budgets of its right-half and producer warpgroups "
         "(the softmax warpgroup gets 504 minus their sum)"
         + (f", and the kernel of `{baseline.name}` (an earlier copy of the module, one program per item)"

@@ -215,8 +215,24 @@ def test_warp_specialized_default_ring_fits_shared_memory():
 @pytest.mark.skipif(cuobjdump() is None, reason="needs triton with its bundled NVIDIA toolchain (ptxas, cuobjdump)")
 @pytest.mark.parametrize(
     "block_k,num_buf,prefetch,d_r,run",
-    [(32, 4, True, 64, 1), (64, 2, True, 64, 0), (64, 2, False, 64, 4), (64, 2, True, 0, 3), (64, 2, True, 64, 1)],
-    ids=["32x4-deferred", "64x2-persistent", "64x2-indices-after-wait-runs-of-4", "64x2-no-rope-runs-of-3", "64x2"],
+    [
+        (32, 4, True, 64, 1),
+        (64, 2, True, 64, 0),
+        (64, 2, False, 64, 4),
+        (64, 2, True, 0, 3),
+        (64, 2, True, 64, 4),
+        (64, 2, True, 64, -1),
+        (32, 4, True, 64, -1),
+    ],
+    ids=[
+        "32x4-deferred",
+        "64x2-persistent",
+        "64x2-indices-after-wait-runs-of-4",
+        "64x2-no-rope-runs-of-3",
+        "64x2",
+        "64x2-dynamic",
+        "32x4-dynamic",
+    ],
 )
 def test_warp_specialized_kernel_compiles_for_hopper(block_k, num_buf, prefetch, d_r, run):
     """The warp-specialized forward compiled for sm_90a on this CPU-only machine: three partitions with their
@@ -224,7 +240,7 @@ def test_warp_specialized_kernel_compiles_for_hopper(block_k, num_buf, prefetch,
     within 227 KiB and within what ``ws_smem_bytes`` (the launcher's fit check) counts."""
     from longtrain.dsa.triton.sparse_mla_fwd_sm90_ws import WS_MAXNREG, WS_NUM_REGS, ws_smem_bytes
 
-    types = ["*bf16", "*bf16", "*i32", "*i32", "*fp32", "*bf16", "*fp32", "i32", "i32", "i32", "fp32"]
+    types = ["*bf16", "*bf16", "*i32", "*i32", "*fp32", "*bf16", "*fp32", "i32", "i32", "i32", "fp32", "*i32"]
     consts = dict(H=64, D_V=512, D_R=d_r, HAS_LEN=True, HAS_SINK=True, BLOCK_K=block_k, NUM_BUF=num_buf,
                   REGS_RIGHT=WS_NUM_REGS[0], REGS_PRODUCER=WS_NUM_REGS[1], RUN=run, PREFETCH_IDX=prefetch,
                   PREFETCH_Q=prefetch)  # fmt: skip
@@ -247,17 +263,19 @@ def test_warp_specialized_kernel_compiles_for_hopper(block_k, num_buf, prefetch,
 
 
 def test_warp_specialized_schedule(monkeypatch):
-    """The warp-specialized launch: one program per SM when persistent (never more programs than items, RUN = 0),
-    else one program per run of ``WS_RUN`` consecutive items, the last run shorter; the GPU tests check every
-    schedule gives the same output bit for bit."""
+    """The warp-specialized launch: one program per run of ``WS_RUN`` consecutive items (the last run shorter), or one
+    program per SM (never more programs than items) taking every G-th item (``RUN = 0``) or items from a counter
+    (``RUN = -1``); the GPU tests check every schedule gives the same output bit for bit."""
     from longtrain.dsa.triton import sparse_mla_fwd_sm90_ws as ws
 
     monkeypatch.setattr(ws, "sm_count", lambda device: 132)
     dev = torch.device("cuda", 0)
-    monkeypatch.setattr(ws, "WS_PERSISTENT", True)
-    assert [ws.ws_schedule(n, dev) for n in (1, 131, 132, 133, 32768)] == [(1, 0), (131, 0), (132, 0), (132, 0),
-                                                                           (132, 0)]  # fmt: skip
-    monkeypatch.setattr(ws, "WS_PERSISTENT", False)
+    for schedule, run in (("persistent", 0), ("dynamic", -1)):
+        monkeypatch.setattr(ws, "WS_SCHEDULE", schedule)
+        assert [ws.ws_schedule(n, dev) for n in (0, 1, 131, 132, 133, 32768)] == [
+            (1, run), (1, run), (131, run), (132, run), (132, run), (132, run)
+        ]  # fmt: skip
+    monkeypatch.setattr(ws, "WS_SCHEDULE", "runs")
     for run, expected in ((1, [1, 1, 133, 32768]), (4, [1, 1, 34, 8192]), (3, [1, 1, 45, 10923])):
         monkeypatch.setattr(ws, "WS_RUN", run)
         assert [ws.ws_schedule(n, dev) for n in (0, 1, 133, 32768)] == [(e, run) for e in expected]
@@ -265,3 +283,6 @@ def test_warp_specialized_schedule(monkeypatch):
         monkeypatch.setattr(ws, "WS_RUN", bad)
         with pytest.raises(ValueError, match="WS_RUN must be a positive int"):
             ws.ws_schedule(10, dev)
+    monkeypatch.setattr(ws, "WS_SCHEDULE", "static")
+    with pytest.raises(ValueError, match=r"WS_SCHEDULE must be one of \('runs', 'persistent', 'dynamic'\)"):
+        ws.ws_schedule(10, dev)

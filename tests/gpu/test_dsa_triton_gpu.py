@@ -257,11 +257,12 @@ def test_sparse_mla_bf16(T, T_k, H, D, d_v, K, with_sink, forced, dtype):
     ids=["64x2-sink", "H128-K1000", "H96-32x4-sink", "32x3", "fewer-items-than-SMs"],
 )  # fmt: skip
 def test_ws_forward_schedules_equal_one_program_per_item(monkeypatch, T, H, K, ring, with_sink):
-    """The warp-specialized forward run persistent (``WS_PERSISTENT``: one program per SM, each taking every G-th
-    item and carrying its ring, handovers and query buffer from item to item), or in runs of ``WS_RUN`` consecutive
-    items per program (3: the last run shorter; 4), with and without the queries' L2 prefetch, gives out and lse
-    equal bit for bit to one program per item (the same arithmetic per item), over rows without slots, ragged
-    lengths, invalid and repeated indices, and more items than SMs."""
+    """The warp-specialized forward run persistent (``WS_SCHEDULE = "persistent"``: one program per SM, each taking
+    every G-th item and carrying its ring, handovers and query buffer from item to item), dynamic (one program per
+    SM, each taking its next item from the launch's counter), or in runs of ``WS_RUN`` consecutive items per program
+    (3: the last run shorter; 4), with and without the queries' L2 prefetch, gives out and lse equal bit for bit to
+    one program per item (the same arithmetic per item), over rows without slots, ragged lengths, invalid and
+    repeated indices, and more items than SMs."""
     from longtrain.dsa.triton import KernelConfig
     from longtrain.dsa.triton import sparse_mla_fwd_sm90_ws as ws
     from longtrain.dsa.triton.sparse_mla_fwd import sparse_mla_fwd
@@ -278,16 +279,17 @@ def test_ws_forward_schedules_equal_one_program_per_item(monkeypatch, T, H, K, r
     items = T * -(-H // 64)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     runs = {}
-    for persistent, run, prefetch_q in ((False, 1, False), (True, 1, False), (True, 1, True), (False, 3, False),
-                                        (False, 3, True), (False, 4, False)):  # fmt: skip
-        monkeypatch.setattr(ws, "WS_PERSISTENT", persistent)
+    for schedule, run, prefetch_q in (("runs", 1, False), ("persistent", 1, False), ("persistent", 1, True),
+                                      ("runs", 3, False), ("runs", 3, True), ("runs", 4, False),
+                                      ("dynamic", 1, False), ("dynamic", 1, True)):  # fmt: skip
+        monkeypatch.setattr(ws, "WS_SCHEDULE", schedule)
         monkeypatch.setattr(ws, "WS_RUN", run)
         monkeypatch.setattr(ws, "WS_PREFETCH_Q", prefetch_q)
         programs, kernel_run = ws.ws_schedule(items, dev)
-        assert (programs < items) == (persistent and items > sms or not persistent and run > 1 and items > 1)
-        assert kernel_run == (0 if persistent else run)
-        runs[persistent, run, prefetch_q] = sparse_mla_fwd(q, kv2d, idx, 192**-0.5, 512, length, sink, config)
-    out, lse = runs[False, 1, False]
+        assert programs == (min(items, sms) if schedule != "runs" else -(-items // run))
+        assert kernel_run == {"runs": run, "persistent": 0, "dynamic": -1}[schedule]
+        runs[schedule, run, prefetch_q] = sparse_mla_fwd(q, kv2d, idx, 192**-0.5, 512, length, sink, config)
+    out, lse = runs["runs", 1, False]
     for key, (o, l) in runs.items():  # every schedule, and the queries' L2 prefetch, change no result
         assert torch.equal(out, o), key
         assert torch.equal(lse, l), key

@@ -322,8 +322,10 @@ def _launch_sm90_ws(grid, args, meta, block_k: int, num_buf: int) -> None:
     num_items = grid[0]
     q = args[0]
     programs, run = ws.ws_schedule(num_items, q.device)
-    # The kernel takes the query count before the key count: (..., lse, T_q, T_k, K_slots, qk_scale).
-    args = (*args[:7], q.shape[0], *args[7:])
+    # The kernel takes the query count before the key count, and the item counter: (..., lse, T_q, T_k, K_slots,
+    # qk_scale, cnt); the counter is read only by dynamic programs (RUN = -1).
+    cnt = torch.zeros(1, dtype=torch.int32, device=q.device) if run == -1 else args[2]
+    args = (*args[:7], q.shape[0], *args[7:], cnt)
     ws.sparse_mla_fwd_sm90_ws_kernel[(programs,)](
         *args, **meta, BLOCK_K=block_k, NUM_BUF=num_buf, REGS_RIGHT=ws.WS_NUM_REGS[0],
         REGS_PRODUCER=ws.WS_NUM_REGS[1], RUN=run, PREFETCH_IDX=ws.WS_PREFETCH_IDX,

@@ -20,11 +20,13 @@ between the consumers); the code is ours:
   value block) from the shared ``P``, so it runs under the softmax warpgroup's next logits.
 
 A launch has one program per run of ``WS_RUN`` (4) consecutive items (query row, block of 64 heads) by default (1:
-one program per item), or, with ``WS_PERSISTENT``, one per SM taking items ``pid, pid + G, ...`` (the same code: one
-loop trip per item); the ring and the ``P`` handovers run on across a program's items, and the producer loads an
-item's queries as soon as the softmax warpgroup has computed the previous item's last logits (``q_ready`` /
-``q_free``), so that a program loads its next item's queries and first tiles under the current item's last softmax,
-``P V`` and output store.
+one program per item), or (``WS_SCHEDULE``) one per SM taking the items ``pid, pid + G, ...`` (persistent) or taking
+items from a counter as it is ready for them (dynamic: the producer takes each next item and hands it to the consumers
+through a ring of two shared-memory slots, ``item_ready`` / ``item_free``); it is the same code, one loop trip per
+item. The ring and the ``P`` handovers run on across a program's items, and the producer loads an item's queries as
+soon as the softmax warpgroup has computed the previous item's last logits (``q_ready`` / ``q_free``), so that a
+program loads its next item's queries and first tiles under the current item's last softmax, ``P V`` and output
+store.
 
 Barriers: ``ready[b]`` (the producer's 128 threads), ``free[b]`` (one arrive per consumer), ``p_ready[j]`` /
 ``p_free[j]`` (the shared ``P`` and its factors, one buffer, or two with a ring of three or more tiles, so that the
@@ -52,15 +54,22 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from longtrain.dsa.triton._common import sm_count
-from longtrain.dsa.triton.sparse_mla_fwd_sm90 import _async_load, _gather_layout, _load_idx, sm90_unsupported_reason
+from longtrain.dsa.triton.sparse_mla_fwd_sm90 import (
+    _async_load,
+    _cta_barrier,
+    _gather_layout,
+    _load_idx,
+    sm90_unsupported_reason,
+)
 
 __all__ = [
     "WS_MAXNREG",
     "WS_NUM_REGS",
-    "WS_PERSISTENT",
     "WS_PREFETCH_IDX",
     "WS_PREFETCH_Q",
     "WS_RUN",
+    "WS_SCHEDULE",
+    "WS_SCHEDULES",
     "sparse_mla_fwd_sm90_ws_kernel",
     "ws_schedule",
     "ws_smem_bytes",
@@ -81,18 +90,19 @@ WS_MAXNREG = 168
 # one tile ahead was 1-3 % faster in every pair of an alternating H100 run (T = 16384, H = 64: 9.40 / 9.49 ms against
 # 9.56 / 9.81; benchmarks/results/dsa_ws_prefetch_0a9b2ae_h100_2026-12-06.md). Read at each launch.
 WS_PREFETCH_IDX = True
-# Whether a launch runs one program per SM, each taking items (query row, head block) pid, pid + G, ... (True), or one
-# program per item (False). Persistent programs load the next item's queries while the current item's last tile is
-# still in its softmax and P V, and gather the next item's first tiles into the ring as it frees, instead of paying a
-# program's launch, its queries' and its first tile's latency, and its output store, with nothing running under them:
-# on H100s 2-3 % faster at H = 128 and at T = 4096, K = 512, the same at H = 64
-# (benchmarks/results/dsa_fwd_persistent_5bfe2b5_h100_2026-12-06.md). Off by default: the items are dealt statically,
-# so a program that starts late (its SM held by a kernel on another stream, e.g. the NCCL kernels of an all-gather
-# that FSDP overlaps with this layer: one of them leaves no room for a 224 KiB program) still runs its whole share
-# after it, and the launch ends that much later; one program per item lets the other SMs take the work. Read at each
-# launch.
-WS_PERSISTENT = False
-# Consecutive items per program when not persistent (1: one program per item). A program runs its items as a
+# How a launch's programs take their items (query row, head block): "runs" (the default), one program per run of
+# WS_RUN consecutive items; "persistent", one program per SM taking the items pid, pid + G, ...; "dynamic", one program
+# per SM taking item pid and then the next item from a counter the launch zeroes (atomic_add by the producer, handed
+# to the consumers through shared memory). Persistent programs pay a program's launch, its queries' and first tile's
+# latency and its output store once per SM instead of once per run, but their items are dealt statically: a program
+# that starts late (its SM held by a kernel on another stream, e.g. the NCCL kernels of an all-gather that FSDP
+# overlaps with this layer: one of them leaves no room for a 224 KiB program) still runs its whole share after it,
+# and the launch ends that much later (beside a kernel holding 16 SMs for 3 ms, T = 16384, H = 64: 11.8-12.3 ms
+# against 9.5-10.3 in runs of 4; benchmarks/results/dsa_fwd_persistent_0c281ac_h100_2026-12-06.md). Dynamic programs
+# take their next item only when they are ready for it, so a late one takes fewer. Read at each launch.
+WS_SCHEDULE = "runs"
+WS_SCHEDULES = ("runs", "persistent", "dynamic")
+# Consecutive items per program with WS_SCHEDULE = "runs" (1: one program per item). A program runs its items as a
 # persistent one does (the next item's queries and first tiles load under the current item's end), and the hardware
 # scheduler hands the runs to whichever SM frees first, so an SM held by another stream's kernel delays at most one
 # run, not a G-th of the launch. 4: in an alternating H100 run, 20th percentiles 9.20 / 9.39 ms at T = 16384, H = 64
@@ -100,7 +110,7 @@ WS_PERSISTENT = False
 # 18.45 / 18.67; beside a kernel holding 16 SMs for 3 ms on another stream 9.72 / 10.05 ms (per item 9.88 / 9.68,
 # persistent 12.02 / 12.27) (benchmarks/results/dsa_fwd_persistent_41fe22c_h100_2026-12-06.md). Read at each launch.
 WS_RUN = 4
-# Whether the persistent producer prefetches the next item's queries into L2 (prefetch.global.L2) four tiles before
+# Whether the producer prefetches its program's next item's queries into L2 (prefetch.global.L2) four tiles before
 # the item ends, so that their load after the last logits hits L2. Off: within these H100s' noise. At T = 16384,
 # H = 128 one alternating run gave 20th percentiles of 18.05-18.09 ms against 18.16-18.52 without it
 # (benchmarks/results/dsa_fwd_persistent_157f7b1_h100_2026-12-06.md), another 17.81-18.76 against 17.72-17.78
@@ -153,11 +163,69 @@ def _items(T_q, H: gl.constexpr, RUN: gl.constexpr):
 
 
 @gluon.jit
-def _producer(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr,
+def _producer(sc, sm, it, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr,
               HAS_SINK: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, RUN: gl.constexpr,
               PREFETCH_IDX: gl.constexpr, PREFETCH_Q: gl.constexpr):  # fmt: skip
     """Worker partition: per item, the queries (once the softmax warpgroup has read the previous item's for the last
-    time), then every tile of the row into the ring, which runs on across items."""
+    time), then every tile of the row into the ring, which runs on across items. With ``RUN == -1`` it also takes
+    the program's items, its first ``pid``, each next one from the launch's counter, and hands each to the
+    consumers (an item past the last ends them)."""
+    T_q = sc[7]
+    g = 0  # tiles of this program's earlier items: the ring position of the item's first tile
+    if RUN == -1:
+        NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
+        num_items = T_q * NUM_HB
+        item = gl.program_id(0)
+        k = 0
+        while item < num_items:
+            _send_item(it, k, item)
+            # The next item now, so the atomic's latency runs under this item's tiles.
+            nxt = gl.num_programs(0) + gl.atomic_add(it[0], 1, sem="relaxed")
+            g = _produce_item(sc, sm, item, nxt, num_items, k, g, H, D_V, D_R, HAS_LEN, BLOCK_K, NUM_BUF,
+                              PREFETCH_IDX, PREFETCH_Q)  # fmt: skip
+            item = nxt
+            k += 1
+        _send_item(it, k, item)
+    else:
+        first, stop, step = _items(T_q, H, RUN)
+        for item in range(first, stop, step):
+            k = (item - first) // step  # this program's earlier items: the query barriers' phase
+            g = _produce_item(sc, sm, item, item + step, stop, k, g, H, D_V, D_R, HAS_LEN, BLOCK_K, NUM_BUF,
+                              PREFETCH_IDX, PREFETCH_Q)  # fmt: skip
+
+
+@gluon.jit
+def _send_item(it, k, item):
+    """Hand the program's ``k``-th item to both consumers (a ring of two slots)."""
+    cnt_ptr, items, item_ready, item_free = it
+    j = k % 2
+    mbarrier.wait(item_free.index(j), ((k // 2) & 1) ^ 1)
+    L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    items.index(j).store(gl.zeros([1], gl.int32, layout=L) + item)
+    _cta_barrier()  # every producer thread's store is done before the arrive
+    mbarrier.arrive(item_ready.index(j))
+
+
+@gluon.jit
+def _recv_item(it, k):
+    """A consumer's ``k``-th item, from the producer."""
+    cnt_ptr, items, item_ready, item_free = it
+    j = k % 2
+    mbarrier.wait(item_ready.index(j), (k // 2) & 1)
+    L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    item = gl.max(items.index(j).load(L), axis=0)
+    _cta_barrier()  # every thread has read the slot before it is released
+    mbarrier.arrive(item_free.index(j))
+    return item
+
+
+@gluon.jit
+def _produce_item(sc, sm, item, next_item, stop, k, g, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
+                  HAS_LEN: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, PREFETCH_IDX: gl.constexpr,
+                  PREFETCH_Q: gl.constexpr):  # fmt: skip
+    """The producer's part of item ``item``, the program's ``k``-th, whose first tile goes to ring position ``g``:
+    its queries, then its tiles. With ``PREFETCH_Q`` the program's next item ``next_item`` (if below ``stop``) has its
+    queries prefetched into L2 four tiles before the end. Returns the ring position after the item."""
     q_ptr, kv_ptr, idx_ptr, len_ptr, out_ptr, lse_ptr, sink_ptr, T_q, K_slots, T_k, qk_scale = sc
     q_v, q_t, kv_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_ready, q_free = sm
     D_QK: gl.constexpr = D_V + D_R
@@ -166,54 +234,50 @@ def _producer(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS
     rl_v: gl.constexpr = gl.SliceLayout(1, LV)
     rl_t: gl.constexpr = gl.SliceLayout(1, LT)
 
-    g = 0  # tiles of this program's earlier items: the ring position of the item's first tile
-    first, stop, step = _items(T_q, H, RUN)
-    for item in range(first, stop, step):
-        t, hb, idx_row, n_slots = _item(sc, item, H, HAS_LEN)
-        k = (item - first) // step  # this program's earlier items: the query barriers' phase
-        mbarrier.wait(q_free, (k & 1) ^ 1)
-        q_row = q_ptr + t * (H * D_QK)
-        hh = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=rl_v)
-        _gather(q_v, q_row, hh * D_QK, hh < H, 0, D_V, LV)  # [64, D_V]
+    t, hb, idx_row, n_slots = _item(sc, item, H, HAS_LEN)
+    mbarrier.wait(q_free, (k & 1) ^ 1)
+    q_row = q_ptr + t * (H * D_QK)
+    hh = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=rl_v)
+    _gather(q_v, q_row, hh * D_QK, hh < H, 0, D_V, LV)  # [64, D_V]
+    if D_R > 0:
+        ht = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=rl_t)
+        _gather(q_t, q_row, ht * D_QK, ht < H, D_V, D_R, LT)  # [64, D_R]
+    cp.mbarrier_arrive(q_ready, increment_count=False)
+    # A tile's slot indices, -1 past the row's slots (validity below, after the wait, from the indices alone).
+    if PREFETCH_IDX:  # loaded one tile ahead, before the wait for the buffer: tile 0's here
+        idx, _ = _load_idx(idx_row, 0, n_slots, T_k, BLOCK_K, rl_v)  # [BLOCK_K]
         if D_R > 0:
-            ht = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=rl_t)
-            _gather(q_t, q_row, ht * D_QK, ht < H, D_V, D_R, LT)  # [64, D_R]
-        cp.mbarrier_arrive(q_ready, increment_count=False)
-        # A tile's slot indices, -1 past the row's slots (validity below, after the wait, from the indices alone).
-        if PREFETCH_IDX:  # loaded one tile ahead, before the wait for the buffer: tile 0's here
-            idx, _ = _load_idx(idx_row, 0, n_slots, T_k, BLOCK_K, rl_v)  # [BLOCK_K]
+            idx_t, _ = _load_idx(idx_row, 0, n_slots, T_k, BLOCK_K, rl_t)  # [BLOCK_K]
+    n_tiles = gl.cdiv(n_slots, BLOCK_K)
+    for i in range(n_tiles):
+        r = g + i
+        b = r % NUM_BUF
+        if PREFETCH_Q:  # noqa: SIM102 (a constexpr guard around a runtime test)
+            if i == gl.maximum(n_tiles - 4, 0):  # the next item's queries into L2, four tiles before they load
+                _prefetch_queries(q_ptr, next_item, stop, H, D_QK)
+        if PREFETCH_IDX:
+            # Tile i+1's indices now: their load runs under the wait below and tile i's copies, so the copies
+            # of tile i+1 start as soon as its buffer is free instead of a global load's latency later.
+            nxt, _ = _load_idx(idx_row, (i + 1) * BLOCK_K, n_slots, T_k, BLOCK_K, rl_v)  # [BLOCK_K]
             if D_R > 0:
-                idx_t, _ = _load_idx(idx_row, 0, n_slots, T_k, BLOCK_K, rl_t)  # [BLOCK_K]
-        n_tiles = gl.cdiv(n_slots, BLOCK_K)
-        for i in range(n_tiles):
-            r = g + i
-            b = r % NUM_BUF
-            if PREFETCH_Q:  # noqa: SIM102 (a constexpr guard around a runtime test)
-                if i == gl.maximum(n_tiles - 4, 0):  # the next item's queries into L2, four tiles before they load
-                    _prefetch_queries(q_ptr, item + step, stop, H, D_QK)
-            if PREFETCH_IDX:
-                # Tile i+1's indices now: their load runs under the wait below and tile i's copies, so the copies
-                # of tile i+1 start as soon as its buffer is free instead of a global load's latency later.
-                nxt, _ = _load_idx(idx_row, (i + 1) * BLOCK_K, n_slots, T_k, BLOCK_K, rl_v)  # [BLOCK_K]
-                if D_R > 0:
-                    nxt_t, _ = _load_idx(idx_row, (i + 1) * BLOCK_K, n_slots, T_k, BLOCK_K, rl_t)  # [BLOCK_K]
-            mbarrier.wait(free.index(b), ((r // NUM_BUF) & 1) ^ 1)
-            if not PREFETCH_IDX:  # loaded once the buffer is free
-                idx, _ = _load_idx(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, rl_v)  # [BLOCK_K]
-                if D_R > 0:
-                    idx_t, _ = _load_idx(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, rl_t)  # [BLOCK_K]
-            valid = (idx >= 0) & (idx < T_k)
-            _gather(kv_bufs.index(b), kv_ptr, gl.where(valid, idx, 0).to(gl.int64) * D_QK, valid, 0, D_V, LV)
+                nxt_t, _ = _load_idx(idx_row, (i + 1) * BLOCK_K, n_slots, T_k, BLOCK_K, rl_t)  # [BLOCK_K]
+        mbarrier.wait(free.index(b), ((r // NUM_BUF) & 1) ^ 1)
+        if not PREFETCH_IDX:  # loaded once the buffer is free
+            idx, _ = _load_idx(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, rl_v)  # [BLOCK_K]
             if D_R > 0:
-                valid_t = (idx_t >= 0) & (idx_t < T_k)
-                rows_t = gl.where(valid_t, idx_t, 0).to(gl.int64) * D_QK
-                _gather(kt_bufs.index(b), kv_ptr, rows_t, valid_t, D_V, D_R, LT)
-            cp.mbarrier_arrive(ready.index(b), increment_count=False)
-            if PREFETCH_IDX:
-                idx = nxt
-                if D_R > 0:
-                    idx_t = nxt_t
-        g += n_tiles
+                idx_t, _ = _load_idx(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, rl_t)  # [BLOCK_K]
+        valid = (idx >= 0) & (idx < T_k)
+        _gather(kv_bufs.index(b), kv_ptr, gl.where(valid, idx, 0).to(gl.int64) * D_QK, valid, 0, D_V, LV)
+        if D_R > 0:
+            valid_t = (idx_t >= 0) & (idx_t < T_k)
+            rows_t = gl.where(valid_t, idx_t, 0).to(gl.int64) * D_QK
+            _gather(kt_bufs.index(b), kv_ptr, rows_t, valid_t, D_V, D_R, LT)
+        cp.mbarrier_arrive(ready.index(b), increment_count=False)
+        if PREFETCH_IDX:
+            idx = nxt
+            if D_R > 0:
+                idx_t = nxt_t
+    return g + n_tiles
 
 
 @gluon.jit
@@ -237,9 +301,31 @@ def _prefetch_queries(q_ptr, item, stop, H: gl.constexpr, D_QK: gl.constexpr):
 
 
 @gluon.jit
-def _right_half(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr,
+def _right_half(sc, sm, it, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr,
                 HAS_SINK: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, RUN: gl.constexpr):  # fmt: skip
     """Worker partition: ``O[:, D_V/2:] = sum_i P_i V_i[:, D_V/2:]`` from the shared ``P`` and factors, per item."""
+    T_q = sc[7]
+    g = 0  # ring position of the item's first tile
+    pc = 0  # handovers of P (and, per item, of 1 / denominator) before this item's first
+    if RUN == -1:
+        NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
+        k = 0
+        item = _recv_item(it, k)
+        while item < T_q * NUM_HB:
+            g, pc = _right_item(sc, sm, item, g, pc, H, D_V, HAS_LEN, BLOCK_K, NUM_BUF)
+            k += 1
+            item = _recv_item(it, k)
+    else:
+        first, stop, step = _items(T_q, H, RUN)
+        for item in range(first, stop, step):
+            g, pc = _right_item(sc, sm, item, g, pc, H, D_V, HAS_LEN, BLOCK_K, NUM_BUF)
+
+
+@gluon.jit
+def _right_item(sc, sm, item, g, pc, H: gl.constexpr, D_V: gl.constexpr, HAS_LEN: gl.constexpr,
+                BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr):  # fmt: skip
+    """The right warpgroup's part of item ``item`` (first tile at ring position ``g``, first handover ``pc``);
+    returns the ring position and handover index after it."""
     q_ptr, kv_ptr, idx_ptr, len_ptr, out_ptr, lse_ptr, sink_ptr, T_q, K_slots, T_k, qk_scale = sc
     q_v, q_t, kv_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_ready, q_free = sm
     DH: gl.constexpr = D_V // 2
@@ -247,33 +333,28 @@ def _right_half(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, H
     o_layout: gl.constexpr = _mma_layout(DH)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    g = 0  # ring position of the item's first tile
-    pc = 0  # handovers of P (and, per item, of 1 / denominator) before this item's first
-    first, stop, step = _items(T_q, H, RUN)
-    for item in range(first, stop, step):
-        t, hb, idx_row, n_slots = _item(sc, item, H, HAS_LEN)
-        acc = gl.zeros([_BLOCK_H, DH], gl.float32, layout=o_layout)
-        n_tiles = gl.cdiv(n_slots, BLOCK_K)
-        for i in range(n_tiles):
-            b = (g + i) % NUM_BUF
-            j = (pc + i) % NUM_P
-            mbarrier.wait(p_ready.index(j), ((pc + i) // NUM_P) & 1)
-            alpha = a_smem.index(j).load(row_o)  # [64]
-            acc = acc * alpha[:, None]
-            acc = warpgroup_mma(p_smem.index(j), kv_bufs.index(b).slice(DH, DH, dim=1), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(p_free.index(j))
-            mbarrier.arrive(free.index(b))
-        e = pc + n_tiles
-        mbarrier.wait(p_ready.index(e % NUM_P), (e // NUM_P) & 1)
-        inv = a_smem.index(e % NUM_P).load(row_o)  # [64]: 1 / denominator, 0 for rows without keys
-        mbarrier.arrive(p_free.index(e % NUM_P))
-        out = (acc * inv[:, None]).to(out_ptr.dtype.element_ty)
-        oh = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=row_o)
-        oc = DH + gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
-        gl.store(out_ptr + t * (H * D_V) + oh[:, None] * D_V + oc[None, :], out, mask=(oh < H)[:, None])
-        g += n_tiles
-        pc = e + 1
+    t, hb, idx_row, n_slots = _item(sc, item, H, HAS_LEN)
+    acc = gl.zeros([_BLOCK_H, DH], gl.float32, layout=o_layout)
+    n_tiles = gl.cdiv(n_slots, BLOCK_K)
+    for i in range(n_tiles):
+        b = (g + i) % NUM_BUF
+        j = (pc + i) % NUM_P
+        mbarrier.wait(p_ready.index(j), ((pc + i) // NUM_P) & 1)
+        alpha = a_smem.index(j).load(row_o)  # [64]
+        acc = acc * alpha[:, None]
+        acc = warpgroup_mma(p_smem.index(j), kv_bufs.index(b).slice(DH, DH, dim=1), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(p_free.index(j))
+        mbarrier.arrive(free.index(b))
+    e = pc + n_tiles
+    mbarrier.wait(p_ready.index(e % NUM_P), (e // NUM_P) & 1)
+    inv = a_smem.index(e % NUM_P).load(row_o)  # [64]: 1 / denominator, 0 for rows without keys
+    mbarrier.arrive(p_free.index(e % NUM_P))
+    out = (acc * inv[:, None]).to(out_ptr.dtype.element_ty)
+    oh = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=row_o)
+    oc = DH + gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
+    gl.store(out_ptr + t * (H * D_V) + oh[:, None] * D_V + oc[None, :], out, mask=(oh < H)[:, None])
+    return g + n_tiles, e + 1
 
 
 @gluon.jit
@@ -401,7 +482,7 @@ def _finish(sc, sm, t, hb, m_i, l_i, e, H: gl.constexpr, HAS_SINK: gl.constexpr,
 
 
 @gluon.jit
-def _softmax_left(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr,
+def _softmax_left(sc, sm, it, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr,
                   HAS_SINK: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr,
                   RUN: gl.constexpr):  # fmt: skip
     """Default partition: logits, online softmax, the shared ``P``, ``O[:, :D_V/2]`` and the LSE, per item.
@@ -411,6 +492,30 @@ def _softmax_left(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
     deferred: tile i+1's logits and tile i's ``P V`` are issued together, so the softmax of tile i+1 runs while the
     tensor cores do tile i's ``P V`` (and the right warpgroup its half); two tiles are then in use while the producer
     fills the others. With four or more, tiles go in pairs (:func:`_pair_step`), a remainder tile deferred."""
+    T_q = sc[7]
+    g = 0  # ring position of the item's first tile
+    pc = 0  # handovers to the right warpgroup before this item's first
+    if RUN == -1:
+        NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
+        k = 0
+        item = _recv_item(it, k)
+        while item < T_q * NUM_HB:
+            g, pc = _softmax_item(sc, sm, item, k, g, pc, H, D_V, D_R, HAS_LEN, HAS_SINK, BLOCK_K, NUM_BUF)
+            k += 1
+            item = _recv_item(it, k)
+    else:
+        first, stop, step = _items(T_q, H, RUN)
+        for item in range(first, stop, step):
+            k = (item - first) // step  # this program's earlier items: the query barriers' phase
+            g, pc = _softmax_item(sc, sm, item, k, g, pc, H, D_V, D_R, HAS_LEN, HAS_SINK, BLOCK_K, NUM_BUF)
+
+
+@gluon.jit
+def _softmax_item(sc, sm, item, k, g, pc, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
+                  HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, BLOCK_K: gl.constexpr,
+                  NUM_BUF: gl.constexpr):  # fmt: skip
+    """The softmax warpgroup's part of item ``item``, the program's ``k``-th (first tile at ring position ``g``,
+    first handover ``pc``); returns the ring position and handover index after it."""
     q_ptr, kv_ptr, idx_ptr, len_ptr, out_ptr, lse_ptr, sink_ptr, T_q, K_slots, T_k, qk_scale = sc
     q_v, q_t, kv_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_ready, q_free = sm
     DH: gl.constexpr = D_V // 2
@@ -423,73 +528,67 @@ def _softmax_left(sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     s_zero = gl.zeros([_BLOCK_H, BLOCK_K], gl.float32, layout=s_layout)
 
-    g = 0  # ring position of the item's first tile
-    pc = 0  # handovers to the right warpgroup before this item's first
-    first, stop, step = _items(T_q, H, RUN)
-    for item in range(first, stop, step):
-        t, hb, idx_row, n_slots = _item(sc, item, H, HAS_LEN)
-        k = (item - first) // step  # this program's earlier items: the query barriers' phase
-        m_i = gl.full([_BLOCK_H], float("-inf"), gl.float32, layout=row_s)
-        l_i = gl.zeros([_BLOCK_H], gl.float32, layout=row_s)
-        acc = gl.zeros([_BLOCK_H, DH], gl.float32, layout=o_layout)
-        mbarrier.wait(q_ready, k & 1)
-        n_tiles = gl.cdiv(n_slots, BLOCK_K)
-        if NUM_BUF >= 3:
-            if n_tiles > 0:
-                b0 = g % NUM_BUF
-                mbarrier.wait(ready.index(b0), (g // NUM_BUF) & 1)
-                fence_async_shared()
-                s = _logits(sm, b0, s_zero, D_R)
-                _, valid = _load_idx(idx_row, 0, n_slots, T_k, BLOCK_K, col_s)  # [BLOCK_K]
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-                m_i, l_i, p, alpha = _softmax_step(sm, s, valid, m_i, l_i, qk_scale, pc)
-                n_pairs = (n_tiles - 1) // 2 if NUM_BUF >= 4 else 0
-                for j in range(n_pairs):
-                    acc, m_i, l_i, p = _pair_step(sm, idx_row, n_slots, T_k, qk_scale, 1 + 2 * j, g, pc, p, acc, m_i,
+    t, hb, idx_row, n_slots = _item(sc, item, H, HAS_LEN)
+    m_i = gl.full([_BLOCK_H], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([_BLOCK_H], gl.float32, layout=row_s)
+    acc = gl.zeros([_BLOCK_H, DH], gl.float32, layout=o_layout)
+    mbarrier.wait(q_ready, k & 1)
+    n_tiles = gl.cdiv(n_slots, BLOCK_K)
+    if NUM_BUF >= 3:
+        if n_tiles > 0:
+            b0 = g % NUM_BUF
+            mbarrier.wait(ready.index(b0), (g // NUM_BUF) & 1)
+            fence_async_shared()
+            s = _logits(sm, b0, s_zero, D_R)
+            _, valid = _load_idx(idx_row, 0, n_slots, T_k, BLOCK_K, col_s)  # [BLOCK_K]
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            m_i, l_i, p, alpha = _softmax_step(sm, s, valid, m_i, l_i, qk_scale, pc)
+            n_pairs = (n_tiles - 1) // 2 if NUM_BUF >= 4 else 0
+            for j in range(n_pairs):
+                acc, m_i, l_i, p = _pair_step(sm, idx_row, n_slots, T_k, qk_scale, 1 + 2 * j, g, pc, p, acc, m_i,
+                                              l_i, s_zero, D_R, BLOCK_K, NUM_BUF, p_layout, col_s,
+                                              row_o)  # fmt: skip
+            for i in range(1 + 2 * n_pairs, n_tiles):
+                acc, m_i, l_i, p = _deferred_step(sm, idx_row, n_slots, T_k, qk_scale, i, g, pc, p, acc, m_i,
                                                   l_i, s_zero, D_R, BLOCK_K, NUM_BUF, p_layout, col_s,
                                                   row_o)  # fmt: skip
-                for i in range(1 + 2 * n_pairs, n_tiles):
-                    acc, m_i, l_i, p = _deferred_step(sm, idx_row, n_slots, T_k, qk_scale, i, g, pc, p, acc, m_i,
-                                                      l_i, s_zero, D_R, BLOCK_K, NUM_BUF, p_layout, col_s,
-                                                      row_o)  # fmt: skip
-                b_last = (g + n_tiles - 1) % NUM_BUF
-                v_last = kv_bufs.index(b_last).slice(0, DH, dim=1)
-                acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_last, acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(free.index(b_last))
-            mbarrier.arrive(q_free)
-        else:
-            for i in range(n_tiles):
-                b = (g + i) % NUM_BUF
-                mbarrier.wait(ready.index(b), ((g + i) // NUM_BUF) & 1)
-                fence_async_shared()
-                s = _logits(sm, b, s_zero, D_R)
-                _, valid = _load_idx(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, col_s)  # [BLOCK_K]
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-                if i == n_tiles - 1:  # the queries' last reader has completed: the producer may load the next item's
-                    mbarrier.arrive(q_free)
-                m_i, l_i, p, alpha = _softmax_step(sm, s, valid, m_i, l_i, qk_scale, pc + i)
-                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                v_left = kv_bufs.index(b).slice(0, DH, dim=1)
-                acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_left, acc, is_async=True)  # [64, DH]
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(free.index(b))
-            if n_tiles == 0:
+            b_last = (g + n_tiles - 1) % NUM_BUF
+            v_last = kv_bufs.index(b_last).slice(0, DH, dim=1)
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_last, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(free.index(b_last))
+        mbarrier.arrive(q_free)
+    else:
+        for i in range(n_tiles):
+            b = (g + i) % NUM_BUF
+            mbarrier.wait(ready.index(b), ((g + i) // NUM_BUF) & 1)
+            fence_async_shared()
+            s = _logits(sm, b, s_zero, D_R)
+            _, valid = _load_idx(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, col_s)  # [BLOCK_K]
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            if i == n_tiles - 1:  # the queries' last reader has completed: the producer may load the next item's
                 mbarrier.arrive(q_free)
+            m_i, l_i, p, alpha = _softmax_step(sm, s, valid, m_i, l_i, qk_scale, pc + i)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            v_left = kv_bufs.index(b).slice(0, DH, dim=1)
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_left, acc, is_async=True)  # [64, DH]
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(free.index(b))
+        if n_tiles == 0:
+            mbarrier.arrive(q_free)
 
-        inv = _finish(sc, sm, t, hb, m_i, l_i, pc + n_tiles, H, HAS_SINK, row_s)
-        out = (acc * gl.convert_layout(inv, row_o)[:, None]).to(out_ptr.dtype.element_ty)
-        oh = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=row_o)
-        oc = gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
-        gl.store(out_ptr + t * (H * D_V) + oh[:, None] * D_V + oc[None, :], out, mask=(oh < H)[:, None])
-        g += n_tiles
-        pc += n_tiles + 1
+    inv = _finish(sc, sm, t, hb, m_i, l_i, pc + n_tiles, H, HAS_SINK, row_s)
+    out = (acc * gl.convert_layout(inv, row_o)[:, None]).to(out_ptr.dtype.element_ty)
+    oh = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=row_o)
+    oc = gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
+    gl.store(out_ptr + t * (H * D_V) + oh[:, None] * D_V + oc[None, :], out, mask=(oh < H)[:, None])
+    return g + n_tiles, pc + n_tiles + 1
 
 
 @gluon.jit(do_not_specialize=["T_q", "T_k", "K_slots"])
 def sparse_mla_fwd_sm90_ws_kernel(
     q_ptr, kv_ptr, idx_ptr, len_ptr, sink_ptr, out_ptr, lse_ptr,
-    T_q, T_k, K_slots, qk_scale,
+    T_q, T_k, K_slots, qk_scale, cnt_ptr,
     H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
     HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr,
     BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, REGS_RIGHT: gl.constexpr, REGS_PRODUCER: gl.constexpr,
@@ -497,8 +596,9 @@ def sparse_mla_fwd_sm90_ws_kernel(
     PREFETCH_Q: gl.constexpr = False,
 ):  # fmt: skip
     """Items ``(query row, block of 64 heads)``, query-major: program ``pid`` takes the ``RUN`` items from
-    ``pid * RUN`` (``RUN = 1``: one program per item), or with ``RUN = 0`` (persistent) the items ``pid, pid + G, ...``
-    for ``G`` programs."""
+    ``pid * RUN`` (``RUN = 1``: one program per item); with ``RUN = 0`` (persistent) the items ``pid, pid + G, ...``
+    for ``G`` programs; with ``RUN = -1`` (persistent, dynamic) item ``pid`` and then, while any is left, item
+    ``G + atomic_add(cnt_ptr, 1)`` (``cnt_ptr``: an int32 zero per launch; unused otherwise)."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     gl.static_assert(num_warps == 4, "the default partition is one warpgroup")
 
@@ -533,14 +633,26 @@ def sparse_mla_fwd_sm90_ws_kernel(
         mbarrier.init(p_free.index(j), count=1)  # the right warpgroup
     mbarrier.init(q_ready, count=128)
     mbarrier.init(q_free, count=1)  # the softmax warpgroup
+    if RUN == -1:  # the producer hands each item to both consumers through a ring of two slots
+        items = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        item_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        item_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for j in gl.static_range(2):
+            mbarrier.init(item_ready.index(j), count=1)  # the producer
+            mbarrier.init(item_free.index(j), count=2)  # both consumers
+    else:  # unused
+        items = a_smem
+        item_ready = ready
+        item_free = free
 
     sc = (q_ptr, kv_ptr, idx_ptr, len_ptr, out_ptr, lse_ptr, sink_ptr, T_q, K_slots, T_k, qk_scale)
     sm = (q_v, q_t, kv_bufs, kt_bufs, p_smem, a_smem, ready, free, p_ready, p_free, q_ready, q_free)
+    it = (cnt_ptr, items, item_ready, item_free)
     gl.warp_specialize(
         [
-            (_softmax_left, (sc, sm, H, D_V, D_R, HAS_LEN, HAS_SINK, BLOCK_K, NUM_BUF, RUN)),
-            (_right_half, (sc, sm, H, D_V, D_R, HAS_LEN, HAS_SINK, BLOCK_K, NUM_BUF, RUN)),
-            (_producer, (sc, sm, H, D_V, D_R, HAS_LEN, HAS_SINK, BLOCK_K, NUM_BUF, RUN, PREFETCH_IDX, PREFETCH_Q)),
+            (_softmax_left, (sc, sm, it, H, D_V, D_R, HAS_LEN, HAS_SINK, BLOCK_K, NUM_BUF, RUN)),
+            (_right_half, (sc, sm, it, H, D_V, D_R, HAS_LEN, HAS_SINK, BLOCK_K, NUM_BUF, RUN)),
+            (_producer, (sc, sm, it, H, D_V, D_R, HAS_LEN, HAS_SINK, BLOCK_K, NUM_BUF, RUN, PREFETCH_IDX, PREFETCH_Q)),
         ],
         [4, 4],
         [REGS_RIGHT, REGS_PRODUCER],
@@ -548,11 +660,13 @@ def sparse_mla_fwd_sm90_ws_kernel(
 
 
 def ws_schedule(num_items: int, device: torch.device) -> tuple[int, int]:
-    """``(programs, RUN)`` of a launch over ``num_items`` items: one program per SM taking every G-th item
-    (``RUN = 0``) when ``WS_PERSISTENT``, else one program per run of ``WS_RUN`` consecutive items (one program fits
-    an SM)."""
-    if WS_PERSISTENT and num_items > 0:
-        return min(num_items, sm_count(device)), 0
+    """``(programs, RUN)`` of a launch over ``num_items`` items (``WS_SCHEDULE``): one program per run of ``WS_RUN``
+    consecutive items (``RUN = WS_RUN``), or one program per SM (never more than items) taking every G-th item
+    (``RUN = 0``) or items from the launch's counter (``RUN = -1``). One program fits an SM."""
+    if WS_SCHEDULE not in WS_SCHEDULES:
+        raise ValueError(f"WS_SCHEDULE must be one of {WS_SCHEDULES}, got {WS_SCHEDULE!r}")
+    if WS_SCHEDULE != "runs":
+        return max(min(num_items, sm_count(device)), 1), (0 if WS_SCHEDULE == "persistent" else -1)
     if not isinstance(WS_RUN, int) or isinstance(WS_RUN, bool) or WS_RUN < 1:
         raise ValueError(f"WS_RUN must be a positive int (consecutive items per program), got {WS_RUN!r}")
     return max(-(-num_items // WS_RUN), 1), WS_RUN
