@@ -99,7 +99,11 @@ WS_PREFETCH_IDX = True
 # overlaps with this layer: one of them leaves no room for a 224 KiB program) still runs its whole share after it,
 # and the launch ends that much later (beside a kernel holding 16 SMs for 3 ms, T = 16384, H = 64: 11.8-12.3 ms
 # against 9.5-10.3 in runs of 4; benchmarks/results/dsa_fwd_persistent_0c281ac_h100_2026-12-06.md). Dynamic programs
-# take their next item only when they are ready for it, so a late one takes fewer. Read at each launch.
+# take their next item only when they are ready for it, so a late one takes fewer: beside that kernel 9.5-10.1 ms at
+# H = 64 and 19.3 at H = 128 (persistent 11.8-11.9 and 20.4-21.3), but alone no faster than runs of 4 (20th
+# percentiles at T = 16384, H = 64 9.00-9.27 against 9.01-9.18, H = 128 18.59-18.72 against 18.66-18.82; T = 4096,
+# H = 128, K = 512 1.468-1.477 against 1.472-1.485; benchmarks/results/dsa_fwd_dynamic_3a713d5_h100_2026-12-06.md), and
+# each launch also zeroes its counter. Read at each launch.
 WS_SCHEDULE = "runs"
 WS_SCHEDULES = ("runs", "persistent", "dynamic")
 # Consecutive items per program with WS_SCHEDULE = "runs" (1: one program per item). A program runs its items as a
