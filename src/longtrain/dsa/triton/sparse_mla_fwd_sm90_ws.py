@@ -56,10 +56,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from longtrain.dsa.triton._common import sm_count
 from longtrain.dsa.triton.sparse_mla_fwd_sm90 import (
     _async_load,
-    _cta_barrier,
     _gather_layout,
     _load_idx,
     sm90_unsupported_reason,
+)
+from longtrain.dsa.triton.sparse_mla_fwd_sm90_items import (
+    _BLOCK_H,
+    _item,
+    _items,
+    _prefetch_queries,
+    _recv_item,
+    _send_item,
 )
 
 __all__ = [
@@ -76,8 +83,7 @@ __all__ = [
     "ws_unsupported_reason",
 ]
 
-_HEADS = 64  # heads per program (one wgmma tile of M)
-_BLOCK_H = gl.constexpr(_HEADS)
+_HEADS = _BLOCK_H.value  # heads per item (one wgmma tile of M)
 # setmaxnreg budgets of the worker partitions (the right half, the producer); the softmax warpgroup gets the rest
 # of the 168 x 3 per thread that one 384-thread program may hold on an SM (64K registers): 248. With the producer at
 # 96, ptxas keeps one 64-bit value of the persistent producer on the stack (reloaded once per item); 112 registers
@@ -90,29 +96,16 @@ WS_MAXNREG = 168
 # one tile ahead was 1-3 % faster in every pair of an alternating H100 run (T = 16384, H = 64: 9.40 / 9.49 ms against
 # 9.56 / 9.81; benchmarks/results/dsa_ws_prefetch_0a9b2ae_h100_2026-12-06.md). Read at each launch.
 WS_PREFETCH_IDX = True
-# How a launch's programs take their items (query row, head block): "runs" (the default), one program per run of
-# WS_RUN consecutive items; "persistent", one program per SM taking the items pid, pid + G, ...; "dynamic", one program
-# per SM taking item pid and then the next item from a counter the launch zeroes (atomic_add by the producer, handed
-# to the consumers through shared memory). Persistent programs pay a program's launch, its queries' and first tile's
-# latency and its output store once per SM instead of once per run, but their items are dealt statically: a program
-# that starts late (its SM held by a kernel on another stream, e.g. the NCCL kernels of an all-gather that FSDP
-# overlaps with this layer: one of them leaves no room for a 224 KiB program) still runs its whole share after it,
-# and the launch ends that much later (beside a kernel holding 16 SMs for 3 ms, T = 16384, H = 64: 11.8-12.3 ms
-# against 9.5-10.3 in runs of 4; benchmarks/results/dsa_fwd_persistent_0c281ac_h100_2026-12-06.md). Dynamic programs
-# take their next item only when they are ready for it, so a late one takes fewer: beside that kernel 9.5-10.1 ms at
-# H = 64 and 19.3 at H = 128 (persistent 11.8-11.9 and 20.4-21.3), but alone no faster than runs of 4 (20th
-# percentiles at T = 16384, H = 64 9.00-9.27 against 9.01-9.18, H = 128 18.59-18.72 against 18.66-18.82; T = 4096,
-# H = 128, K = 512 1.468-1.477 against 1.472-1.485; benchmarks/results/dsa_fwd_dynamic_3a713d5_h100_2026-12-06.md), and
-# each launch also zeroes its counter. Read at each launch.
+# How a launch's programs take their items (query row, head block): "runs", one program per run of WS_RUN consecutive
+# items; "persistent", one program per SM taking the items pid, pid + G, ...; "dynamic", one program per SM taking
+# item pid and then each next item from a counter the launch zeroes. A program hides the boundaries between its items
+# (the next item's queries and first tiles load under the current item's end). Persistent programs deal the items
+# statically, so one whose SM is held by another stream's kernel (e.g. NCCL's, under FSDP) runs its whole share late;
+# runs and dynamic programs do not. Runs of 4 are the default: as fast as the others alone and as safe as dynamic
+# programs beside a busy kernel, without a counter to zero (benchmarks/results/dsa_fwd_persistent_41fe22c_h100_...,
+# ..._0c281ac_..., dsa_fwd_dynamic_3a713d5_h100_2026-12-06.md; README). Both read at each launch.
 WS_SCHEDULE = "runs"
 WS_SCHEDULES = ("runs", "persistent", "dynamic")
-# Consecutive items per program with WS_SCHEDULE = "runs" (1: one program per item). A program runs its items as a
-# persistent one does (the next item's queries and first tiles load under the current item's end), and the hardware
-# scheduler hands the runs to whichever SM frees first, so an SM held by another stream's kernel delays at most one
-# run, not a G-th of the launch. 4: in an alternating H100 run, 20th percentiles 9.20 / 9.39 ms at T = 16384, H = 64
-# against 9.32 / 9.67 per item and 9.40 / 9.66 persistent, 18.42 / 18.83 at H = 128 against 18.82 / 19.28 and
-# 18.45 / 18.67; beside a kernel holding 16 SMs for 3 ms on another stream 9.72 / 10.05 ms (per item 9.88 / 9.68,
-# persistent 12.02 / 12.27) (benchmarks/results/dsa_fwd_persistent_41fe22c_h100_2026-12-06.md). Read at each launch.
 WS_RUN = 4
 # Whether the producer prefetches its program's next item's queries into L2 (prefetch.global.L2) four tiles before
 # the item ends, so that their load after the last logits hits L2. Off: within these H100s' noise. At T = 16384,
@@ -133,37 +126,6 @@ def _gather(dst, base, rows, valid, col0, WIDTH: gl.constexpr, L: gl.constexpr):
     """cp.async ``base[rows, col0:col0+WIDTH]`` into ``dst`` (rows: element offsets; invalid rows zero-filled)."""
     offs = col0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, L))
     _async_load(dst, base + rows[:, None] + offs[None, :], mask=valid[:, None])  # [rows, WIDTH]
-
-
-@gluon.jit
-def _item(sc, item, H: gl.constexpr, HAS_LEN: gl.constexpr):
-    """Work item ``item`` (query-major, head blocks fastest): its query row, head block, index row and slot count."""
-    q_ptr, kv_ptr, idx_ptr, len_ptr, out_ptr, lse_ptr, sink_ptr, T_q, K_slots, T_k, qk_scale = sc
-    NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
-    t = (item // NUM_HB).to(gl.int64)
-    hb = item % NUM_HB
-    if HAS_LEN:
-        n_slots = gl.minimum(gl.maximum(gl.load(len_ptr + t).to(gl.int32), 0), K_slots)  # scalar
-    else:
-        n_slots = K_slots
-    return t, hb, idx_ptr + t * K_slots, n_slots
-
-
-@gluon.jit
-def _items(T_q, H: gl.constexpr, RUN: gl.constexpr):
-    """This program's items as ``range(first, stop, step)``: with ``RUN == 0`` (persistent) every G-th item from
-    ``pid`` for ``G`` programs, else the contiguous run ``pid * RUN ..`` of at most ``RUN`` items."""
-    NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
-    num_items = T_q * NUM_HB
-    if RUN == 0:
-        first = gl.program_id(0)
-        stop = num_items
-        step = gl.num_programs(0)
-    else:
-        first = gl.program_id(0) * RUN
-        stop = gl.minimum(first + RUN, num_items)
-        step = 1
-    return first, stop, step
 
 
 @gluon.jit
@@ -196,31 +158,6 @@ def _producer(sc, sm, it, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
             k = (item - first) // step  # this program's earlier items: the query barriers' phase
             g = _produce_item(sc, sm, item, item + step, stop, k, g, H, D_V, D_R, HAS_LEN, BLOCK_K, NUM_BUF,
                               PREFETCH_IDX, PREFETCH_Q)  # fmt: skip
-
-
-@gluon.jit
-def _send_item(it, k, item):
-    """Hand the program's ``k``-th item to both consumers (a ring of two slots)."""
-    cnt_ptr, items, item_ready, item_free = it
-    j = k % 2
-    mbarrier.wait(item_free.index(j), ((k // 2) & 1) ^ 1)
-    L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    items.index(j).store(gl.zeros([1], gl.int32, layout=L) + item)
-    _cta_barrier()  # every producer thread's store is done before the arrive
-    mbarrier.arrive(item_ready.index(j))
-
-
-@gluon.jit
-def _recv_item(it, k):
-    """A consumer's ``k``-th item, from the producer."""
-    cnt_ptr, items, item_ready, item_free = it
-    j = k % 2
-    mbarrier.wait(item_ready.index(j), (k // 2) & 1)
-    L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    item = gl.max(items.index(j).load(L), axis=0)
-    _cta_barrier()  # every thread has read the slot before it is released
-    mbarrier.arrive(item_free.index(j))
-    return item
 
 
 @gluon.jit
@@ -282,26 +219,6 @@ def _produce_item(sc, sm, item, next_item, stop, k, g, H: gl.constexpr, D_V: gl.
             if D_R > 0:
                 idx_t = nxt_t
     return g + n_tiles
-
-
-@gluon.jit
-def _prefetch_queries(q_ptr, item, stop, H: gl.constexpr, D_QK: gl.constexpr):
-    """``prefetch.global.L2`` of item ``item``'s query block (its heads are one contiguous run of rows), if it is one
-    of this program's (``item < stop``)."""
-    NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
-    HEADS: gl.constexpr = _BLOCK_H if H > _BLOCK_H else H
-    LINES: gl.constexpr = (HEADS * D_QK * 2 + 127) // 128  # 128-byte lines (16-bit queries)
-    L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    if item < stop:
-        t = (item // NUM_HB).to(gl.int64)
-        hb = item % NUM_HB
-        # The last block of a head count that is not a multiple of 64 has fewer rows: no line past them.
-        last = (gl.minimum(H - hb * _BLOCK_H, _BLOCK_H) * (D_QK * 2) - 1) // 128
-        base = (q_ptr + t * (H * D_QK) + hb * (_BLOCK_H * D_QK)).to(gl.pointer_type(gl.int8), bitcast=True)
-        for c in gl.static_range(0, LINES, 128):
-            line = gl.minimum(c + gl.arange(0, 128, layout=L), last)
-            gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [base + line * 128],
-                                      dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
 
 
 @gluon.jit
