@@ -19,9 +19,8 @@ _BLOCK_H = gl.constexpr(64)  # heads per item
 
 
 @gluon.jit
-def _item(sc, item, H: gl.constexpr, HAS_LEN: gl.constexpr):
+def _item(idx_ptr, len_ptr, K_slots, item, H: gl.constexpr, HAS_LEN: gl.constexpr):
     """Work item ``item`` (query-major, head blocks fastest): its query row, head block, index row and slot count."""
-    q_ptr, kv_ptr, idx_ptr, len_ptr, out_ptr, lse_ptr, sink_ptr, T_q, K_slots, T_k, qk_scale = sc
     NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
     t = (item // NUM_HB).to(gl.int64)
     hb = item % NUM_HB

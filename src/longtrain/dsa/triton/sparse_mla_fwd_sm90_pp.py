@@ -40,6 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from longtrain.dsa.triton.sparse_mla_fwd_sm90 import _gather_layout, _load_idx
+from longtrain.dsa.triton.sparse_mla_fwd_sm90_items import _item
 from longtrain.dsa.triton.sparse_mla_fwd_sm90_ws import _gather, _mma_layout
 
 __all__ = [
@@ -276,7 +277,6 @@ def sparse_mla_fwd_sm90_pp_kernel(
     HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr,
     REGS_WG1: gl.constexpr, REGS_PRODUCER: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
-    NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     gl.static_assert(num_warps == 4, "the default partition is one warpgroup")
 
@@ -313,14 +313,8 @@ def sparse_mla_fwd_sm90_pp_kernel(
     bars = (ready, free, one.index(0), one.index(1), one.index(2), one.index(3), one.index(4), one.index(5),
             one.index(6), one.index(7))  # fmt: skip
 
-    pid = gl.program_id(0)
-    t = (pid // NUM_HB).to(gl.int64)
-    hb = pid % NUM_HB
-    if HAS_LEN:
-        n_slots = gl.minimum(gl.maximum(gl.load(len_ptr + t).to(gl.int32), 0), K_slots)  # scalar
-    else:
-        n_slots = K_slots
-    sc = (q_ptr, kv_ptr, idx_ptr + t * K_slots, out_ptr, lse_ptr, sink_ptr, t, hb, n_slots, T_k, qk_scale)
+    t, hb, idx_row, n_slots = _item(idx_ptr, len_ptr, K_slots, gl.program_id(0), H, HAS_LEN)
+    sc = (q_ptr, kv_ptr, idx_row, out_ptr, lse_ptr, sink_ptr, t, hb, n_slots, T_k, qk_scale)
     sm = (q_v, q_t, kv_bufs, kt_bufs, p0_smem, p1_smem, m_smem, l_smem, bars)
     gl.warp_specialize(
         [

@@ -175,7 +175,7 @@ def _produce_item(sc, sm, item, next_item, stop, k, g, H: gl.constexpr, D_V: gl.
     rl_v: gl.constexpr = gl.SliceLayout(1, LV)
     rl_t: gl.constexpr = gl.SliceLayout(1, LT)
 
-    t, hb, idx_row, n_slots = _item(sc, item, H, HAS_LEN)
+    t, hb, idx_row, n_slots = _item(idx_ptr, len_ptr, K_slots, item, H, HAS_LEN)
     mbarrier.wait(q_free, (k & 1) ^ 1)
     q_row = q_ptr + t * (H * D_QK)
     hh = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=rl_v)
@@ -254,7 +254,7 @@ def _right_item(sc, sm, item, g, pc, H: gl.constexpr, D_V: gl.constexpr, HAS_LEN
     o_layout: gl.constexpr = _mma_layout(DH)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    t, hb, idx_row, n_slots = _item(sc, item, H, HAS_LEN)
+    t, hb, idx_row, n_slots = _item(idx_ptr, len_ptr, K_slots, item, H, HAS_LEN)
     acc = gl.zeros([_BLOCK_H, DH], gl.float32, layout=o_layout)
     n_tiles = gl.cdiv(n_slots, BLOCK_K)
     for i in range(n_tiles):
@@ -449,7 +449,7 @@ def _softmax_item(sc, sm, item, k, g, pc, H: gl.constexpr, D_V: gl.constexpr, D_
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     s_zero = gl.zeros([_BLOCK_H, BLOCK_K], gl.float32, layout=s_layout)
 
-    t, hb, idx_row, n_slots = _item(sc, item, H, HAS_LEN)
+    t, hb, idx_row, n_slots = _item(idx_ptr, len_ptr, K_slots, item, H, HAS_LEN)
     m_i = gl.full([_BLOCK_H], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([_BLOCK_H], gl.float32, layout=row_s)
     acc = gl.zeros([_BLOCK_H, DH], gl.float32, layout=o_layout)
