@@ -248,39 +248,25 @@ def test_a_forced_sm90_dq_config_is_accepted():
 
 @pytest.mark.skipif(cuobjdump() is None, reason="needs triton with its bundled NVIDIA toolchain (ptxas, cuobjdump)")
 @pytest.mark.parametrize(
-    "block_k,num_buf,d_qk,d_v,heads,ds_smem,col_parts",
-    [(64, 2, 576, 512, 64, True, 1), (64, 2, 576, 512, 64, False, 1), (32, 4, 576, 512, 64, True, 1),
-     (64, 2, 512, 512, 64, True, 1), (64, 4, 576, 512, 128, True, 1), (64, 4, 576, 512, 128, False, 1),
-     (32, 2, 512, 512, 128, True, 1), (64, 2, 320, 256, 128, True, 1), (64, 2, 576, 512, 64, False, 2),
-     (64, 2, 576, 512, 64, True, 2), (32, 4, 576, 512, 64, False, 2), (64, 2, 512, 512, 64, False, 2)],
-    ids=["64", "64-ds-regs", "32x4", "D512", "wide-64x4", "wide-64x4-ds-regs", "wide-D512-32x2", "wide-dv256",
-         "64-ds-regs-2-parts", "64-2-parts", "32x4-ds-regs-2-parts", "D512-ds-regs-2-parts"],
+    "block_k,num_buf,d_qk,d_v,heads,ds_smem",
+    [(64, 2, 576, 512, 64, True), (64, 2, 576, 512, 64, False), (32, 4, 576, 512, 64, True),
+     (64, 2, 512, 512, 64, True), (64, 4, 576, 512, 128, True), (64, 4, 576, 512, 128, False),
+     (32, 2, 512, 512, 128, True), (64, 2, 320, 256, 128, True)],
+    ids=["64", "64-ds-regs", "32x4", "D512", "wide-64x4", "wide-64x4-ds-regs", "wide-D512-32x2", "wide-dv256"],
 )  # fmt: skip
-def test_sm90_dq_kernel_compiles_for_hopper(block_k, num_buf, d_qk, d_v, heads, ds_smem, col_parts):
+def test_sm90_dq_kernel_compiles_for_hopper(block_k, num_buf, d_qk, d_v, heads, ds_smem):
     """The SM90 dq kernel compiled for sm_90a: cp.async ring + wgmma, shared memory as budgeted, no spills, no
     serialized wgmma; with 128 heads per program each program gathers half of the columns; with ``DS_SMEM`` dS rides
-    in the ring, copied 16 bytes at a time. With two column parts (at the launcher's register cap) each program
-    gathers half of its heads' columns in at most 128 registers per thread, so that two programs share an SM."""
-    from longtrain.dsa.triton.sparse_mla_bwd import SM90_DQ_SHARED_MAXNREG
+    in the ring, copied 16 bytes at a time."""
     from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_dq_smem_bytes
 
     types = ["*bf16", "*i32", "*i32", "*bf16", "*bf16", "i32", "i32", "i32"]
     consts = dict(H=heads, D_V=d_v, D_R=d_qk - d_v, HAS_LEN=True, BLOCK_K=block_k, NUM_BUF=num_buf, HEADS=heads,
-                  DS_SMEM=ds_smem, COL_PARTS=col_parts)  # fmt: skip
-    opts = {"maxnreg": SM90_DQ_SHARED_MAXNREG} if col_parts == 2 else {}
-    stats = compile_sm90("longtrain.dsa.triton.sparse_mla_bwd_sm90", "sparse_mla_bwd_sm90_kernel_dq", types, consts,
-                         **opts)  # fmt: skip
+                  DS_SMEM=ds_smem)  # fmt: skip
+    stats = compile_sm90("longtrain.dsa.triton.sparse_mla_bwd_sm90", "sparse_mla_bwd_sm90_kernel_dq", types, consts)
     assert stats["cp_async"] and stats["wgmma"], stats
-    assert stats["shared"] == sm90_dq_smem_bytes(block_k, num_buf, d_qk, 2, heads, ds_smem, col_parts), stats
+    assert stats["shared"] == sm90_dq_smem_bytes(block_k, num_buf, d_qk, 2, heads, ds_smem), stats
     assert stats["local"] == 0, stats
-    if col_parts == 2:
-        assert stats["regs"] <= SM90_DQ_SHARED_MAXNREG, stats
-        # Triton 3.6 (the GPU machine's) fits every ring in 128 registers without spilling; Triton 3.9 spills 88
-        # bytes at the 64 x 2 ring with dS in registers.
-        import triton
-
-        if triton.__version__.startswith("3.6."):
-            assert stats["stack"] == 0, stats
     assert not stats["wgmma_serialized"], stats
 
 
@@ -434,24 +420,3 @@ def test_lse_only_preprocess_and_the_sink_gradient_from_a_kernels_delta(triton_i
     if with_sink:
         # fp32 terms summed over 5 rows in two orders.
         torch.testing.assert_close(sink_grad(sink, lse2, delta), dsink_rows.sum(0))
-
-
-def test_sm90_dq_column_parts(monkeypatch):
-    """``SM90_DQ_COL_PARTS``: 1 or 2 (anything else a ValueError naming it); 2 applies with 64 heads per program where
-    each half of the value and rope columns splits over two warpgroups, else the kernel keeps 1."""
-    from longtrain.dsa.triton import sparse_mla_bwd as smb
-    from longtrain.dsa.triton import sparse_mla_bwd_plan as plan
-
-    assert plan.SM90_DQ_COL_PARTS == 1
-    assert smb._dq_col_parts(512, 64, 64) == 1
-    monkeypatch.setattr(plan, "SM90_DQ_COL_PARTS", 2)
-    assert smb._dq_col_parts(512, 64, 64) == 2
-    assert smb._dq_col_parts(512, 0, 64) == 2
-    assert smb._dq_col_parts(512, 64, 128) == 1  # 128 heads per program already halve the columns
-    assert smb._dq_col_parts(512, 16, 64) == 1  # 8 rope columns per program: 4 per warpgroup
-    assert smb._dq_col_parts(64, 64, 64) == 1
-    assert plan.sm90_dq_smem_bytes(64, 2, 576, 2, 64, False, 2) == (2 * 64 * 288 + 64 * 64) * 2
-    for bad in (0, 3, True, "2"):
-        monkeypatch.setattr(plan, "SM90_DQ_COL_PARTS", bad)
-        with pytest.raises(ValueError, match="SM90_DQ_COL_PARTS must be 1 or 2"):
-            smb._dq_col_parts(512, 64, 64)

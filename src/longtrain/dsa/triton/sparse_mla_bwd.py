@@ -437,22 +437,6 @@ def _launch(name, kernel, candidates, grid, args, meta, config, reset=None) -> N
         _autotuned(name, kernel, candidates, reset)[grid](*args, **meta)
 
 
-# Registers per thread of the SM90 dq kernel with two column parts: two programs of 256 threads share an SM's 64K
-# registers (128 compiles for sm_90a without spills at the GLM shape: tests/dsa/test_triton_sparse_mla_bwd_sm90.py).
-SM90_DQ_SHARED_MAXNREG = 128
-
-
-def _dq_col_parts(d_v: int, d_r: int, heads: int) -> int:
-    """``SM90_DQ_COL_PARTS``, checked: 1, or 2 with 64 heads per program where each program's half of the value and
-    rope columns splits into whole wgmma tiles over its two warpgroups (else 1)."""
-    parts = bwd_plan.SM90_DQ_COL_PARTS
-    if parts not in (1, 2) or isinstance(parts, bool):
-        raise ValueError(f"SM90_DQ_COL_PARTS must be 1 or 2, got {parts!r}")
-    if parts == 2 and (heads != 64 or d_v < 128 or d_r % 32):
-        return 1
-    return parts
-
-
 def _dkv_col_groups(config: KernelConfig | None, block_dv: int) -> int:
     """Programs per row of the dkv kernel's value columns: the config's ``col_groups`` (``DKV_COL_GROUPS`` when
     autotuned), at most ``block_dv / 16`` (each group's chunks are at least 16 columns wide)."""
@@ -584,15 +568,12 @@ def sparse_mla_bwd(
             from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sparse_mla_bwd_sm90_kernel_dq
 
             dq_block_k, dq_num_buf, dq_heads = dq_sm90
-            col_parts = _dq_col_parts(d_v, d_r, dq_heads)
-            # 128 heads per program: two programs per block of heads, each half of the columns; COL_PARTS = 2
-            # splits each 64 heads' columns over twice the programs.
-            dq_programs = triton.cdiv(num_heads, dq_heads) * (dq_heads // 64) * col_parts
+            # 128 heads per program: two programs per block of heads, each half of the columns.
+            dq_programs = triton.cdiv(num_heads, dq_heads) * (dq_heads // 64)
             sparse_mla_bwd_sm90_kernel_dq[(rows * dq_programs,)](
                 kv2d, *common, ds_buf, dq, row0, num_keys, k_slots, H=num_heads, D_V=d_v, D_R=d_r,
                 HAS_LEN=topk_length is not None, BLOCK_K=dq_block_k, NUM_BUF=dq_num_buf, HEADS=dq_heads,
-                DS_SMEM=bwd_plan.SM90_DQ_DS_SMEM and k_slots % 8 == 0, num_warps=8, COL_PARTS=col_parts,
-                **({"maxnreg": SM90_DQ_SHARED_MAXNREG} if col_parts == 2 else {}),
+                DS_SMEM=bwd_plan.SM90_DQ_DS_SMEM and k_slots % 8 == 0, num_warps=8,
             )  # fmt: skip
         else:
             _launch(

@@ -13,7 +13,6 @@ from longtrain.dsa.triton.sparse_mla_fwd import SM90_SMEM_BYTES, SM90_SMEM_LIMIT
 
 __all__ = [
     "SM90_BWD_DEFAULT",
-    "SM90_DQ_COL_PARTS",
     "SM90_DQ_DS_SMEM",
     "SM90_DQ_HEADS",
     "SM90_DQ_RINGS",
@@ -40,10 +39,6 @@ SM90_DQ_RINGS = {64: (64, 2), 128: (64, 2)}
 # and checked for sm_90a here; its GPU test is tests/gpu/test_dsa_triton_gpu.py -k ds_ring. Read at each
 # call.
 SM90_DQ_DS_SMEM = False
-# Programs per 64 heads' columns of the SM90 dq kernel (1 or 2): 2 gives each program half of the value and rope
-# columns, half the accumulator and ring, so that two programs share an SM. 1 until measured on a GPU. Read at each
-# call, for config=None and forced configs alike.
-SM90_DQ_COL_PARTS = 1
 # Heads per program of the SM90 kernels, and gathered slots per step of the fused one.
 _STACK_H = 64
 _DKV_BLOCK_K = 64
@@ -70,13 +65,13 @@ def sm90_ws_bwd_smem_bytes(d_qk: int, d_v: int, itemsize: int) -> int:
 
 
 def sm90_dq_smem_bytes(
-    block_k: int, num_buf: int, d_qk: int, itemsize: int, heads: int = 64, ds_smem: bool = True, col_parts: int = 1
+    block_k: int, num_buf: int, d_qk: int, itemsize: int, heads: int = 64, ds_smem: bool = True
 ) -> int:
-    """Shared memory of the SM90 dq kernel with ``heads`` per program (64: every column; 128: half of them) and
-    ``col_parts`` programs per 64 heads' columns: the ring of gathered tiles, each with its ``dS`` tile
-    (``ds_smem``), or with one tile for turning ``dS`` into the wgmma's register operand."""
+    """Shared memory of the SM90 dq kernel with ``heads`` per program (64: every column; 128: half of them): the ring
+    of gathered tiles, each with its ``dS`` tile (``ds_smem``), or with one tile for turning ``dS`` into the wgmma's
+    register operand."""
     ds_tiles = num_buf if ds_smem else 1
-    return (num_buf * block_k * d_qk * 64 // heads // col_parts + ds_tiles * heads * block_k) * itemsize
+    return (num_buf * block_k * d_qk * 64 // heads + ds_tiles * heads * block_k) * itemsize
 
 
 def sm90_backward_plan(

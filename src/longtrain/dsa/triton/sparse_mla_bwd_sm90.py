@@ -413,7 +413,7 @@ def sparse_mla_bwd_sm90_kernel_dq(
     row_offset, T_k, K_slots,
     H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr,
     BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, HEADS: gl.constexpr, DS_SMEM: gl.constexpr,
-    num_warps: gl.constexpr, COL_PARTS: gl.constexpr = 1,
+    num_warps: gl.constexpr,
 ):  # fmt: skip
     """``dq = dS K`` over a row's gathered slots: the gathered rows stream through the forward's cp.async ring of
     ``NUM_BUF`` tiles of ``BLOCK_K`` rows, each step one wgmma per part (latent, rope). Same contract as
@@ -430,19 +430,14 @@ def sparse_mla_bwd_sm90_kernel_dq(
     columns. ``HEADS = 128`` (``H`` a multiple of 128): two programs per (query row, block of 128 heads), each owning
     half of the value columns and half of the rope columns for all 128 heads, a warpgroup per 64 heads. A row's
     gathered bytes are then read once per 128 heads instead of once per 64 (half the gather traffic, twice the ``dS``
-    reads: 1664 against 2560 bytes per slot at 128 heads, ``D_qk = 576``).
-
-    ``COL_PARTS = 2`` splits the columns of each 64 heads over twice the programs (``HEADS = 64``: two programs per
-    (query row, block of 64 heads), half of the value and rope columns each): half the accumulator and ring per
-    program, so that two programs share an SM and one's ring fill and store run under the other's matmuls."""
+    reads: 1664 against 2560 bytes per slot at 128 heads, ``D_qk = 576``)."""
     D_QK: gl.constexpr = D_V + D_R
-    PARTS: gl.constexpr = (HEADS // 64) * COL_PARTS
+    PARTS: gl.constexpr = 1 if HEADS == 64 else 2
     WV: gl.constexpr = D_V // PARTS  # value columns per program
     WR: gl.constexpr = D_R // PARTS  # rope columns per program
     NUM_HB: gl.constexpr = (H + HEADS - 1) // HEADS
     gl.static_assert(num_warps == 8, "two warpgroups")
     gl.static_assert(HEADS == 64 or HEADS == 128, "64 or 128 heads per program")
-    gl.static_assert(COL_PARTS == 1 or COL_PARTS == 2, "1 or 2 column parts per 64 heads")
 
     LV: gl.constexpr = _gather_layout(WV, num_warps)
     LR: gl.constexpr = _gather_layout(max(WR, 8), num_warps)
