@@ -3,7 +3,9 @@
 backward (its default on SM90, the warp-specialized probabilities + dkv kernel, then the dq kernel).
 
 ``ncu --set full -k regex:ws_kernel -s 2 -c 1 -o prof python benchmarks/profile_ws.py 32x4`` profiles the third;
-``logs/ncu_dsa_fwd_ws_32x4_b0a921f_details.txt`` came from it.
+``logs/ncu_dsa_fwd_ws_32x4_b0a921f_details.txt`` came from it. A second argument ``T,H,K`` sets another shape (one
+document), e.g. ``ncu --set full -k regex:kernel_dq -s 2 -c 1 -o prof python benchmarks/profile_ws.py bwd
+4096,128,512`` for the dq kernel at K = 512.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from longtrain.bench_suites.dsa import TOPK, causal_index_sets, mla_inputs, run_
 from longtrain.dsa.triton import KernelConfig  # noqa: E402
 
 what = sys.argv[1] if len(sys.argv) > 1 else "64x2"
+total, heads, topk = (int(x) for x in sys.argv[2].split(",")) if len(sys.argv) > 2 else (16384, 64, TOPK)
 dev = torch.device("cuda")
-idx, length, _, _ = causal_index_sets([16384], TOPK, dev)
-q, kv = mla_inputs(16384, 64, dev)
+idx, length, _, _ = causal_index_sets([total], topk, dev)
+q, kv = mla_inputs(total, heads, dev)
 if what == "bwd":
     out, lse = run_fwd(q, kv, idx, length, None)
     dout = torch.randn_like(out)
