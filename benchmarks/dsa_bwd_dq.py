@@ -1,8 +1,8 @@
 """The sparse MLA backward's SM90 dq kernel at 64 and 128 heads per program, the row chunk and the deterministic
 chunk (CUDA; experiment).
 
-``python benchmarks/dsa_bwd_dq.py [--out-dir DIR] [--quick] [--ds-direct]`` writes ``dsa_bwd_dq_<date>.md``, one
-document, K slots per query (random causal index sets as in ``dsa.py``), GLM-5.2 / DeepSeek-V3.2 dims:
+``python benchmarks/dsa_bwd_dq.py [--out-dir DIR] [--quick]`` writes ``dsa_bwd_dq_<date>.md``, one document, K slots
+per query (random causal index sets as in ``dsa.py``), GLM-5.2 / DeepSeek-V3.2 dims:
 
 * ``dq kernel``: the dq kernel alone on one chunk of every row (``dS`` random, as the backward stores it), 64 heads
   per program (every column) against 128 heads per program (two programs, half of the columns each) at several
@@ -13,9 +13,6 @@ document, K slots per query (random causal index sets as in ``dsa.py``), GLM-5.2
   chunk: rows per launch pair);
 * ``deterministic``: the deterministic backward at T = 4096, H = 64 with several per-slot scratch sizes (rows per
   chunk) and whether two runs agree bit for bit.
-
-``--ds-direct`` times only the dq kernel alone and the whole backward with dS loaded in the wgmma's operand layout
-(``SM90_DQ_DS_DIRECT``) or converted through shared memory, at four shapes.
 
 Correctness against float64 is the GPU test's (``tests/gpu/test_dsa_triton_gpu.py -k dq128``).
 """
@@ -41,12 +38,6 @@ from longtrain.dsa.triton import sparse_mla_bwd_plan as bwd_plan  # noqa: E402
 NARROW = (64, 2, 64, False)
 VARIANTS_64 = (NARROW, (64, 2, 64, True), (32, 4, 64, True))
 VARIANTS_128 = (*VARIANTS_64, (64, 2, 128, True), (64, 3, 128, True), (64, 4, 128, True), (64, 4, 128, False))
-# --ds-direct: dS loaded straight in the wgmma's operand layout (a fifth element: SM90_DQ_DS_DIRECT) or converted.
-DS_DIRECT = (NARROW, (64, 2, 64, False, True), (32, 4, 64, False, False), (32, 4, 64, False, True))
-
-
-def _direct(v: tuple) -> bool:
-    return len(v) > 4 and v[4]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -58,11 +49,10 @@ def _dq_cfg(v: tuple) -> KernelConfig:
 
 
 def _name(v: tuple) -> str:
-    where = "in the ring" if v[3] else "in registers" + (", loaded in the operand layout" if _direct(v) else "")
-    return f"{v[2]} heads/program, {v[0]} slots x {v[1]} tiles, dS {where}"
+    return f"{v[2]} heads/program, {v[0]} slots x {v[1]} tiles, dS {'in the ring' if v[3] else 'in registers'}"
 
 
-def _dq_alone(rows: list[dict], shape: str, kv, idx, length, heads: int, flops_dq: float, variants) -> None:
+def _dq_alone(rows: list[dict], shape: str, kv, idx, length, heads: int, flops_dq: float) -> None:
     from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sparse_mla_bwd_sm90_kernel_dq
 
     total, k_slots = idx.shape
@@ -70,14 +60,14 @@ def _dq_alone(rows: list[dict], shape: str, kv, idx, length, heads: int, flops_d
     ds = (torch.randn((total, heads, k_slots), generator=gen, device=kv.device) * 0.05).to(kv.dtype)
     kv2d = kv.view(kv.shape[0], -1)
     ref = None
-    for v in variants:
+    for v in VARIANTS_128 if heads % 128 == 0 else VARIANTS_64:
         dq = torch.full((total, heads, D_QK), float("nan"), dtype=kv.dtype, device=kv.device)
         programs = triton.cdiv(heads, v[2]) * (v[2] // 64)
 
         def launch(dq=dq, v=v, programs=programs):
             sparse_mla_bwd_sm90_kernel_dq[(total * programs,)](
                 kv2d, idx, length, ds, dq, 0, kv.shape[0], k_slots, H=heads, D_V=D_V, D_R=D_QK - D_V, HAS_LEN=True,
-                BLOCK_K=v[0], NUM_BUF=v[1], HEADS=v[2], DS_SMEM=v[3], DS_DIRECT=_direct(v), num_warps=8,
+                BLOCK_K=v[0], NUM_BUF=v[1], HEADS=v[2], DS_SMEM=v[3], num_warps=8,
             )  # fmt: skip
 
         launch()
@@ -91,8 +81,7 @@ def _dq_alone(rows: list[dict], shape: str, kv, idx, length, heads: int, flops_d
         rows.append(row)
 
 
-def _case(rows: list[dict], total: int, heads: int, topk: int, budgets: tuple[int, ...], direct: bool = False
-          ) -> None:  # fmt: skip
+def _case(rows: list[dict], total: int, heads: int, topk: int, budgets: tuple[int, ...]) -> None:
     dev = torch.device("cuda")
     idx, length, _, _ = causal_index_sets([total], topk, dev)
     valid = int(length.sum())
@@ -101,17 +90,15 @@ def _case(rows: list[dict], total: int, heads: int, topk: int, budgets: tuple[in
     q, kv = mla_inputs(total, heads, dev)
     out, lse = run_fwd(q, kv, idx, length, None)
     dout = torch.randn_like(out)
-    variants = DS_DIRECT if direct else VARIANTS_128 if heads % 128 == 0 else VARIANTS_64
-    _dq_alone(rows, shape, kv, idx, length, heads, 2 * valid * heads * D_QK, variants)
+    _dq_alone(rows, shape, kv, idx, length, heads, 2 * valid * heads * D_QK)
     default_ring = bwd_plan.SM90_DQ_DS_SMEM
     bwd_plan.SM90_DQ_DS_SMEM = False
     ref = run_bwd(q, kv, out, dout, lse, idx, length, cfgs=(None, _dq_cfg(NARROW), None))
     bwd_plan.SM90_DQ_DS_SMEM = default_ring
-    for v in variants:
+    for v in VARIANTS_128 if heads % 128 == 0 else VARIANTS_64:
         cfgs = (None, _dq_cfg(v), None)
         row = dict(part="backward", shape=shape, variant="dq " + _name(v))
         bwd_plan.SM90_DQ_DS_SMEM = v[3]
-        bwd_plan.SM90_DQ_DS_DIRECT = _direct(v)
         try:
             dq, dkv, _ = run_bwd(q, kv, out, dout, lse, idx, length, cfgs=cfgs)
             ms = bench(lambda cfgs=cfgs: run_bwd(q, kv, out, dout, lse, idx, length, cfgs=cfgs), rep_ms=300)
@@ -121,7 +108,6 @@ def _case(rows: list[dict], total: int, heads: int, topk: int, budgets: tuple[in
             row.update(note=f"{type(exc).__name__}: {exc}"[:200])
         finally:
             bwd_plan.SM90_DQ_DS_SMEM = default_ring
-            bwd_plan.SM90_DQ_DS_DIRECT = False
         print(row, flush=True)
         rows.append(row)
     default_budget = smb.PDS_SCRATCH_BYTES
@@ -168,23 +154,14 @@ def _deterministic(rows: list[dict], chunk_rows: tuple[int, ...], total: int = 4
         print(rows[-1], flush=True)
 
 
-def main(out_dir: Path, quick: bool, direct: bool) -> None:
+def main(out_dir: Path, quick: bool) -> None:
     rows: list[dict] = []
     budgets = (1 << 29, 1 << 30, 1 << 31)
-    if direct:
-        for total, heads, topk in ((4096, 128, 512), (16384, 64, 2048), (4096, 64, 2048), (16384, 128, 2048)):
-            _case(rows, total, heads, topk, (), direct=True)
-        _write(rows, out_dir)
-        return
     _case(rows, 4096, 128, 512, budgets)
     _case(rows, 16384, 128, 2048, budgets if not quick else (1 << 29,))
     _case(rows, 4096, 64, 2048, budgets)
     _case(rows, 16384, 64, 2048, budgets if not quick else (1 << 29,))
     _deterministic(rows, (0, 132, 264, 396))
-    _write(rows, out_dir)
-
-
-def _write(rows: list[dict], out_dir: Path) -> None:
     write_report(
         "dsa_bwd_dq", rows, ["part", "shape", "variant", "ms", "p20", "p80", "tflops", "dq_rel", "dkv_rel", "finite",
                              "repeat_equal", "note"],
@@ -193,8 +170,7 @@ def _write(rows: list[dict], out_dir: Path) -> None:
         "probabilities + dkv, dq). triton.testing.do_bench median with 20th/80th percentiles. dq_rel / dkv_rel: "
         "largest difference from the 64-heads-per-program dq kernel's run, relative to its largest element. chunk: "
         "PDS_SCRATCH_BYTES sets rows per chunk as budget / (4 H K). repeat_equal: a second run equal bit for bit. "
-        "'loaded in the operand layout': SM90_DQ_DS_DIRECT. "
-        f"Reproduce: `python benchmarks/dsa_bwd_dq.py {' '.join(a for a in sys.argv[1:] if not a.startswith('/'))}`.",
+        "Reproduce: `python benchmarks/dsa_bwd_dq.py`.",
         out_dir=out_dir, title="Sparse MLA backward: the SM90 dq kernel's heads per program, row chunks",
     )  # fmt: skip
 
@@ -203,6 +179,5 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--quick", action="store_true", help="one chunk budget at T = 16384")
-    parser.add_argument("--ds-direct", action="store_true", help="only dS in the operand layout or not, four shapes")
     args = parser.parse_args()
-    main(args.out_dir, args.quick, args.ds_direct)
+    main(args.out_dir, args.quick)

@@ -251,27 +251,21 @@ def test_a_forced_sm90_dq_config_is_accepted():
     "block_k,num_buf,d_qk,d_v,heads,ds_smem",
     [(64, 2, 576, 512, 64, True), (64, 2, 576, 512, 64, False), (32, 4, 576, 512, 64, True),
      (64, 2, 512, 512, 64, True), (64, 4, 576, 512, 128, True), (64, 4, 576, 512, 128, False),
-     (32, 2, 512, 512, 128, True), (64, 2, 320, 256, 128, True), (64, 2, 576, 512, 64, "direct"),
-     (64, 2, 576, 512, 128, "direct"), (32, 4, 576, 512, 64, "direct")],
-    ids=["64", "64-ds-regs", "32x4", "D512", "wide-64x4", "wide-64x4-ds-regs", "wide-D512-32x2", "wide-dv256",
-         "64-ds-direct", "wide-ds-direct", "32x4-ds-direct"],
+     (32, 2, 512, 512, 128, True), (64, 2, 320, 256, 128, True)],
+    ids=["64", "64-ds-regs", "32x4", "D512", "wide-64x4", "wide-64x4-ds-regs", "wide-D512-32x2", "wide-dv256"],
 )  # fmt: skip
 def test_sm90_dq_kernel_compiles_for_hopper(block_k, num_buf, d_qk, d_v, heads, ds_smem):
     """The SM90 dq kernel compiled for sm_90a: cp.async ring + wgmma, shared memory as budgeted, no spills, no
     serialized wgmma; with 128 heads per program each program gathers half of the columns; with ``DS_SMEM`` dS rides
-    in the ring, copied 16 bytes at a time; with ``DS_DIRECT`` (``"direct"``) dS is loaded straight in the wgmma's
-    operand layout, so the kernel holds the ring and no conversion tile."""
+    in the ring, copied 16 bytes at a time."""
     from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_dq_smem_bytes
 
-    direct = ds_smem == "direct"
-    ds_smem = ds_smem is True
     types = ["*bf16", "*i32", "*i32", "*bf16", "*bf16", "i32", "i32", "i32"]
     consts = dict(H=heads, D_V=d_v, D_R=d_qk - d_v, HAS_LEN=True, BLOCK_K=block_k, NUM_BUF=num_buf, HEADS=heads,
-                  DS_SMEM=ds_smem, DS_DIRECT=direct)  # fmt: skip
+                  DS_SMEM=ds_smem)  # fmt: skip
     stats = compile_sm90("longtrain.dsa.triton.sparse_mla_bwd_sm90", "sparse_mla_bwd_sm90_kernel_dq", types, consts)
     assert stats["cp_async"] and stats["wgmma"], stats
-    ring = sm90_dq_smem_bytes(block_k, num_buf, d_qk, 2, heads, ds_smem)
-    assert stats["shared"] == (ring - heads * block_k * 2 if direct else ring), stats
+    assert stats["shared"] == sm90_dq_smem_bytes(block_k, num_buf, d_qk, 2, heads, ds_smem), stats
     assert stats["local"] == 0, stats
     assert not stats["wgmma_serialized"], stats
 

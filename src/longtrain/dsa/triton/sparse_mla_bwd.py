@@ -570,11 +570,10 @@ def sparse_mla_bwd(
             dq_block_k, dq_num_buf, dq_heads = dq_sm90
             # 128 heads per program: two programs per block of heads, each half of the columns.
             dq_programs = triton.cdiv(num_heads, dq_heads) * (dq_heads // 64)
-            ds_smem = bwd_plan.SM90_DQ_DS_SMEM and k_slots % 8 == 0
             sparse_mla_bwd_sm90_kernel_dq[(rows * dq_programs,)](
                 kv2d, *common, ds_buf, dq, row0, num_keys, k_slots, H=num_heads, D_V=d_v, D_R=d_r,
                 HAS_LEN=topk_length is not None, BLOCK_K=dq_block_k, NUM_BUF=dq_num_buf, HEADS=dq_heads,
-                DS_SMEM=ds_smem, DS_DIRECT=bool(bwd_plan.SM90_DQ_DS_DIRECT) and not ds_smem, num_warps=8,
+                DS_SMEM=bwd_plan.SM90_DQ_DS_SMEM and k_slots % 8 == 0, num_warps=8,
             )  # fmt: skip
         else:
             _launch(

@@ -13,7 +13,6 @@ from longtrain.dsa.triton.sparse_mla_fwd import SM90_SMEM_BYTES, SM90_SMEM_LIMIT
 
 __all__ = [
     "SM90_BWD_DEFAULT",
-    "SM90_DQ_DS_DIRECT",
     "SM90_DQ_DS_SMEM",
     "SM90_DQ_HEADS",
     "SM90_DQ_RINGS",
@@ -40,10 +39,6 @@ SM90_DQ_RINGS = {64: (64, 2), 128: (64, 2)}
 # and checked for sm_90a here; its GPU test is tests/gpu/test_dsa_triton_gpu.py -k ds_ring. Read at each
 # call.
 SM90_DQ_DS_SMEM = False
-# Whether the SM90 dq kernel (dS in registers) loads dS straight in the wgmma's operand layout instead of in 16-byte
-# row segments converted through shared memory (whose stores ncu showed 7.5-way bank-conflicted:
-# benchmarks/results/logs/ncu_dsa_dq_T4096_H128_K512_3fe6a15_h100_details.txt). Read at each call.
-SM90_DQ_DS_DIRECT = False
 # Heads per program of the SM90 kernels, and gathered slots per step of the fused one.
 _STACK_H = 64
 _DKV_BLOCK_K = 64

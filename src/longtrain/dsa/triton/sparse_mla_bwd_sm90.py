@@ -413,7 +413,7 @@ def sparse_mla_bwd_sm90_kernel_dq(
     row_offset, T_k, K_slots,
     H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr,
     BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, HEADS: gl.constexpr, DS_SMEM: gl.constexpr,
-    num_warps: gl.constexpr, DS_DIRECT: gl.constexpr = False,
+    num_warps: gl.constexpr,
 ):  # fmt: skip
     """``dq = dS K`` over a row's gathered slots: the gathered rows stream through the forward's cp.async ring of
     ``NUM_BUF`` tiles of ``BLOCK_K`` rows, each step one wgmma per part (latent, rope). Same contract as
@@ -424,9 +424,7 @@ def sparse_mla_bwd_sm90_kernel_dq(
     The probabilities kernels store ``dS`` for slots below ``n_slots`` only, so a row's last, partial tile is loaded
     with a per-slot mask through registers instead (the unwritten scratch past ``n_slots`` may hold anything, NaN
     included, and NaN times the zero-filled rows of invalid slots is NaN). Otherwise (``DS_SMEM`` off) every tile's
-    ``dS`` is loaded one step ahead into registers and fed from there: in 16-byte row segments and converted to the
-    wgmma's operand layout through shared memory, or (``DS_DIRECT``) loaded straight in the operand layout (4-byte
-    pairs, no conversion: ncu showed that conversion's shared stores 7.5-way bank-conflicted).
+    ``dS`` is loaded one step ahead into registers and fed from there.
 
     ``HEADS = 64``: one program per (query row, block of 64 heads), every column, the two warpgroups splitting the
     columns. ``HEADS = 128`` (``H`` a multiple of 128): two programs per (query row, block of 128 heads), each owning
@@ -492,18 +490,8 @@ def sparse_mla_bwd_sm90_kernel_dq(
         _issue_tile(kv_ptr, v_off, r_off, iv, mv, ir, mr, v_bufs.index(j), r_bufs.index(j), D_QK, WV, WR, LV, LR)
     nxt_v, nxt_mv = _load_idx(idx_row, (NUM_BUF - 1) * BLOCK_K, n_slots, T_k, BLOCK_K, rl_v)  # [BLOCK_K] x 2
     nxt_r, nxt_mr = _load_idx(idx_row, (NUM_BUF - 1) * BLOCK_K, n_slots, T_k, BLOCK_K, rl_r)  # [BLOCK_K] x 2
-    gl.static_assert(not (DS_DIRECT and DS_SMEM), "DS_DIRECT loads dS into registers: DS_SMEM off")
-    if DS_DIRECT:  # dS in the wgmma's operand layout: its own row offsets
-        LD: gl.constexpr = a_layout
-        offs_hd = hb * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(1, a_layout))
-        mask_hd = offs_hd < H
-        ds_rows_d = (t_local * H + offs_hd.to(gl.int64)) * K_slots  # [HEADS]
-    else:
-        LD: gl.constexpr = LS
-        mask_hd = mask_h
-        ds_rows_d = ds_rows
     if not DS_SMEM:
-        ds_cur = _ds_tile(ds_ptr, ds_rows_d, mask_hd, 0, n_slots, BLOCK_K, LD)  # [HEADS, BLOCK_K]
+        ds_cur = _ds_tile(ds_ptr, ds_rows, mask_h, 0, n_slots, BLOCK_K, LS)  # [HEADS, BLOCK_K]
     acc = gl.zeros([HEADS, WV], gl.float32, layout=o_layout)
     n_tiles = gl.cdiv(n_slots, BLOCK_K)
     for i in range(n_tiles):
@@ -530,11 +518,11 @@ def sparse_mla_bwd_sm90_kernel_dq(
             if D_R > 0:
                 acc_r = warpgroup_mma(ds_bufs.index(buf), r_bufs.index(buf), acc_r, is_async=True)  # [HEADS, WR]
         else:
-            a = ds_cur if DS_DIRECT else gl.convert_layout(ds_cur, a_layout)  # [HEADS, BLOCK_K]
+            a = gl.convert_layout(ds_cur, a_layout)  # [HEADS, BLOCK_K]
             acc = warpgroup_mma(a, v_bufs.index(buf), acc, is_async=True)  # [HEADS, WV]
             if D_R > 0:
                 acc_r = warpgroup_mma(gl.convert_layout(a, ar_layout), r_bufs.index(buf), acc_r, is_async=True)
-            ds_cur = _ds_tile(ds_ptr, ds_rows_d, mask_hd, (i + 1) * BLOCK_K, n_slots, BLOCK_K, LD)  # under the wgmma
+            ds_cur = _ds_tile(ds_ptr, ds_rows, mask_h, (i + 1) * BLOCK_K, n_slots, BLOCK_K, LS)  # under the wgmma
         if D_R > 0:
             acc, acc_r = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_r))
         else:
