@@ -1,8 +1,8 @@
 """The sparse MLA backward's SM90 dq kernel at 64 and 128 heads per program, the row chunk and the deterministic
 chunk (CUDA; experiment).
 
-``python benchmarks/dsa_bwd_dq.py [--out-dir DIR] [--quick]`` writes ``dsa_bwd_dq_<date>.md``, one document, K slots
-per query (random causal index sets as in ``dsa.py``), GLM-5.2 / DeepSeek-V3.2 dims:
+``python benchmarks/dsa_bwd_dq.py [--out-dir DIR] [--quick] [--rings]`` writes ``dsa_bwd_dq_<date>.md``, one
+document, K slots per query (random causal index sets as in ``dsa.py``), GLM-5.2 / DeepSeek-V3.2 dims:
 
 * ``dq kernel``: the dq kernel alone on one chunk of every row (``dS`` random, as the backward stores it), 64 heads
   per program (every column) against 128 heads per program (two programs, half of the columns each) at several
@@ -13,6 +13,9 @@ per query (random causal index sets as in ``dsa.py``), GLM-5.2 / DeepSeek-V3.2 d
   chunk: rows per launch pair);
 * ``deterministic``: the deterministic backward at T = 4096, H = 64 with several per-slot scratch sizes (rows per
   chunk) and whether two runs agree bit for bit.
+
+``--rings`` times only the dq kernel alone and the whole backward with deeper rings (64 heads per program, dS in
+registers: 64 x 2, 64 x 3, 32 x 4, 32 x 6), at four shapes.
 
 Correctness against float64 is the GPU test's (``tests/gpu/test_dsa_triton_gpu.py -k dq128``).
 """
@@ -38,6 +41,8 @@ from longtrain.dsa.triton import sparse_mla_bwd_plan as bwd_plan  # noqa: E402
 NARROW = (64, 2, 64, False)
 VARIANTS_64 = (NARROW, (64, 2, 64, True), (32, 4, 64, True))
 VARIANTS_128 = (*VARIANTS_64, (64, 2, 128, True), (64, 3, 128, True), (64, 4, 128, True), (64, 4, 128, False))
+# --rings: deeper rings of 64 heads per program with dS in registers (64 x 3: 224 KiB).
+RINGS = (NARROW, (64, 3, 64, False), (32, 4, 64, False), (32, 6, 64, False))
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -52,7 +57,7 @@ def _name(v: tuple) -> str:
     return f"{v[2]} heads/program, {v[0]} slots x {v[1]} tiles, dS {'in the ring' if v[3] else 'in registers'}"
 
 
-def _dq_alone(rows: list[dict], shape: str, kv, idx, length, heads: int, flops_dq: float) -> None:
+def _dq_alone(rows: list[dict], shape: str, kv, idx, length, heads: int, flops_dq: float, variants) -> None:
     from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sparse_mla_bwd_sm90_kernel_dq
 
     total, k_slots = idx.shape
@@ -60,7 +65,7 @@ def _dq_alone(rows: list[dict], shape: str, kv, idx, length, heads: int, flops_d
     ds = (torch.randn((total, heads, k_slots), generator=gen, device=kv.device) * 0.05).to(kv.dtype)
     kv2d = kv.view(kv.shape[0], -1)
     ref = None
-    for v in VARIANTS_128 if heads % 128 == 0 else VARIANTS_64:
+    for v in variants:
         dq = torch.full((total, heads, D_QK), float("nan"), dtype=kv.dtype, device=kv.device)
         programs = triton.cdiv(heads, v[2]) * (v[2] // 64)
 
@@ -81,7 +86,8 @@ def _dq_alone(rows: list[dict], shape: str, kv, idx, length, heads: int, flops_d
         rows.append(row)
 
 
-def _case(rows: list[dict], total: int, heads: int, topk: int, budgets: tuple[int, ...]) -> None:
+def _case(rows: list[dict], total: int, heads: int, topk: int, budgets: tuple[int, ...], rings: bool = False
+          ) -> None:  # fmt: skip
     dev = torch.device("cuda")
     idx, length, _, _ = causal_index_sets([total], topk, dev)
     valid = int(length.sum())
@@ -90,12 +96,13 @@ def _case(rows: list[dict], total: int, heads: int, topk: int, budgets: tuple[in
     q, kv = mla_inputs(total, heads, dev)
     out, lse = run_fwd(q, kv, idx, length, None)
     dout = torch.randn_like(out)
-    _dq_alone(rows, shape, kv, idx, length, heads, 2 * valid * heads * D_QK)
+    variants = RINGS if rings else VARIANTS_128 if heads % 128 == 0 else VARIANTS_64
+    _dq_alone(rows, shape, kv, idx, length, heads, 2 * valid * heads * D_QK, variants)
     default_ring = bwd_plan.SM90_DQ_DS_SMEM
     bwd_plan.SM90_DQ_DS_SMEM = False
     ref = run_bwd(q, kv, out, dout, lse, idx, length, cfgs=(None, _dq_cfg(NARROW), None))
     bwd_plan.SM90_DQ_DS_SMEM = default_ring
-    for v in VARIANTS_128 if heads % 128 == 0 else VARIANTS_64:
+    for v in variants:
         cfgs = (None, _dq_cfg(v), None)
         row = dict(part="backward", shape=shape, variant="dq " + _name(v))
         bwd_plan.SM90_DQ_DS_SMEM = v[3]
@@ -154,14 +161,23 @@ def _deterministic(rows: list[dict], chunk_rows: tuple[int, ...], total: int = 4
         print(rows[-1], flush=True)
 
 
-def main(out_dir: Path, quick: bool) -> None:
+def main(out_dir: Path, quick: bool, rings: bool) -> None:
     rows: list[dict] = []
     budgets = (1 << 29, 1 << 30, 1 << 31)
+    if rings:
+        for total, heads, topk in ((4096, 128, 512), (16384, 64, 2048), (4096, 64, 2048), (16384, 128, 2048)):
+            _case(rows, total, heads, topk, (), rings=True)
+        _write(rows, out_dir)
+        return
     _case(rows, 4096, 128, 512, budgets)
     _case(rows, 16384, 128, 2048, budgets if not quick else (1 << 29,))
     _case(rows, 4096, 64, 2048, budgets)
     _case(rows, 16384, 64, 2048, budgets if not quick else (1 << 29,))
     _deterministic(rows, (0, 132, 264, 396))
+    _write(rows, out_dir)
+
+
+def _write(rows: list[dict], out_dir: Path) -> None:
     write_report(
         "dsa_bwd_dq", rows, ["part", "shape", "variant", "ms", "p20", "p80", "tflops", "dq_rel", "dkv_rel", "finite",
                              "repeat_equal", "note"],
@@ -170,7 +186,8 @@ def main(out_dir: Path, quick: bool) -> None:
         "probabilities + dkv, dq). triton.testing.do_bench median with 20th/80th percentiles. dq_rel / dkv_rel: "
         "largest difference from the 64-heads-per-program dq kernel's run, relative to its largest element. chunk: "
         "PDS_SCRATCH_BYTES sets rows per chunk as budget / (4 H K). repeat_equal: a second run equal bit for bit. "
-        "Reproduce: `python benchmarks/dsa_bwd_dq.py`.",
+        f"Reproduce: `python benchmarks/dsa_bwd_dq.py{' --quick' if '--quick' in sys.argv else ''}"
+        f"{' --rings' if '--rings' in sys.argv else ''}`.",
         out_dir=out_dir, title="Sparse MLA backward: the SM90 dq kernel's heads per program, row chunks",
     )  # fmt: skip
 
@@ -179,5 +196,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--quick", action="store_true", help="one chunk budget at T = 16384")
+    parser.add_argument("--rings", action="store_true", help="only deeper rings of the dq kernel, four shapes")
     args = parser.parse_args()
-    main(args.out_dir, args.quick)
+    main(args.out_dir, args.quick, args.rings)

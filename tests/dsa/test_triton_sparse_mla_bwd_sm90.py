@@ -183,12 +183,13 @@ def test_sm90_fused_kernel_compiles_for_hopper(H, d_qk, deterministic):
         (None, 64, 576, "it needs at least 64 heads", None),  # off the SM90 rules: the portable kernel
         (KernelConfig(), 64, 576, None, None),  # impl="triton" forces the portable kernel
         (KernelConfig(impl="sm90", block_k=32, num_stages=4), 64, 576, None, (32, 4, 64)),
-        (KernelConfig(impl="sm90", block_k=64, num_stages=3), 64, 576, None, "exceed the 227 KiB"),
+        (KernelConfig(impl="sm90", block_k=64, num_stages=3), 64, 576, None, (64, 3, 64)),  # 224 KiB, dS in registers
+        (KernelConfig(impl="sm90", block_k=64, num_stages=4), 64, 576, None, "exceed the 227 KiB"),
         (KernelConfig(impl="sm90", block_k=16, num_stages=2), 64, 576, None, "64 or 32 slots per step"),
         (KernelConfig(impl="sm90"), 64, 576, "it needs at least 64 heads", r"dq KernelConfig.*64 heads.*impl='triton'"),
         (KernelConfig(impl="sm90", num_stages=3, block_h=128), 128, 576, None, (64, 3, 128)),
         (KernelConfig(impl="sm90", num_stages=4, block_h=128), 256, 576, None, (64, 4, 128)),
-        (KernelConfig(impl="sm90", num_stages=5, block_h=128), 128, 576, None, "exceed the 227 KiB"),
+        (KernelConfig(impl="sm90", num_stages=6, block_h=128), 128, 576, None, "exceed the 227 KiB"),
         (KernelConfig(impl="sm90", block_h=128), 64, 576, None, "block_h=128 needs a multiple of 128 heads, got H=64"),
         (KernelConfig(impl="sm90", block_h=32), 64, 576, None, "64 or 128 heads per program"),
     ],
@@ -200,11 +201,12 @@ def test_sm90_fused_kernel_compiles_for_hopper(H, d_qk, deterministic):
         "triton",
         "32x4",
         "64x3",
+        "64x4",
         "bad-block",
         "heads",
         "wide-64x3",
         "wide-H256-64x4",
-        "wide-64x5",
+        "wide-64x6",
         "wide-H64",
         "block_h-32",
     ],  # fmt: skip
@@ -220,6 +222,21 @@ def test_sm90_dq_plan(monkeypatch, config, H, D, reason, expected):
             plan.sm90_dq_plan(_fake_q(H=H, D=D), 512, config)
     else:
         assert plan.sm90_dq_plan(_fake_q(H=H, D=D), 512, config) == expected
+
+
+def test_sm90_dq_plan_budgets_the_ds_ring_when_it_is_on(monkeypatch):
+    """With ``SM90_DQ_DS_SMEM`` each tile's dS rides in the ring: a 64 x 3 ring of 64 heads (224 KiB with dS in
+    registers) then needs 240 KiB and is refused."""
+    from longtrain.dsa.triton import sparse_mla_bwd_plan as plan
+    from longtrain.dsa.triton import sparse_mla_fwd_sm90 as sm90
+
+    monkeypatch.setattr(plan, "interpreting", lambda: False)
+    monkeypatch.setattr(sm90, "sm90_unsupported_reason", lambda q, d_v: None)
+    ring = KernelConfig(impl="sm90", block_k=64, num_stages=3)
+    assert plan.sm90_dq_plan(_fake_q(H=64), 512, ring) == (64, 3, 64)
+    monkeypatch.setattr(plan, "SM90_DQ_DS_SMEM", True)
+    with pytest.raises(RuntimeError, match="exceed the 227 KiB"):
+        plan.sm90_dq_plan(_fake_q(H=64), 512, ring)
 
 
 def test_sm90_dq_default_heads_follow_the_module_setting(monkeypatch):

@@ -334,6 +334,31 @@ def test_sm90_dq_ds_ring_equals_ds_in_registers(monkeypatch, H, K, dq):
 
 
 @_SM90
+@pytest.mark.parametrize("H,K", [(64, 512), (128, 1000), (96, 300)], ids=["64", "H128-K1000", "H96-K300"])
+def test_sm90_dq_deeper_rings_equal_64x2(H, K):
+    """The SM90 dq kernel with a deeper ring of gathered tiles gives dq equal bit for bit to the shallower ring of the
+    same tile (64 x 3, 224 KiB with dS in registers, against 64 x 2; 32 x 6 against 32 x 4, which the parity tests
+    check against float64): the same wgmmas, their tiles fetched earlier; dkv is untouched."""
+    from longtrain.dsa.triton import sparse_mla_triton
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(H + K + 13)
+    q = torch.randn((96, H, 576), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
+    kv = torch.randn((2048, 1, 576), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
+    idx, length = _index_sets(96, 2048, K, gen, dev)
+    dout = torch.randn((96, H, 512), generator=gen, device=dev).to(torch.bfloat16)
+    grads = {}
+    for ring in ((64, 2), (64, 3), (32, 4), (32, 6)):
+        config = _configs(("sm90", 64, 2), "ws", ring)
+        out = sparse_mla_triton(q, kv, idx, 192**-0.5, d_v=512, topk_length=length, config=config)
+        grads[ring] = torch.autograd.grad(out, (q, kv), dout)
+    for deep, shallow in (((64, 3), (64, 2)), ((32, 6), (32, 4))):
+        assert torch.isfinite(grads[deep][0]).all()
+        assert torch.equal(grads[deep][0], grads[shallow][0])
+        torch.testing.assert_close(grads[deep][1].float(), grads[shallow][1].float(), rtol=2**-7, atol=2**-7)
+
+
+@_SM90
 def test_forced_sm90_refuses_unsupported_shapes():
     from longtrain.dsa.triton import KernelConfig, sparse_mla_triton
 
