@@ -101,9 +101,11 @@ WS_PREFETCH_IDX = True
 # item pid and then each next item from a counter the launch zeroes. A program hides the boundaries between its items
 # (the next item's queries and first tiles load under the current item's end). Persistent programs deal the items
 # statically, so one whose SM is held by another stream's kernel (e.g. NCCL's, under FSDP) runs its whole share late;
-# runs and dynamic programs do not. Runs of 4 are the default: as fast as the others alone and as safe as dynamic
-# programs beside a busy kernel, without a counter to zero (benchmarks/results/dsa_fwd_persistent_41fe22c_h100_...,
-# ..._0c281ac_..., dsa_fwd_dynamic_3a713d5_h100_2026-12-06.md; README). Both read at each launch.
+# runs and dynamic programs do not. Runs of 4 are the default: on H100s as fast as the others alone and as safe as
+# dynamic programs beside a busy kernel, without a counter to zero (benchmarks/results/dsa_fwd_persistent_41fe22c_
+# h100_..., ..._0c281ac_..., dsa_fwd_dynamic_3a713d5_h100_2026-12-06.md); on the H200 the fastest at H = 64, with
+# persistent programs 1-3 % faster at H = 128 (dsa_fwd_schedules_6cb8ebc_h200_2026-12-06.md; README). Both read at
+# each launch.
 WS_SCHEDULE = "runs"
 WS_SCHEDULES = ("runs", "persistent", "dynamic")
 WS_RUN = 4
