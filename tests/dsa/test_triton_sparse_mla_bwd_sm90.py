@@ -437,3 +437,50 @@ def test_lse_only_preprocess_and_the_sink_gradient_from_a_kernels_delta(triton_i
     if with_sink:
         # fp32 terms summed over 5 rows in two orders.
         torch.testing.assert_close(sink_grad(sink, lse2, delta), dsink_rows.sum(0))
+
+
+@pytest.mark.skipif(cuobjdump() is None, reason="needs triton with its bundled NVIDIA toolchain (ptxas, cuobjdump)")
+@pytest.mark.parametrize(
+    "H,d_v,d_r", [(64, 512, 64), (128, 512, 64), (64, 512, 0), (96, 256, 64)], ids=["glm", "H128", "no-rope", "dv256"]
+)
+def test_warp_specialized_dq_kernel_compiles_for_hopper(H, d_v, d_r):
+    """The warp-specialized dq kernel compiled for sm_90a: three partitions at their register budgets (setmaxnreg),
+    cp.async + wgmma, no spills, no serialized wgmma (ptxas C7510-C7520: at the budgets (152, 96) the left consumer's
+    were), shared memory within what ``dq_ws_smem_bytes`` counts."""
+    from longtrain.dsa.triton.sparse_mla_bwd_sm90_dq_ws import (
+        DQ_WS_MAXNREG,
+        DQ_WS_NUM_REGS,
+        DQ_WS_RING,
+        dq_ws_smem_bytes,
+    )
+
+    types = ["*bf16", "*i32", "*i32", "*bf16", "*bf16", "i32", "i32", "i32"]
+    consts = dict(H=H, D_V=d_v, D_R=d_r, HAS_LEN=True, BLOCK_K=DQ_WS_RING[0], NUM_BUF=DQ_WS_RING[1],
+                  REGS_LEFT=DQ_WS_NUM_REGS[0], REGS_PRODUCER=DQ_WS_NUM_REGS[1])  # fmt: skip
+    stats = compile_sm90("longtrain.dsa.triton.sparse_mla_bwd_sm90_dq_ws", "sparse_mla_bwd_sm90_dq_ws_kernel", types,
+                         consts, num_warps=4, maxnreg=DQ_WS_MAXNREG)  # fmt: skip
+    assert stats["cp_async"] and stats["wgmma"], stats
+    assert stats["stack"] == 0 and stats["local"] == 0, stats
+    assert stats["wgmma_serialized"] == [], stats
+    assert set(DQ_WS_NUM_REGS) <= set(stats["setmaxnreg"]), stats
+    assert stats["shared"] <= dq_ws_smem_bytes(*DQ_WS_RING, d_v + d_r, 2) <= 232448, stats
+
+
+def test_warp_specialized_dq_rules_and_routing(monkeypatch):
+    """Where the warp-specialized dq kernel applies (``dq_ws_unsupported_reason``) and when the default launch takes
+    it (``SM90_DQ_WS``, 64 heads per program planned)."""
+    from longtrain.dsa.triton import sparse_mla_bwd_plan as plan
+    from longtrain.dsa.triton.sparse_mla_bwd_sm90_dq_ws import dq_ws_unsupported_reason
+
+    assert dq_ws_unsupported_reason(64, 576, 512) is None
+    assert dq_ws_unsupported_reason(128, 512, 512) is None
+    assert "two halves of 64..256" in dq_ws_unsupported_reason(64, 640, 576)
+    assert "two halves of 64..256" in dq_ws_unsupported_reason(64, 1088, 1024)
+    assert "rope tail" in dq_ws_unsupported_reason(64, 520, 512)
+    assert "at least 64 heads" in dq_ws_unsupported_reason(32, 576, 512)
+    assert plan.SM90_DQ_WS is False
+    assert not plan.sm90_dq_ws_applies(64, 576, 512, (64, 2, 64))
+    monkeypatch.setattr(plan, "SM90_DQ_WS", True)
+    assert plan.sm90_dq_ws_applies(64, 576, 512, (64, 2, 64))
+    assert not plan.sm90_dq_ws_applies(128, 576, 512, (64, 2, 128))  # 128 heads per program: the lockstep kernel
+    assert not plan.sm90_dq_ws_applies(64, 520, 512, (64, 2, 64))

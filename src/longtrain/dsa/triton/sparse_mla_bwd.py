@@ -41,7 +41,7 @@ import triton.language as tl
 
 from longtrain.dsa.triton import sparse_mla_bwd_plan as bwd_plan
 from longtrain.dsa.triton._common import KernelConfig, dot_precision, interpreting, next_pow2, sm_count
-from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_backward_plan, sm90_dq_plan
+from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_backward_plan, sm90_dq_plan, sm90_dq_ws_applies
 from longtrain.dsa.triton.sparse_mla_fwd import LOG2E, _row_col_mask, fwd_block_h
 
 __all__ = [
@@ -498,6 +498,7 @@ def sparse_mla_bwd(
         WITH_DELTA=not ws_delta, num_warps=4 if block_h_all * next_pow2(d_v) <= 8192 else 8,
     )  # fmt: skip
     dq_sm90 = sm90_dq_plan(q, d_v, configs[1])
+    dq_ws = dq_sm90 is not None and configs[1] is None and sm90_dq_ws_applies(num_heads, d_qk, d_v, dq_sm90)
     if interpreting():
         configs = tuple(c or KernelConfig(block_k=16, num_warps=4, num_stages=1) for c in configs)
     cfg_ds, cfg_dq, cfg_dkv = configs
@@ -570,11 +571,21 @@ def sparse_mla_bwd(
             dq_block_k, dq_num_buf, dq_heads = dq_sm90
             # 128 heads per program: two programs per block of heads, each half of the columns.
             dq_programs = triton.cdiv(num_heads, dq_heads) * (dq_heads // 64)
-            sparse_mla_bwd_sm90_kernel_dq[(rows * dq_programs,)](
-                kv2d, *common, ds_buf, dq, row0, num_keys, k_slots, H=num_heads, D_V=d_v, D_R=d_r,
-                HAS_LEN=topk_length is not None, BLOCK_K=dq_block_k, NUM_BUF=dq_num_buf, HEADS=dq_heads,
-                DS_SMEM=bwd_plan.SM90_DQ_DS_SMEM and k_slots % 8 == 0, num_warps=8,
-            )  # fmt: skip
+            if dq_ws:
+                from longtrain.dsa.triton import sparse_mla_bwd_sm90_dq_ws as dqw
+
+                dqw.sparse_mla_bwd_sm90_dq_ws_kernel[(rows * dq_programs,)](
+                    kv2d, *common, ds_buf, dq, row0, num_keys, k_slots, H=num_heads, D_V=d_v, D_R=d_r,
+                    HAS_LEN=topk_length is not None, BLOCK_K=dqw.DQ_WS_RING[0], NUM_BUF=dqw.DQ_WS_RING[1],
+                    REGS_LEFT=dqw.DQ_WS_NUM_REGS[0], REGS_PRODUCER=dqw.DQ_WS_NUM_REGS[1], num_warps=4,
+                    maxnreg=dqw.DQ_WS_MAXNREG,
+                )  # fmt: skip
+            else:
+                sparse_mla_bwd_sm90_kernel_dq[(rows * dq_programs,)](
+                    kv2d, *common, ds_buf, dq, row0, num_keys, k_slots, H=num_heads, D_V=d_v, D_R=d_r,
+                    HAS_LEN=topk_length is not None, BLOCK_K=dq_block_k, NUM_BUF=dq_num_buf, HEADS=dq_heads,
+                    DS_SMEM=bwd_plan.SM90_DQ_DS_SMEM and k_slots % 8 == 0, num_warps=8,
+                )  # fmt: skip
         else:
             _launch(
                 "dq", sparse_mla_bwd_kernel_dq, _DQ_CANDIDATES, (rows * n_hb[1],),
