@@ -119,6 +119,9 @@ def _consume(args, sm, C0: gl.constexpr, WIDTH: gl.constexpr, ROPE: gl.constexpr
         phase = (i // NUM_BUF) & 1
         mbarrier.wait(ready.index(b), phase)
         mbarrier.wait(ds_ready.index(b), phase)
+        # The rows came by cp.async (the generic proxy): order them before the wgmma's reads (the async proxy), as
+        # the forward's softmax warpgroup does; dS was fenced by the producer after its store.
+        fence_async_shared()
         acc = warpgroup_mma(ds_bufs.index(b), kv_bufs.index(b).slice(C0, WIDTH, dim=1), acc, is_async=True)
         if ROPE:
             acc_r = warpgroup_mma(ds_bufs.index(b), kt_bufs.index(b), acc_r, is_async=True)  # [64, D_R]
