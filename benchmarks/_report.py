@@ -15,12 +15,20 @@ if str(_SRC) not in sys.path:
     sys.path.insert(0, str(_SRC))
 
 try:
-    from longtrain.bench_suites.report import RESULTS_DIR, checkout_root, fmt, machine_header, write_report
+    from longtrain.bench_suites.report import (
+        RESULTS_DIR,
+        checkout_root,
+        fmt,
+        machine_header,
+        reproduce_args,
+        write_report,
+    )
 except ImportError:  # longtrain already imported from a tree without bench_suites (dsa_overhead.py --src OLD)
     _spec = importlib.util.spec_from_file_location("_longtrain_bench_report", _SRC / "longtrain/bench_suites/report.py")
     _module = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(_module)
     RESULTS_DIR, checkout_root, fmt = _module.RESULTS_DIR, _module.checkout_root, _module.fmt
     machine_header, write_report = _module.machine_header, _module.write_report
+    reproduce_args = _module.reproduce_args
 
-__all__ = ["RESULTS_DIR", "checkout_root", "fmt", "machine_header", "write_report"]
+__all__ = ["RESULTS_DIR", "checkout_root", "fmt", "machine_header", "reproduce_args", "write_report"]

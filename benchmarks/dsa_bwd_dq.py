@@ -31,7 +31,7 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import RESULTS_DIR, write_report  # noqa: E402
+from _report import RESULTS_DIR, reproduce_args, write_report  # noqa: E402
 from longtrain.bench_suites.dsa import D_QK, D_V, bench, causal_index_sets, mla_inputs, run_bwd, run_fwd  # noqa: E402
 from longtrain.dsa.triton import KernelConfig  # noqa: E402
 from longtrain.dsa.triton import sparse_mla_bwd as smb  # noqa: E402
@@ -246,8 +246,7 @@ def _write(rows: list[dict], out_dir: Path) -> None:
         "probabilities + dkv, dq). triton.testing.do_bench median with 20th/80th percentiles. dq_rel / dkv_rel: "
         "largest difference from the 64-heads-per-program dq kernel's run, relative to its largest element. chunk: "
         "PDS_SCRATCH_BYTES sets rows per chunk as budget / (4 H K). repeat_equal: a second run equal bit for bit. "
-        f"Reproduce: `python benchmarks/dsa_bwd_dq.py{' --quick' if '--quick' in sys.argv else ''}"
-        f"{' --rings' if '--rings' in sys.argv else ''}{' --ws' if '--ws' in sys.argv else ''}`.",
+        f"Reproduce: `python benchmarks/dsa_bwd_dq.py {reproduce_args()}`.",
         out_dir=out_dir, title="Sparse MLA backward: the SM90 dq kernel's heads per program, row chunks",
     )  # fmt: skip
 

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import RESULTS_DIR, write_report  # noqa: E402
+from _report import RESULTS_DIR, reproduce_args, write_report  # noqa: E402
 from longtrain.bench_suites.dsa import D_QK, D_V, bench, causal_index_sets, mla_inputs, run_fwd  # noqa: E402
 from longtrain.dsa.triton import sparse_mla_fwd as fwd_mod  # noqa: E402
 from longtrain.dsa.triton import sparse_mla_fwd_sm90_ws as ws  # noqa: E402
@@ -136,17 +136,6 @@ def memcheck() -> None:
                     print("memcheck case", heads, name, with_len, cfg is not None, bool(out.isfinite().all()))
 
 
-def _args_without_out_dir() -> str:
-    """This run's command-line arguments, less ``--out-dir DIR`` (a path on the machine that ran it)."""
-    args, skip = [], False
-    for a in sys.argv[1:]:
-        if skip or a == "--out-dir" or a.startswith("--out-dir="):
-            skip = a == "--out-dir"
-            continue
-        args.append(a)
-    return " ".join(args)
-
-
 def main(out_dir: Path, baseline: Path | None, cases, rounds: int, regs: tuple[int, int] | None, runs: list[int],
          contention: tuple[int, float] | None) -> None:  # fmt: skip
     baseline_launch = _baseline_launcher(baseline) if baseline is not None else None
@@ -198,7 +187,7 @@ def main(out_dir: Path, baseline: Path | None, cases, rounds: int, regs: tuple[i
         "variant's output. other_stream: rows timed (CUDA events, launch to end, 10 repetitions) while a kernel whose "
         "programs each hold one SM for that long runs on another stream, launched just before the forward, as the NCCL "
         "kernels of an overlapped all-gather do; the last row is that kernel alone. Reproduce: `python "
-        f"benchmarks/dsa_fwd_persistent.py {_args_without_out_dir()}`.",
+        f"benchmarks/dsa_fwd_persistent.py {reproduce_args()}`.",
         out_dir=out_dir, title="Sparse MLA forward: schedules of the warp-specialized programs",
     )  # fmt: skip
 

@@ -114,3 +114,12 @@ def test_bench_report_on_a_committed_run(tmp_path):
     assert "Ours against the best other backend" in first and first.count("x**") == 4  # 2 layouts x fwd/bwd
     assert "FA3 varlen causal-document" in text
     assert png is not None and png.stat().st_size > 20000
+
+
+def test_reproduce_args_drop_the_machine_local_out_dir():
+    """A report's reproduce line keeps a script's arguments but not ``--out-dir DIR`` (a path on the GPU machine)."""
+    from longtrain.bench_suites.report import reproduce_args
+
+    argv = ["--rounds", "2", "--out-dir", "/root/out/s", "--case", "16384,64,2048", "--out-dir=/x", "--ws"]
+    assert reproduce_args(argv) == "--rounds 2 --case 16384,64,2048 --ws"
+    assert reproduce_args([]) == ""

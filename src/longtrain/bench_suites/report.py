@@ -17,6 +17,8 @@ API (``from longtrain.bench_suites.report import machine_header, write_report``;
 - ``RESULTS_DIR``: the checkout's ``benchmarks/results``; outside a checkout, ``benchmarks/results`` under the
   working directory.
 - ``fmt(value) -> str``: the cell formatter, for scripts that print tables themselves.
+- ``reproduce_args(argv=None) -> str``: a script's command-line arguments (``sys.argv[1:]`` by default) without
+  ``--out-dir DIR`` (a path on the machine that ran it), for a report's reproduce line.
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ import json
 import os
 import platform
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RESULTS_DIR", "checkout_root", "fmt", "machine_header", "write_report"]
+__all__ = ["RESULTS_DIR", "checkout_root", "fmt", "machine_header", "reproduce_args", "write_report"]
 
 
 def checkout_root() -> Path | None:
@@ -92,6 +95,17 @@ def machine_header() -> dict[str, str]:
     head["date"] = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     order = ("gpu", "sm", "driver", "cuda", "torch", "triton", "cudnn", "python", "commit", "date")
     return {k: head.get(k, "n/a") for k in order}
+
+
+def reproduce_args(argv: list[str] | None = None) -> str:
+    """``argv`` (``sys.argv[1:]``) joined, less ``--out-dir DIR`` / ``--out-dir=DIR``."""
+    args, skip = [], False
+    for a in sys.argv[1:] if argv is None else argv:
+        if skip or a == "--out-dir" or a.startswith("--out-dir="):
+            skip = a == "--out-dir"
+            continue
+        args.append(a)
+    return " ".join(args)
 
 
 def fmt(value: Any) -> str:
