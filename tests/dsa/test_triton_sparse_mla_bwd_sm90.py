@@ -363,9 +363,9 @@ def test_smem_budget_of_the_warp_specialized_backward():
 @pytest.mark.skipif(cuobjdump() is None, reason="needs triton with its bundled NVIDIA toolchain (ptxas, cuobjdump)")
 @pytest.mark.parametrize(
     "H,d_qk,d_v,deterministic,prefetch",
-    [(64, 576, 512, False, True), (64, 576, 512, False, False), (128, 512, 512, False, True),
-     (64, 576, 512, True, True), (64, 320, 256, False, True), (64, 384, 256, False, True)],
-    ids=["glm", "glm-indices-after-wait", "H128-D512", "det", "dv256", "rope128"],
+    [(64, 576, 512, 0, True), (64, 576, 512, 0, False), (128, 512, 512, 0, True), (64, 576, 512, 1, True),
+     (64, 576, 512, 2, True), (64, 320, 256, 0, True), (64, 384, 256, 0, True)],
+    ids=["glm", "glm-indices-after-wait", "H128-D512", "det", "det-fixed-point", "dv256", "rope128"],
 )  # fmt: skip
 def test_warp_specialized_backward_compiles_for_hopper(H, d_qk, d_v, deterministic, prefetch):
     """The warp-specialized fused kernel compiled for sm_90a: cp.async + wgmma, shared memory within the budget (the
@@ -374,7 +374,8 @@ def test_warp_specialized_backward_compiles_for_hopper(H, d_qk, d_v, determinist
     from longtrain.dsa.triton import sparse_mla_bwd_sm90_ws as ws
     from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_ws_bwd_smem_bytes
 
-    types = _TYPES[:3] + ["*bf16"] + _TYPES[3:8] + ["*fp32"] + _TYPES[9:] + ["fp32", "fp32"]  # q kv dO O idx ...
+    dkv = "*i64" if deterministic == 2 else "*fp32"
+    types = _TYPES[:3] + ["*bf16"] + _TYPES[3:8] + [dkv, "*fp32"] + _TYPES[9:] + ["fp32", "fp32"]  # q kv dO O idx ...
     consts = dict(H=H, D_V=d_v, D_R=d_qk - d_v, HAS_LEN=True, DETERMINISTIC=deterministic, PREFETCH_IDX=prefetch,
                   REGS_PROB=ws.WS_BWD_NUM_REGS[0], REGS_PRODUCER=ws.WS_BWD_NUM_REGS[1])  # fmt: skip
     stats = compile_sm90("longtrain.dsa.triton.sparse_mla_bwd_sm90_ws", "sparse_mla_bwd_sm90_ws_kernel", types, consts,

@@ -477,11 +477,15 @@ def test_sparse_mla_deterministic_bitwise():
 
 
 @_SM90
+@pytest.mark.parametrize("fixed_point", [False, True], ids=["scratch", "fixed-point"])
 @pytest.mark.parametrize("H", [64, 128])
-def test_sparse_mla_bwd_ws_deterministic_bitwise(H):
+def test_sparse_mla_bwd_ws_deterministic_bitwise(monkeypatch, H, fixed_point):
     """The warp-specialized backward in deterministic mode: two runs equal bit for bit, and dkv equal to the atomic
     mode's up to the order of its fp32 sums; dq equal bit for bit (the same dS either way)."""
     from longtrain.dsa.triton import KernelConfig, SparseMLAConfig, sparse_mla_triton
+    from longtrain.dsa.triton import sparse_mla_bwd as smb
+
+    monkeypatch.setattr(smb, "DETERMINISTIC_FIXED_POINT", fixed_point)
 
     q, kv, idx, length, dout = _deterministic_case(64, H, seed=9)
     ws = KernelConfig(impl="sm90", layout="warp_specialized", num_warps=4, block_k=64, num_stages=1)

@@ -1,0 +1,100 @@
+"""The sparse MLA backward's deterministic mode against the default (CUDA).
+
+``python benchmarks/dsa_bwd_deterministic.py [--out-dir DIR] [--case T,H,K ...]`` writes
+``dsa_bwd_deterministic_<date>.md``: per shape (one document, random causal index sets as in ``dsa.py``, GLM-5.2
+dims) the backward at the defaults (fp32 atomics), the deterministic mode with the per-slot scratch (its default
+size and 2 GiB) and the deterministic mode in 64-bit fixed point (``sparse_mla_bwd.DETERMINISTIC_FIXED_POINT``),
+each with its time relative to the default's, whether two runs agree bit for bit, and the largest difference of its
+dq and dkv from the default's relative to their largest element. Correctness against float64 is the GPU tests'
+(``tests/gpu/test_dsa_triton_gpu.py -k deterministic``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import RESULTS_DIR, reproduce_args, write_report  # noqa: E402
+from longtrain.bench_suites.dsa import D_QK, D_V, bench, causal_index_sets, mla_inputs, run_bwd, run_fwd  # noqa: E402
+from longtrain.dsa.triton import sparse_mla_bwd as smb  # noqa: E402
+
+CASES = ((16384, 64, 2048), (4096, 128, 512), (4096, 64, 2048), (16384, 128, 2048))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+
+
+def _variants() -> dict[str, tuple[bool, dict]]:
+    """name: (deterministic, module settings of ``sparse_mla_bwd`` for the run)."""
+    return {
+        "default (fp32 atomics)": (False, {}),
+        "deterministic, per-slot scratch (default size)": (True, {"DETERMINISTIC_FIXED_POINT": False}),
+        "deterministic, per-slot scratch 2 GiB": (
+            True,
+            {"DETERMINISTIC_FIXED_POINT": False, "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 29},
+        ),
+        "deterministic, 64-bit fixed point": (True, {"DETERMINISTIC_FIXED_POINT": True}),
+    }
+
+
+def _case(rows: list[dict], total: int, heads: int, topk: int) -> None:
+    dev = torch.device("cuda")
+    idx, length, _, _ = causal_index_sets([total], topk, dev)
+    flops = 2 * int(length.sum()) * heads * (3 * D_QK + 2 * D_V)
+    q, kv = mla_inputs(total, heads, dev)
+    out, lse = run_fwd(q, kv, idx, length, None)
+    dout = torch.randn_like(out)
+    shape = f"T={total} H={heads} K={topk} 1doc"
+    base = None
+    for name, (det, settings) in _variants().items():
+        saved = {k: getattr(smb, k) for k in settings}
+        row = dict(shape=shape, variant=name)
+        try:
+            for k, v in settings.items():
+                setattr(smb, k, v)
+            a = run_bwd(q, kv, out, dout, lse, idx, length, deterministic=det)
+            b = run_bwd(q, kv, out, dout, lse, idx, length, deterministic=det)
+            ms = bench(lambda det=det: run_bwd(q, kv, out, dout, lse, idx, length, deterministic=det), rep_ms=300)
+            base = (a, ms[0]) if base is None else base
+            row.update(ms=ms[0], p20=ms[1], p80=ms[2], tflops=flops / ms[0] / 1e9, of_default=base[1] / ms[0],
+                       repeat_equal=bool(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])),
+                       dq_rel=_rel(a[0], base[0][0]), dkv_rel=_rel(a[1], base[0][1]),
+                       finite=bool(torch.isfinite(a[1]).all()))  # fmt: skip
+        except Exception as exc:  # a variant that fails is a row, not a stop
+            row.update(note=f"{type(exc).__name__}: {exc}"[:200])
+        finally:
+            for k, v in saved.items():
+                setattr(smb, k, v)
+        print(row, flush=True)
+        rows.append(row)
+
+
+def main(out_dir: Path, cases: list[tuple[int, int, int]]) -> None:
+    rows: list[dict] = []
+    for total, heads, topk in cases:
+        _case(rows, total, heads, topk)
+    write_report(
+        "dsa_bwd_deterministic", rows,
+        ["shape", "variant", "ms", "p20", "p80", "tflops", "of_default", "repeat_equal", "dq_rel", "dkv_rel",
+         "finite", "note"],
+        "Sparse MLA backward (bf16, one document, query t selects min(t+1, K) random causal keys), FLOPs "
+        "2 * valid * H * (3 * 576 + 2 * 512), the whole backward at the defaults. triton.testing.do_bench median with "
+        "20th/80th percentiles. of_default: the default's median over this one's. repeat_equal: a second run equal "
+        "bit for bit. dq_rel / dkv_rel: largest difference from the default's, relative to its largest element. "
+        f"Reproduce: `python benchmarks/dsa_bwd_deterministic.py {reproduce_args()}`.",
+        out_dir=out_dir, title="Sparse MLA backward: deterministic mode against the default",
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--case", action="append", default=None, help="T,H,K (repeatable); default: four shapes")
+    args = parser.parse_args()
+    chosen = [tuple(int(x) for x in c.split(",")) for c in args.case] if args.case else list(CASES)
+    main(args.out_dir, chosen)
