@@ -1,7 +1,7 @@
 """The sparse MLA backward's SM90 dq kernel at 64 and 128 heads per program, the row chunk and the deterministic
 chunk (CUDA; experiment).
 
-``python benchmarks/dsa_bwd_dq.py [--out-dir DIR] [--quick] [--rings] [--ws]`` writes ``dsa_bwd_dq_<date>.md``, one
+``python benchmarks/dsa_bwd_dq.py [--out-dir DIR] [--quick] [--rings] [--item-runs]`` writes ``dsa_bwd_dq_<date>.md``, one
 document, K slots per query (random causal index sets as in ``dsa.py``), GLM-5.2 / DeepSeek-V3.2 dims:
 
 * ``dq kernel``: the dq kernel alone on one chunk of every row (``dS`` random, as the backward stores it), 64 heads
@@ -14,8 +14,8 @@ document, K slots per query (random causal index sets as in ``dsa.py``), GLM-5.2
 * ``deterministic``: the deterministic backward at T = 4096, H = 64 with several per-slot scratch sizes (rows per
   chunk) and whether two runs agree bit for bit.
 
-``--ws`` times only the warp-specialized dq kernel (``sparse_mla_bwd_sm90_dq_ws.py``) against the lockstep one, alone
-and in the whole backward (``SM90_DQ_WS``), at four shapes. ``--rings`` times only the dq kernel alone and the whole
+``--item-runs`` times only the dq kernel over runs of items (``sparse_mla_bwd_sm90_dq_runs.py``) against the lockstep
+one, alone and in the whole backward (``SM90_DQ_RUN`` 1, 2, 4, 8), at four shapes. ``--rings`` times only the dq kernel alone and the whole
 backward with deeper rings (64 heads per program, dS in registers: 64 x 2, 64 x 3, 32 x 4, 32 x 6), at four shapes.
 
 Correctness against float64 is the GPU test's (``tests/gpu/test_dsa_triton_gpu.py -k dq128``).
@@ -162,10 +162,10 @@ def _deterministic(rows: list[dict], chunk_rows: tuple[int, ...], total: int = 4
         print(rows[-1], flush=True)
 
 
-def _ws_case(rows: list[dict], total: int, heads: int, topk: int) -> None:
-    """The warp-specialized dq kernel against the lockstep one (64 x 2, dS in registers): alone on one chunk of every
-    row, and in the whole backward at the defaults with ``SM90_DQ_WS`` off and on."""
-    from longtrain.dsa.triton import sparse_mla_bwd_sm90_dq_ws as dqw
+def _runs_case(rows: list[dict], total: int, heads: int, topk: int, runs: tuple[int, ...] = (1, 2, 4, 8)) -> None:
+    """The dq kernel over runs of items against the lockstep one (64 x 2, dS in registers, one program per item):
+    alone on one chunk of every row, and in the whole backward at the defaults with ``SM90_DQ_RUN`` at each run."""
+    from longtrain.dsa.triton import sparse_mla_bwd_sm90_dq_runs as dqr
     from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sparse_mla_bwd_sm90_kernel_dq
 
     dev = torch.device("cuda")
@@ -176,17 +176,16 @@ def _ws_case(rows: list[dict], total: int, heads: int, topk: int) -> None:
     kv2d = kv.view(kv.shape[0], -1)
     gen = torch.Generator(device=dev).manual_seed(1)
     ds = (torch.randn((total, heads, topk), generator=gen, device=dev) * 0.05).to(kv.dtype)
-    grid = (total * triton.cdiv(heads, 64),)
+    n_items = total * triton.cdiv(heads, 64)
     common = (kv2d, idx, length, ds)
     meta = dict(H=heads, D_V=D_V, D_R=D_QK - D_V, HAS_LEN=True)
-    ws_meta = dict(BLOCK_K=dqw.DQ_WS_RING[0], NUM_BUF=dqw.DQ_WS_RING[1], REGS_LEFT=dqw.DQ_WS_NUM_REGS[0],
-                   REGS_PRODUCER=dqw.DQ_WS_NUM_REGS[1], num_warps=4, maxnreg=dqw.DQ_WS_MAXNREG)  # fmt: skip
-    launches = {
-        "lockstep dq kernel, 64 x 2, dS in registers": lambda dq: sparse_mla_bwd_sm90_kernel_dq[grid](
-            *common, dq, 0, kv.shape[0], topk, **meta, BLOCK_K=64, NUM_BUF=2, HEADS=64, DS_SMEM=False, num_warps=8),
-        "warp-specialized dq kernel": lambda dq: dqw.sparse_mla_bwd_sm90_dq_ws_kernel[grid](
-            *common, dq, 0, kv.shape[0], topk, **meta, **ws_meta),
-    }  # fmt: skip
+    launches = {"lockstep dq kernel, 64 x 2, dS in registers": lambda dq: sparse_mla_bwd_sm90_kernel_dq[(n_items,)](
+        *common, dq, 0, kv.shape[0], topk, **meta, BLOCK_K=64, NUM_BUF=2, HEADS=64, DS_SMEM=False, num_warps=8)}
+    for run in runs[1:]:
+        launches[f"dq kernel over runs of {run} items"] = lambda dq, run=run: dqr.sparse_mla_bwd_sm90_dq_runs_kernel[
+            (triton.cdiv(n_items, run),)](*common, dq, 0, kv.shape[0], topk, n_items, **meta,
+                                          BLOCK_K=dqr.DQ_RUN_RING[0], RUN=run, num_warps=8)
+    # fmt: skip
     first = None
     for name, launch in launches.items():
         dq = torch.full((total, heads, D_QK), float("nan"), dtype=kv.dtype, device=dev)
@@ -202,26 +201,27 @@ def _ws_case(rows: list[dict], total: int, heads: int, topk: int) -> None:
     dout = torch.randn_like(out)
     flops = 2 * valid * heads * (3 * D_QK + 2 * D_V)
     ref = None
-    for ws in (False, True):
-        bwd_plan.SM90_DQ_WS = ws
+    default = bwd_plan.SM90_DQ_RUN
+    for run in runs:
+        bwd_plan.SM90_DQ_RUN = run
         try:
             dq, dkv, _ = run_bwd(q, kv, out, dout, lse, idx, length)
             ref = (dq, dkv) if ref is None else ref
             ms = bench(lambda: run_bwd(q, kv, out, dout, lse, idx, length), rep_ms=300)
         finally:
-            bwd_plan.SM90_DQ_WS = False
-        rows.append(dict(part="backward", shape=shape, variant=f"defaults, SM90_DQ_WS = {ws}", ms=ms[0], p20=ms[1],
+            bwd_plan.SM90_DQ_RUN = default
+        rows.append(dict(part="backward", shape=shape, variant=f"defaults, SM90_DQ_RUN = {run}", ms=ms[0], p20=ms[1],
                          p80=ms[2], tflops=flops / ms[0] / 1e9, dq_rel=_rel(dq, ref[0]),
                          dkv_rel=_rel(dkv, ref[1])))  # fmt: skip
         print(rows[-1], flush=True)
 
 
-def main(out_dir: Path, quick: bool, rings: bool, ws: bool = False) -> None:
+def main(out_dir: Path, quick: bool, rings: bool, item_runs: bool = False) -> None:
     rows: list[dict] = []
     budgets = (1 << 29, 1 << 30, 1 << 31)
-    if ws:
+    if item_runs:
         for total, heads, topk in ((4096, 128, 512), (16384, 64, 2048), (4096, 64, 2048), (16384, 128, 2048)):
-            _ws_case(rows, total, heads, topk)
+            _runs_case(rows, total, heads, topk)
         _write(rows, out_dir)
         return
     if rings:
@@ -256,6 +256,6 @@ if __name__ == "__main__":
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--quick", action="store_true", help="one chunk budget at T = 16384")
     parser.add_argument("--rings", action="store_true", help="only deeper rings of the dq kernel, four shapes")
-    parser.add_argument("--ws", action="store_true", help="only the warp-specialized dq kernel against the lockstep")
+    parser.add_argument("--item-runs", action="store_true", help="only the dq kernel over runs of items")
     args = parser.parse_args()
-    main(args.out_dir, args.quick, args.rings, args.ws)
+    main(args.out_dir, args.quick, args.rings, args.item_runs)

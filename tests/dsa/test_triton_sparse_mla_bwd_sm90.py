@@ -442,46 +442,38 @@ def test_lse_only_preprocess_and_the_sink_gradient_from_a_kernels_delta(triton_i
 
 @pytest.mark.skipif(cuobjdump() is None, reason="needs triton with its bundled NVIDIA toolchain (ptxas, cuobjdump)")
 @pytest.mark.parametrize(
-    "H,d_v,d_r", [(64, 512, 64), (128, 512, 64), (64, 512, 0), (96, 256, 64)], ids=["glm", "H128", "no-rope", "dv256"]
+    "H,d_v,d_r,has_len,run",
+    [(64, 512, 64, True, 4), (128, 512, 64, True, 4), (64, 512, 0, True, 2), (96, 256, 64, False, 8)],
+    ids=["glm", "H128", "no-rope", "dv256-no-len"],
 )
-def test_warp_specialized_dq_kernel_compiles_for_hopper(H, d_v, d_r):
-    """The warp-specialized dq kernel compiled for sm_90a: three partitions at their register budgets (setmaxnreg),
-    cp.async + wgmma, no spills, no serialized wgmma (ptxas C7510-C7520: at the budgets (152, 96) the left consumer's
-    were), shared memory within what ``dq_ws_smem_bytes`` counts."""
-    from longtrain.dsa.triton.sparse_mla_bwd_sm90_dq_ws import (
-        DQ_WS_MAXNREG,
-        DQ_WS_NUM_REGS,
-        DQ_WS_RING,
-        dq_ws_smem_bytes,
-    )
+def test_dq_runs_kernel_compiles_for_hopper(H, d_v, d_r, has_len, run):
+    """The dq kernel over runs of items compiled for sm_90a: cp.async + wgmma, no spills, no serialized wgmma, shared
+    memory that of the lockstep kernel's 64 x 2 ring (the ring is all it holds)."""
+    from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_dq_smem_bytes
+    from longtrain.dsa.triton.sparse_mla_bwd_sm90_dq_runs import DQ_RUN_RING
 
-    types = ["*bf16", "*i32", "*i32", "*bf16", "*bf16", "i32", "i32", "i32"]
-    consts = dict(H=H, D_V=d_v, D_R=d_r, HAS_LEN=True, BLOCK_K=DQ_WS_RING[0], NUM_BUF=DQ_WS_RING[1],
-                  REGS_LEFT=DQ_WS_NUM_REGS[0], REGS_PRODUCER=DQ_WS_NUM_REGS[1])  # fmt: skip
-    stats = compile_sm90("longtrain.dsa.triton.sparse_mla_bwd_sm90_dq_ws", "sparse_mla_bwd_sm90_dq_ws_kernel", types,
-                         consts, num_warps=4, maxnreg=DQ_WS_MAXNREG)  # fmt: skip
+    types = ["*bf16", "*i32", "*i32", "*bf16", "*bf16", "i32", "i32", "i32", "i32"]
+    consts = dict(H=H, D_V=d_v, D_R=d_r, HAS_LEN=has_len, BLOCK_K=DQ_RUN_RING[0], RUN=run)
+    stats = compile_sm90("longtrain.dsa.triton.sparse_mla_bwd_sm90_dq_runs", "sparse_mla_bwd_sm90_dq_runs_kernel",
+                         types, consts, num_warps=8)  # fmt: skip
     assert stats["cp_async"] and stats["wgmma"], stats
     assert stats["stack"] == 0 and stats["local"] == 0, stats
     assert stats["wgmma_serialized"] == [], stats
-    assert set(DQ_WS_NUM_REGS) <= set(stats["setmaxnreg"]), stats
-    assert stats["shared"] <= dq_ws_smem_bytes(*DQ_WS_RING, d_v + d_r, 2) <= 232448, stats
+    assert stats["shared"] <= sm90_dq_smem_bytes(*DQ_RUN_RING, d_v + d_r, 2, ds_smem=False), stats
 
 
-def test_warp_specialized_dq_rules_and_routing(monkeypatch):
-    """Where the warp-specialized dq kernel applies (``dq_ws_unsupported_reason``) and when the default launch takes
-    it (``SM90_DQ_WS``, 64 heads per program planned)."""
+def test_dq_runs_routing(monkeypatch):
+    """When the default SM90 dq launch takes the kernel over runs of items (``SM90_DQ_RUN`` > 1): the lockstep kernel's
+    default plan (64 heads per program, 64 x 2 ring, dS in registers) and nothing forced."""
     from longtrain.dsa.triton import sparse_mla_bwd_plan as plan
-    from longtrain.dsa.triton.sparse_mla_bwd_sm90_dq_ws import dq_ws_unsupported_reason
 
-    assert dq_ws_unsupported_reason(64, 576, 512) is None
-    assert dq_ws_unsupported_reason(128, 512, 512) is None
-    assert "two halves of 64..256" in dq_ws_unsupported_reason(64, 640, 576)
-    assert "two halves of 64..256" in dq_ws_unsupported_reason(64, 1088, 1024)
-    assert "rope tail" in dq_ws_unsupported_reason(64, 520, 512)
-    assert "at least 64 heads" in dq_ws_unsupported_reason(32, 576, 512)
-    assert plan.SM90_DQ_WS is False
-    assert not plan.sm90_dq_ws_applies(64, 576, 512, (64, 2, 64))
-    monkeypatch.setattr(plan, "SM90_DQ_WS", True)
-    assert plan.sm90_dq_ws_applies(64, 576, 512, (64, 2, 64))
-    assert not plan.sm90_dq_ws_applies(128, 576, 512, (64, 2, 128))  # 128 heads per program: the lockstep kernel
-    assert not plan.sm90_dq_ws_applies(64, 520, 512, (64, 2, 64))
+    monkeypatch.setattr(plan, "SM90_DQ_RUN", 1)
+    assert not plan.sm90_dq_runs_applies((64, 2, 64), 512)
+    monkeypatch.setattr(plan, "SM90_DQ_RUN", 4)
+    assert plan.sm90_dq_runs_applies((64, 2, 64), 512)
+    assert not plan.sm90_dq_runs_applies((64, 2, 128), 512)  # 128 heads per program
+    assert not plan.sm90_dq_runs_applies((64, 3, 64), 512)  # a deeper ring
+    assert not plan.sm90_dq_runs_applies((32, 4, 64), 512)
+    monkeypatch.setattr(plan, "SM90_DQ_DS_SMEM", True)
+    assert not plan.sm90_dq_runs_applies((64, 2, 64), 512)  # dS through the ring
+    assert plan.sm90_dq_runs_applies((64, 2, 64), 510)  # ... which needs K % 8 == 0

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from longtrain.dsa.triton import sparse_mla_bwd_plan as bwd_plan
 from longtrain.dsa.triton._common import KernelConfig, dot_precision, interpreting, next_pow2, sm_count
-from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_backward_plan, sm90_dq_plan, sm90_dq_ws_applies
+from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_backward_plan, sm90_dq_plan, sm90_dq_runs_applies
 from longtrain.dsa.triton.sparse_mla_fwd import LOG2E, _row_col_mask, fwd_block_h
 
 __all__ = [
@@ -501,7 +501,7 @@ def sparse_mla_bwd(
         WITH_DELTA=not ws_delta, num_warps=4 if block_h_all * next_pow2(d_v) <= 8192 else 8,
     )  # fmt: skip
     dq_sm90 = sm90_dq_plan(q, d_v, configs[1])
-    dq_ws = dq_sm90 is not None and configs[1] is None and sm90_dq_ws_applies(num_heads, d_qk, d_v, dq_sm90)
+    dq_runs = dq_sm90 is not None and configs[1] is None and sm90_dq_runs_applies(dq_sm90, k_slots)
     if interpreting():
         configs = tuple(c or KernelConfig(block_k=16, num_warps=4, num_stages=1) for c in configs)
     cfg_ds, cfg_dq, cfg_dkv = configs
@@ -580,14 +580,14 @@ def sparse_mla_bwd(
             dq_block_k, dq_num_buf, dq_heads = dq_sm90
             # 128 heads per program: two programs per block of heads, each half of the columns.
             dq_programs = triton.cdiv(num_heads, dq_heads) * (dq_heads // 64)
-            if dq_ws:
-                from longtrain.dsa.triton import sparse_mla_bwd_sm90_dq_ws as dqw
+            if dq_runs:
+                from longtrain.dsa.triton import sparse_mla_bwd_sm90_dq_runs as dqr
 
-                dqw.sparse_mla_bwd_sm90_dq_ws_kernel[(rows * dq_programs,)](
-                    kv2d, *common, ds_buf, dq, row0, num_keys, k_slots, H=num_heads, D_V=d_v, D_R=d_r,
-                    HAS_LEN=topk_length is not None, BLOCK_K=dqw.DQ_WS_RING[0], NUM_BUF=dqw.DQ_WS_RING[1],
-                    REGS_LEFT=dqw.DQ_WS_NUM_REGS[0], REGS_PRODUCER=dqw.DQ_WS_NUM_REGS[1], num_warps=4,
-                    maxnreg=dqw.DQ_WS_MAXNREG,
+                n_items = rows * dq_programs
+                dqr.sparse_mla_bwd_sm90_dq_runs_kernel[(triton.cdiv(n_items, bwd_plan.SM90_DQ_RUN),)](
+                    kv2d, *common, ds_buf, dq, row0, num_keys, k_slots, n_items, H=num_heads, D_V=d_v, D_R=d_r,
+                    HAS_LEN=topk_length is not None, BLOCK_K=dqr.DQ_RUN_RING[0], RUN=bwd_plan.SM90_DQ_RUN,
+                    num_warps=8,
                 )  # fmt: skip
             else:
                 sparse_mla_bwd_sm90_kernel_dq[(rows * dq_programs,)](
