@@ -1,8 +1,9 @@
 """The sparse MLA backward's SM90 dq kernel at 64 and 128 heads per program, the row chunk and the deterministic
 chunk (CUDA; experiment).
 
-``python benchmarks/dsa_bwd_dq.py [--out-dir DIR] [--quick] [--rings] [--item-runs]`` writes ``dsa_bwd_dq_<date>.md``, one
-document, K slots per query (random causal index sets as in ``dsa.py``), GLM-5.2 / DeepSeek-V3.2 dims:
+``python benchmarks/dsa_bwd_dq.py [--out-dir DIR] [--quick] [--rings] [--item-runs]`` writes
+``dsa_bwd_dq_<date>.md``, one document, K slots per query (random causal index sets as in ``dsa.py``), GLM-5.2 /
+DeepSeek-V3.2 dims:
 
 * ``dq kernel``: the dq kernel alone on one chunk of every row (``dS`` random, as the backward stores it), 64 heads
   per program (every column) against 128 heads per program (two programs, half of the columns each) at several
@@ -14,9 +15,10 @@ document, K slots per query (random causal index sets as in ``dsa.py``), GLM-5.2
 * ``deterministic``: the deterministic backward at T = 4096, H = 64 with several per-slot scratch sizes (rows per
   chunk) and whether two runs agree bit for bit.
 
-``--item-runs`` times only the dq kernel over runs of items (``sparse_mla_bwd_sm90_dq_runs.py``) against the lockstep
-one, alone and in the whole backward (``SM90_DQ_RUN`` 1, 2, 4, 8), at four shapes. ``--rings`` times only the dq kernel alone and the whole
-backward with deeper rings (64 heads per program, dS in registers: 64 x 2, 64 x 3, 32 x 4, 32 x 6), at four shapes.
+``--item-runs`` times only the dq kernel over runs of items (``sparse_mla_bwd_sm90_dq_runs.py``) against the
+lockstep one, alone and in the whole backward (``SM90_DQ_RUN`` 1, 2, 4, 8), at four shapes. ``--rings`` times only
+the dq kernel alone and the whole backward with deeper rings (64 heads per program, dS in registers: 64 x 2, 64 x 3,
+32 x 4, 32 x 6), at four shapes.
 
 Correctness against float64 is the GPU test's (``tests/gpu/test_dsa_triton_gpu.py -k dq128``).
 """
