@@ -2,11 +2,10 @@
 
 ``python benchmarks/dsa_bwd_deterministic.py [--out-dir DIR] [--case T,H,K ...]`` writes
 ``dsa_bwd_deterministic_<date>.md``: per shape (one document, random causal index sets as in ``dsa.py``, GLM-5.2
-dims) the backward at the defaults (fp32 atomics), the deterministic mode with the per-slot scratch (its default
-size and 2 GiB) and the deterministic mode in 64-bit fixed point (``sparse_mla_bwd.DETERMINISTIC_FIXED_POINT``),
-each with its time relative to the default's, whether two runs agree bit for bit, and the largest difference of its
-dq and dkv from the default's relative to their largest element. Correctness against float64 is the GPU tests'
-(``tests/gpu/test_dsa_triton_gpu.py -k deterministic``).
+dims) the backward at the defaults (fp32 atomics) and the deterministic mode (the per-slot scratch at its default
+size and at 2 GiB), each with its time relative to the default's, whether two runs agree bit for bit, and the
+largest difference of its dq and dkv from the default's relative to their largest element. Correctness against
+float64 is the GPU tests' (``tests/gpu/test_dsa_triton_gpu.py -k deterministic``).
 """
 
 from __future__ import annotations
@@ -33,12 +32,8 @@ def _variants() -> dict[str, tuple[bool, dict]]:
     """name: (deterministic, module settings of ``sparse_mla_bwd`` for the run)."""
     return {
         "default (fp32 atomics)": (False, {}),
-        "deterministic, per-slot scratch (default size)": (True, {"DETERMINISTIC_FIXED_POINT": False}),
-        "deterministic, per-slot scratch 2 GiB": (
-            True,
-            {"DETERMINISTIC_FIXED_POINT": False, "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 29},
-        ),
-        "deterministic, 64-bit fixed point": (True, {"DETERMINISTIC_FIXED_POINT": True}),
+        "deterministic, per-slot scratch (default size)": (True, {}),
+        "deterministic, per-slot scratch 2 GiB": (True, {"DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 29}),
     }
 
 

@@ -1,9 +1,8 @@
 """The sparse MLA backward's SM90 dq kernel at 64 and 128 heads per program, the row chunk and the deterministic
 chunk (CUDA; experiment).
 
-``python benchmarks/dsa_bwd_dq.py [--out-dir DIR] [--quick] [--rings] [--item-runs]`` writes
-``dsa_bwd_dq_<date>.md``, one document, K slots per query (random causal index sets as in ``dsa.py``), GLM-5.2 /
-DeepSeek-V3.2 dims:
+``python benchmarks/dsa_bwd_dq.py [--out-dir DIR] [--quick] [--rings]`` writes ``dsa_bwd_dq_<date>.md``, one
+document, K slots per query (random causal index sets as in ``dsa.py``), GLM-5.2 / DeepSeek-V3.2 dims:
 
 * ``dq kernel``: the dq kernel alone on one chunk of every row (``dS`` random, as the backward stores it), 64 heads
   per program (every column) against 128 heads per program (two programs, half of the columns each) at several
@@ -15,10 +14,8 @@ DeepSeek-V3.2 dims:
 * ``deterministic``: the deterministic backward at T = 4096, H = 64 with several per-slot scratch sizes (rows per
   chunk) and whether two runs agree bit for bit.
 
-``--item-runs`` times only the dq kernel over runs of items (``sparse_mla_bwd_sm90_dq_runs.py``) against the
-lockstep one, alone and in the whole backward (``SM90_DQ_RUN`` 1, 2, 4, 8), at four shapes. ``--rings`` times only
-the dq kernel alone and the whole backward with deeper rings (64 heads per program, dS in registers: 64 x 2, 64 x 3,
-32 x 4, 32 x 6), at four shapes.
+``--rings`` times only the dq kernel alone and the whole backward with deeper rings (64 heads per program, dS in
+registers: 64 x 2, 64 x 3, 32 x 4, 32 x 6), at four shapes.
 
 Correctness against float64 is the GPU test's (``tests/gpu/test_dsa_triton_gpu.py -k dq128``).
 """
@@ -164,68 +161,9 @@ def _deterministic(rows: list[dict], chunk_rows: tuple[int, ...], total: int = 4
         print(rows[-1], flush=True)
 
 
-def _runs_case(rows: list[dict], total: int, heads: int, topk: int, runs: tuple[int, ...] = (1, 2, 4, 8)) -> None:
-    """The dq kernel over runs of items against the lockstep one (64 x 2, dS in registers, one program per item):
-    alone on one chunk of every row, and in the whole backward at the defaults with ``SM90_DQ_RUN`` at each run."""
-    from longtrain.dsa.triton import sparse_mla_bwd_sm90_dq_runs as dqr
-    from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sparse_mla_bwd_sm90_kernel_dq
-
-    dev = torch.device("cuda")
-    idx, length, _, _ = causal_index_sets([total], topk, dev)
-    valid = int(length.sum())
-    shape = f"T={total} H={heads} K={topk} 1doc"
-    q, kv = mla_inputs(total, heads, dev)
-    kv2d = kv.view(kv.shape[0], -1)
-    gen = torch.Generator(device=dev).manual_seed(1)
-    ds = (torch.randn((total, heads, topk), generator=gen, device=dev) * 0.05).to(kv.dtype)
-    n_items = total * triton.cdiv(heads, 64)
-    common = (kv2d, idx, length, ds)
-    meta = dict(H=heads, D_V=D_V, D_R=D_QK - D_V, HAS_LEN=True)
-    launches = {"lockstep dq kernel, 64 x 2, dS in registers": lambda dq: sparse_mla_bwd_sm90_kernel_dq[(n_items,)](
-        *common, dq, 0, kv.shape[0], topk, **meta, BLOCK_K=64, NUM_BUF=2, HEADS=64, DS_SMEM=False, num_warps=8)}
-    for run in runs[1:]:
-        launches[f"dq kernel over runs of {run} items"] = lambda dq, run=run: dqr.sparse_mla_bwd_sm90_dq_runs_kernel[
-            (triton.cdiv(n_items, run),)](*common, dq, 0, kv.shape[0], topk, n_items, **meta,
-                                          BLOCK_K=dqr.DQ_RUN_RING[0], RUN=run, num_warps=8)
-    # fmt: skip
-    first = None
-    for name, launch in launches.items():
-        dq = torch.full((total, heads, D_QK), float("nan"), dtype=kv.dtype, device=dev)
-        launch(dq)
-        torch.cuda.synchronize()
-        first = dq if first is None else first
-        ms = bench(lambda launch=launch, dq=dq: launch(dq))
-        rows.append(dict(part="dq kernel", shape=shape, variant=name, ms=ms[0], p20=ms[1], p80=ms[2],
-                         tflops=2 * valid * heads * D_QK / ms[0] / 1e9, finite=bool(torch.isfinite(dq).all()),
-                         dq_rel=_rel(dq, first)))  # fmt: skip
-        print(rows[-1], flush=True)
-    out, lse = run_fwd(q, kv, idx, length, None)
-    dout = torch.randn_like(out)
-    flops = 2 * valid * heads * (3 * D_QK + 2 * D_V)
-    ref = None
-    default = bwd_plan.SM90_DQ_RUN
-    for run in runs:
-        bwd_plan.SM90_DQ_RUN = run
-        try:
-            dq, dkv, _ = run_bwd(q, kv, out, dout, lse, idx, length)
-            ref = (dq, dkv) if ref is None else ref
-            ms = bench(lambda: run_bwd(q, kv, out, dout, lse, idx, length), rep_ms=300)
-        finally:
-            bwd_plan.SM90_DQ_RUN = default
-        rows.append(dict(part="backward", shape=shape, variant=f"defaults, SM90_DQ_RUN = {run}", ms=ms[0], p20=ms[1],
-                         p80=ms[2], tflops=flops / ms[0] / 1e9, dq_rel=_rel(dq, ref[0]),
-                         dkv_rel=_rel(dkv, ref[1])))  # fmt: skip
-        print(rows[-1], flush=True)
-
-
-def main(out_dir: Path, quick: bool, rings: bool, item_runs: bool = False) -> None:
+def main(out_dir: Path, quick: bool, rings: bool) -> None:
     rows: list[dict] = []
     budgets = (1 << 29, 1 << 30, 1 << 31)
-    if item_runs:
-        for total, heads, topk in ((4096, 128, 512), (16384, 64, 2048), (4096, 64, 2048), (16384, 128, 2048)):
-            _runs_case(rows, total, heads, topk)
-        _write(rows, out_dir)
-        return
     if rings:
         for total, heads, topk in ((4096, 128, 512), (16384, 64, 2048), (4096, 64, 2048), (16384, 128, 2048)):
             _case(rows, total, heads, topk, (), rings=True)
@@ -258,6 +196,5 @@ if __name__ == "__main__":
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--quick", action="store_true", help="one chunk budget at T = 16384")
     parser.add_argument("--rings", action="store_true", help="only deeper rings of the dq kernel, four shapes")
-    parser.add_argument("--item-runs", action="store_true", help="only the dq kernel over runs of items")
     args = parser.parse_args()
-    main(args.out_dir, args.quick, args.rings, args.item_runs)
+    main(args.out_dir, args.quick, args.rings)

@@ -363,9 +363,9 @@ def test_smem_budget_of_the_warp_specialized_backward():
 @pytest.mark.skipif(cuobjdump() is None, reason="needs triton with its bundled NVIDIA toolchain (ptxas, cuobjdump)")
 @pytest.mark.parametrize(
     "H,d_qk,d_v,deterministic,prefetch",
-    [(64, 576, 512, 0, True), (64, 576, 512, 0, False), (128, 512, 512, 0, True), (64, 576, 512, 1, True),
-     (64, 576, 512, 2, True), (64, 320, 256, 0, True), (64, 384, 256, 0, True)],
-    ids=["glm", "glm-indices-after-wait", "H128-D512", "det", "det-fixed-point", "dv256", "rope128"],
+    [(64, 576, 512, False, True), (64, 576, 512, False, False), (128, 512, 512, False, True),
+     (64, 576, 512, True, True), (64, 320, 256, False, True), (64, 384, 256, False, True)],
+    ids=["glm", "glm-indices-after-wait", "H128-D512", "det", "dv256", "rope128"],
 )  # fmt: skip
 def test_warp_specialized_backward_compiles_for_hopper(H, d_qk, d_v, deterministic, prefetch):
     """The warp-specialized fused kernel compiled for sm_90a: cp.async + wgmma, shared memory within the budget (the
@@ -374,8 +374,7 @@ def test_warp_specialized_backward_compiles_for_hopper(H, d_qk, d_v, determinist
     from longtrain.dsa.triton import sparse_mla_bwd_sm90_ws as ws
     from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_ws_bwd_smem_bytes
 
-    dkv = "*i64" if deterministic == 2 else "*fp32"
-    types = _TYPES[:3] + ["*bf16"] + _TYPES[3:8] + [dkv, "*fp32"] + _TYPES[9:] + ["fp32", "fp32"]  # q kv dO O idx ...
+    types = _TYPES[:3] + ["*bf16"] + _TYPES[3:8] + ["*fp32"] + _TYPES[9:] + ["fp32", "fp32"]  # q kv dO O idx ...
     consts = dict(H=H, D_V=d_v, D_R=d_qk - d_v, HAS_LEN=True, DETERMINISTIC=deterministic, PREFETCH_IDX=prefetch,
                   REGS_PROB=ws.WS_BWD_NUM_REGS[0], REGS_PRODUCER=ws.WS_BWD_NUM_REGS[1])  # fmt: skip
     stats = compile_sm90("longtrain.dsa.triton.sparse_mla_bwd_sm90_ws", "sparse_mla_bwd_sm90_ws_kernel", types, consts,
@@ -438,42 +437,3 @@ def test_lse_only_preprocess_and_the_sink_gradient_from_a_kernels_delta(triton_i
     if with_sink:
         # fp32 terms summed over 5 rows in two orders.
         torch.testing.assert_close(sink_grad(sink, lse2, delta), dsink_rows.sum(0))
-
-
-@pytest.mark.skipif(cuobjdump() is None, reason="needs triton with its bundled NVIDIA toolchain (ptxas, cuobjdump)")
-@pytest.mark.parametrize(
-    "H,d_v,d_r,has_len,run",
-    [(64, 512, 64, True, 4), (128, 512, 64, True, 4), (64, 512, 0, True, 2), (96, 256, 64, False, 8)],
-    ids=["glm", "H128", "no-rope", "dv256-no-len"],
-)
-def test_dq_runs_kernel_compiles_for_hopper(H, d_v, d_r, has_len, run):
-    """The dq kernel over runs of items compiled for sm_90a: cp.async + wgmma, no spills, no serialized wgmma, shared
-    memory that of the lockstep kernel's 64 x 2 ring (the ring is all it holds)."""
-    from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_dq_smem_bytes
-    from longtrain.dsa.triton.sparse_mla_bwd_sm90_dq_runs import DQ_RUN_RING
-
-    types = ["*bf16", "*i32", "*i32", "*bf16", "*bf16", "i32", "i32", "i32", "i32"]
-    consts = dict(H=H, D_V=d_v, D_R=d_r, HAS_LEN=has_len, BLOCK_K=DQ_RUN_RING[0], RUN=run)
-    stats = compile_sm90("longtrain.dsa.triton.sparse_mla_bwd_sm90_dq_runs", "sparse_mla_bwd_sm90_dq_runs_kernel",
-                         types, consts, num_warps=8)  # fmt: skip
-    assert stats["cp_async"] and stats["wgmma"], stats
-    assert stats["stack"] == 0 and stats["local"] == 0, stats
-    assert stats["wgmma_serialized"] == [], stats
-    assert stats["shared"] <= sm90_dq_smem_bytes(*DQ_RUN_RING, d_v + d_r, 2, ds_smem=False), stats
-
-
-def test_dq_runs_routing(monkeypatch):
-    """When the default SM90 dq launch takes the kernel over runs of items (``SM90_DQ_RUN`` > 1): the lockstep kernel's
-    default plan (64 heads per program, 64 x 2 ring, dS in registers) and nothing forced."""
-    from longtrain.dsa.triton import sparse_mla_bwd_plan as plan
-
-    monkeypatch.setattr(plan, "SM90_DQ_RUN", 1)
-    assert not plan.sm90_dq_runs_applies((64, 2, 64), 512)
-    monkeypatch.setattr(plan, "SM90_DQ_RUN", 4)
-    assert plan.sm90_dq_runs_applies((64, 2, 64), 512)
-    assert not plan.sm90_dq_runs_applies((64, 2, 128), 512)  # 128 heads per program
-    assert not plan.sm90_dq_runs_applies((64, 3, 64), 512)  # a deeper ring
-    assert not plan.sm90_dq_runs_applies((32, 4, 64), 512)
-    monkeypatch.setattr(plan, "SM90_DQ_DS_SMEM", True)
-    assert not plan.sm90_dq_runs_applies((64, 2, 64), 512)  # dS through the ring
-    assert plan.sm90_dq_runs_applies((64, 2, 64), 510)  # ... which needs K % 8 == 0

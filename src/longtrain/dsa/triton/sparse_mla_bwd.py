@@ -41,7 +41,7 @@ import triton.language as tl
 
 from longtrain.dsa.triton import sparse_mla_bwd_plan as bwd_plan
 from longtrain.dsa.triton._common import KernelConfig, dot_precision, interpreting, next_pow2, sm_count
-from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_backward_plan, sm90_dq_plan, sm90_dq_runs_applies
+from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_backward_plan, sm90_dq_plan
 from longtrain.dsa.triton.sparse_mla_fwd import LOG2E, _row_col_mask, fwd_block_h
 
 __all__ = [
@@ -74,9 +74,6 @@ PDS_SCRATCH_BYTES = 1 << 29
 #: sets the row chunk of a deterministic backward (113 rows at K = 2048, D_qk = 576, one head block). Read at each
 #: call.
 DETERMINISTIC_SCRATCH_ELEMENTS = 1 << 27
-#: Deterministic mode on the SM90 warp-specialized route: add dkv in 64-bit fixed point (int64 atomics, exact in any
-#: order) instead of the per-slot scratch and its sorted reduction. Read at each call.
-DETERMINISTIC_FIXED_POINT = False
 
 
 @triton.jit
@@ -501,7 +498,6 @@ def sparse_mla_bwd(
         WITH_DELTA=not ws_delta, num_warps=4 if block_h_all * next_pow2(d_v) <= 8192 else 8,
     )  # fmt: skip
     dq_sm90 = sm90_dq_plan(q, d_v, configs[1])
-    dq_runs = dq_sm90 is not None and configs[1] is None and sm90_dq_runs_applies(dq_sm90, k_slots)
     if interpreting():
         configs = tuple(c or KernelConfig(block_k=16, num_warps=4, num_stages=1) for c in configs)
     cfg_ds, cfg_dq, cfg_dkv = configs
@@ -523,12 +519,7 @@ def sparse_mla_bwd(
     col_groups = _dkv_col_groups(cfg_dkv, block_dv)
 
     rows_per_chunk = max(1, PDS_SCRATCH_BYTES // (2 * 2 * num_heads * k_slots))
-    fixed = compute_dkv and deterministic and DETERMINISTIC_FIXED_POINT and ws_delta
-    fix_scale = inv_scale = None
-    if fixed:
-        fix_scale, inv_scale = fixed_point_scale(q, kv2d, dout, softmax_scale, d_v)
-        dkv_acc = torch.zeros((num_keys, d_qk), dtype=torch.int64, device=dev)
-    if compute_dkv and deterministic and not fixed:
+    if compute_dkv and deterministic:
         rows_per_chunk = min(rows_per_chunk, max(1, DETERMINISTIC_SCRATCH_ELEMENTS // (k_slots * d_qk * n_hb[2])))
     elif ds_sm90 is not None and dev.type == "cuda":
         rows_per_chunk = _whole_waves(num_tokens, rows_per_chunk, triton.cdiv(num_heads, 64), dev)
@@ -536,7 +527,7 @@ def sparse_mla_bwd(
     ds_buf = torch.empty((rows_per_chunk, num_heads, k_slots), dtype=q.dtype, device=dev)
     p_buf = torch.empty_like(ds_buf) if compute_dkv and not fused else ds_buf
     contrib = None
-    if compute_dkv and deterministic and not fixed:
+    if compute_dkv and deterministic:
         contrib = torch.empty((rows_per_chunk * k_slots * n_hb[2], d_qk), dtype=torch.float32, device=dev)
     for row0 in range(0, num_tokens, rows_per_chunk):
         rows = min(rows_per_chunk, num_tokens - row0)
@@ -547,10 +538,9 @@ def sparse_mla_bwd(
             from longtrain.dsa.triton import sparse_mla_bwd_sm90_ws as ws
 
             ws.sparse_mla_bwd_sm90_ws_kernel[(rows * triton.cdiv(num_heads, 64),)](
-                q, kv2d, dout, out, *common, lse2, delta, ds_buf, contrib if contrib is not None else dkv_acc,
-                fix_scale if fixed else lse2, row0, num_keys, k_slots, softmax_scale, softmax_scale * LOG2E,
-                H=num_heads, D_V=d_v, D_R=d_r, HAS_LEN=topk_length is not None,
-                DETERMINISTIC=2 if fixed else int(deterministic), REGS_PROB=ws.WS_BWD_NUM_REGS[0],
+                q, kv2d, dout, out, *common, lse2, delta, ds_buf, contrib if deterministic else dkv_acc, row0, num_keys,
+                k_slots, softmax_scale, softmax_scale * LOG2E, H=num_heads, D_V=d_v, D_R=d_r,
+                HAS_LEN=topk_length is not None, DETERMINISTIC=deterministic, REGS_PROB=ws.WS_BWD_NUM_REGS[0],
                 REGS_PRODUCER=ws.WS_BWD_NUM_REGS[1], PREFETCH_IDX=ws.WS_BWD_PREFETCH_IDX, num_warps=4,
                 maxnreg=ws.WS_BWD_MAXNREG,
             )  # fmt: skip
@@ -580,27 +570,17 @@ def sparse_mla_bwd(
             dq_block_k, dq_num_buf, dq_heads = dq_sm90
             # 128 heads per program: two programs per block of heads, each half of the columns.
             dq_programs = triton.cdiv(num_heads, dq_heads) * (dq_heads // 64)
-            if dq_runs:
-                from longtrain.dsa.triton import sparse_mla_bwd_sm90_dq_runs as dqr
-
-                n_items = rows * dq_programs
-                dqr.sparse_mla_bwd_sm90_dq_runs_kernel[(triton.cdiv(n_items, bwd_plan.SM90_DQ_RUN),)](
-                    kv2d, *common, ds_buf, dq, row0, num_keys, k_slots, n_items, H=num_heads, D_V=d_v, D_R=d_r,
-                    HAS_LEN=topk_length is not None, BLOCK_K=dqr.DQ_RUN_RING[0], RUN=bwd_plan.SM90_DQ_RUN,
-                    num_warps=8,
-                )  # fmt: skip
-            else:
-                sparse_mla_bwd_sm90_kernel_dq[(rows * dq_programs,)](
-                    kv2d, *common, ds_buf, dq, row0, num_keys, k_slots, H=num_heads, D_V=d_v, D_R=d_r,
-                    HAS_LEN=topk_length is not None, BLOCK_K=dq_block_k, NUM_BUF=dq_num_buf, HEADS=dq_heads,
-                    DS_SMEM=bwd_plan.SM90_DQ_DS_SMEM and k_slots % 8 == 0, num_warps=8,
-                )  # fmt: skip
+            sparse_mla_bwd_sm90_kernel_dq[(rows * dq_programs,)](
+                kv2d, *common, ds_buf, dq, row0, num_keys, k_slots, H=num_heads, D_V=d_v, D_R=d_r,
+                HAS_LEN=topk_length is not None, BLOCK_K=dq_block_k, NUM_BUF=dq_num_buf, HEADS=dq_heads,
+                DS_SMEM=bwd_plan.SM90_DQ_DS_SMEM and k_slots % 8 == 0, num_warps=8,
+            )  # fmt: skip
         else:
             _launch(
                 "dq", sparse_mla_bwd_kernel_dq, _DQ_CANDIDATES, (rows * n_hb[1],),
                 (kv2d, *common, ds_buf, dq, row0, num_keys, k_slots), dict(dims, BLOCK_H=bh[1]), cfg_dq,
             )  # fmt: skip
-        if fused and deterministic and not fixed:
+        if fused and deterministic:
             _reduce_chunk(idx, topk_length, contrib, dkv_acc, row0, rows, num_keys, d_qk, n_hb[2])
         if not compute_dkv or fused:
             continue
@@ -620,35 +600,8 @@ def sparse_mla_bwd(
     dsink = None
     if attn_sink is not None:
         dsink = sink_grad(attn_sink, lse2, delta) if ws_delta else dsink_rows.sum(0)
-    if fixed:
-        dkv = (dkv_acc.to(torch.float64) * inv_scale).to(kv2d.dtype)
-    else:
-        dkv = dkv_acc.to(kv2d.dtype) if compute_dkv else None
+    dkv = dkv_acc.to(kv2d.dtype) if compute_dkv else None
     return dq, dkv, dsink
-
-
-def fixed_point_scale(
-    q: torch.Tensor, kv2d: torch.Tensor, dout: torch.Tensor, softmax_scale: float, d_v: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The deterministic dkv's fixed-point scale ``2^s`` (``[] fp32``) and ``2^-s`` (``[] fp64``; NaN when the
-    inputs are not finite), with ``B * 2^s < 2^62`` for a bound ``B`` on every partial sum of every dkv element.
-
-    Row t, head h adds ``P[t, h, s] dO[t, h, c] + dS[t, h, s] Q[t, h, c]`` to column c of the key in its slot s, with
-    ``sum_s P[t, h, s] <= 1`` and ``|dS| <= scale P (|dP| + |delta|) <= 2 scale P max|V| ||dO[t, h]||_1`` (``O`` is
-    a convex combination of ``V`` rows), so no partial sum exceeds
-    ``sum_{t,h} (max|dO[t, h]| + 2 scale max|V| ||dO[t, h]||_1 max|Q[t, h]|)``; ``B`` is 4 times that (the bf16
-    roundings of P, dS and O). The scale stays on the device: no host sync."""
-    inf = float("inf")
-    q_max = torch.linalg.vector_norm(q, ord=inf, dim=-1).float()  # [T, H]
-    do_max = torch.linalg.vector_norm(dout, ord=inf, dim=-1).float()  # [T, H]
-    do_l1 = torch.linalg.vector_norm(dout, ord=1, dim=-1).float()  # [T, H]
-    v_max = torch.linalg.vector_norm(kv2d[:, :d_v], ord=inf).float()
-    bound = 4 * (do_max + (2 * softmax_scale) * v_max * do_l1 * q_max).sum()
-    _, exp = torch.frexp(bound)  # bound < 2^exp
-    scale = torch.pow(2.0, (62 - exp.clamp(-64, 128)).double())  # exact: a power of two within fp32's range
-    ok = torch.isfinite(bound)
-    inv = torch.where(ok, 1.0 / scale, torch.full_like(scale, float("nan")))
-    return torch.where(ok, scale, 0.0).float(), inv
 
 
 def sink_grad(attn_sink: torch.Tensor, lse2: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:

@@ -16,10 +16,8 @@ __all__ = [
     "SM90_DQ_DS_SMEM",
     "SM90_DQ_HEADS",
     "SM90_DQ_RINGS",
-    "SM90_DQ_RUN",
     "sm90_backward_plan",
     "sm90_dq_plan",
-    "sm90_dq_runs_applies",
     "sm90_dq_smem_bytes",
     "sm90_ds_dkv_smem_bytes",
     "sm90_ds_smem_bytes",
@@ -41,11 +39,6 @@ SM90_DQ_RINGS = {64: (64, 2), 128: (64, 2)}
 # and checked for sm_90a here; its GPU test is tests/gpu/test_dsa_triton_gpu.py -k ds_ring. Read at each
 # call.
 SM90_DQ_DS_SMEM = False
-# Items (query row, block of 64 heads) per program of the default SM90 dq launch: above 1 it runs the dq kernel over
-# runs of items (sparse_mla_bwd_sm90_dq_runs.py: the ring flows from one item into the next) instead of the lockstep
-# kernel's one program per item. Its GPU test is tests/gpu/test_dsa_triton_gpu.py -k dq_runs, its benchmark python
-# benchmarks/dsa_bwd_dq.py --runs. Read at each call.
-SM90_DQ_RUN = 1
 # Heads per program of the SM90 kernels, and gathered slots per step of the fused one.
 _STACK_H = 64
 _DKV_BLOCK_K = 64
@@ -192,11 +185,3 @@ def sm90_dq_plan(q: torch.Tensor, d_v: int, config: KernelConfig | None) -> tupl
     if config is None:
         return None
     raise RuntimeError(f"backward dq KernelConfig(impl='sm90') cannot run here: {reason}; use impl='triton'")
-
-
-def sm90_dq_runs_applies(dq_plan: tuple[int, int, int], k_slots: int) -> bool:
-    """Whether the default SM90 dq launch (``dq_plan`` from :func:`sm90_dq_plan` with ``config=None``) runs over runs
-    of items (``SM90_DQ_RUN`` > 1): the lockstep kernel's plan of 64 heads per program, a ring of two 64-row tiles and
-    ``dS`` in registers, which is the one that kernel reproduces."""
-    ds_smem = SM90_DQ_DS_SMEM and k_slots % 8 == 0
-    return SM90_DQ_RUN > 1 and tuple(dq_plan) == (64, 2, 64) and not ds_smem

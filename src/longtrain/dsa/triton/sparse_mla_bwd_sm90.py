@@ -218,16 +218,9 @@ def _interleaved_rows(m, hb):
 
 
 @gluon.jit
-def _dkv_out(ptrs, value, mask, DETERMINISTIC: gl.constexpr, fix_scale=1.0):
-    """Add a dkv piece (fp32 atomics), store it (``DETERMINISTIC`` 1: the per-slot scratch) or add it in 64-bit fixed
-    point (``DETERMINISTIC`` 2: ``value * fix_scale`` rounded to the nearest int64; integer sums are exact in any
-    order)."""
-    if DETERMINISTIC == 2:
-        fixed = gl.inline_asm_elementwise(
-            "cvt.rni.s64.f32 $0, $1;", "=l,r", [value * fix_scale], dtype=gl.int64, is_pure=True, pack=1
-        )
-        gl.atomic_add(ptrs, fixed, mask=mask, sem="relaxed")
-    elif DETERMINISTIC:
+def _dkv_out(ptrs, value, mask, DETERMINISTIC: gl.constexpr):
+    """Add a dkv piece (fp32 atomics), or store it (the deterministic mode's per-slot scratch)."""
+    if DETERMINISTIC:
         gl.store(ptrs, value, mask=mask)
     else:
         gl.atomic_add(ptrs, value, mask=mask, sem="relaxed")

@@ -72,7 +72,7 @@ WS_BWD_PREFETCH_IDX = False
 def _producer(ptrs, row, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr,
               DETERMINISTIC: gl.constexpr, PREFETCH_IDX: gl.constexpr):  # fmt: skip
     """Worker partition: the stacked operand and the rope queries, then every tile of the row."""
-    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_row, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr, fix_ptr = ptrs
+    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_row, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr = ptrs
     t, t_local, hb, n_slots, T_k, K_slots, sm_scale, qk_scale = row
     s_v, q_r, v_buf, r_buf, y_smem, delta_smem, ready, free, y_ready, y_free, q_bar, delta_bar = sm
     D_QK: gl.constexpr = D_V + D_R
@@ -145,7 +145,7 @@ def _row_delta(o_row, d_o, hb, H: gl.constexpr, D_V: gl.constexpr):
 def _probabilities(ptrs, row, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr,
                    DETERMINISTIC: gl.constexpr):  # fmt: skip
     """Worker partition: per tile, ``S`` and ``dP``, then ``P`` and ``dS``; ``dS`` stored, ``[dS; P]`` handed over."""
-    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_row, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr, fix_ptr = ptrs
+    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_row, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr = ptrs
     t, t_local, hb, n_slots, T_k, K_slots, sm_scale, qk_scale = row
     s_v, q_r, v_buf, r_buf, y_smem, delta_smem, ready, free, y_ready, y_free, q_bar, delta_bar = sm
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -191,7 +191,7 @@ def _probabilities(ptrs, row, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.co
 
 
 @gluon.jit
-def _staged_out(dkv_ptr, acc, stage, rows, valid, col0, DETERMINISTIC: gl.constexpr, fix_scale):
+def _staged_out(dkv_ptr, acc, stage, rows, valid, col0, DETERMINISTIC: gl.constexpr):
     """Add (or store) a ``[BLOCK_K, W]`` dkv piece through shared memory: the wgmma accumulator's threads hold 8
     rows x 32 bytes per warp-wide access, a blocked layout one whole row segment, which the L2 reduces faster."""
     W: gl.constexpr = acc.type.shape[1]
@@ -207,7 +207,7 @@ def _staged_out(dkv_ptr, acc, stage, rows, valid, col0, DETERMINISTIC: gl.conste
     r = gl.convert_layout(rows, gl.SliceLayout(1, L))
     ok = gl.convert_layout(valid, gl.SliceLayout(1, L))
     cols = col0 + gl.arange(0, W, layout=gl.SliceLayout(0, L))
-    _dkv_out(dkv_ptr + r[:, None] + cols[None, :], piece, ok[:, None], DETERMINISTIC, fix_scale)
+    _dkv_out(dkv_ptr + r[:, None] + cols[None, :], piece, ok[:, None], DETERMINISTIC)
 
 
 @gluon.jit
@@ -217,7 +217,7 @@ def _dkv(ptrs, row, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, B
     columns) in column chunks of 64, each chunk's wgmma issued before the previous chunk's piece is turned into whole
     row segments through the ``[dS; P]`` buffer (read into registers first, released at the end of the tile) and
     added."""
-    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_row, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr, fix_ptr = ptrs
+    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_row, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr = ptrs
     t, t_local, hb, n_slots, T_k, K_slots, sm_scale, qk_scale = row
     s_v, q_r, v_buf, r_buf, y_smem, delta_smem, ready, free, y_ready, y_free, q_bar, delta_bar = sm
     D_QK: gl.constexpr = D_V + D_R
@@ -235,14 +235,11 @@ def _dkv(ptrs, row, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, B
         ar_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=r_layout, k_width=2)
         zero_r = gl.zeros([BLOCK_K, RW], gl.float32, layout=r_layout)
 
-    fix = 1.0
-    if DETERMINISTIC == 2:
-        fix = gl.load(fix_ptr)  # the fixed-point scale: 2^s (a power of two)
     mbarrier.wait(q_bar, 0)
     for i in range(gl.cdiv(n_slots, BLOCK_K)):
         k0 = i * BLOCK_K
         keys, valid = _load_idx(idx_row, k0, n_slots, T_k, BLOCK_K, row_c)  # [BLOCK_K] x 2
-        if DETERMINISTIC == 1:  # this row's slots in the per-slot scratch (one row per slot and head block)
+        if DETERMINISTIC:  # this row's slots in the per-slot scratch (one row per slot and head block)
             slots = k0 + gl.arange(0, BLOCK_K, layout=row_c)
             rows = ((t_local * K_slots + slots.to(gl.int64)) * NUM_HB + hb) * D_QK  # [BLOCK_K]
         else:
@@ -256,7 +253,7 @@ def _dkv(ptrs, row, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, B
         for c in gl.static_range(1, NUM_C):
             nxt = warpgroup_mma(a, s_v.slice(c * CHUNK, CHUNK, dim=1), zero, use_acc=False, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            _staged_out(dkv_ptr, acc, y_smem, rows, valid, (c - 1) * CHUNK, DETERMINISTIC, fix)
+            _staged_out(dkv_ptr, acc, y_smem, rows, valid, (c - 1) * CHUNK, DETERMINISTIC)
             acc = nxt
         if D_R > 0:
             acc_r = zero_r
@@ -264,23 +261,23 @@ def _dkv(ptrs, row, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, B
                 nxt_r = warpgroup_mma(a_r, q_r.slice(c * RW, RW, dim=1), zero_r, use_acc=False, is_async=True)
                 if c == 0:
                     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                    _staged_out(dkv_ptr, acc, y_smem, rows, valid, (NUM_C - 1) * CHUNK, DETERMINISTIC, fix)
+                    _staged_out(dkv_ptr, acc, y_smem, rows, valid, (NUM_C - 1) * CHUNK, DETERMINISTIC)
                 else:
                     acc_r = warpgroup_mma_wait(num_outstanding=1, deps=(acc_r,))
-                    _staged_out(dkv_ptr, acc_r, y_smem, rows, valid, D_V + (c - 1) * RW, DETERMINISTIC, fix)
+                    _staged_out(dkv_ptr, acc_r, y_smem, rows, valid, D_V + (c - 1) * RW, DETERMINISTIC)
                 acc_r = nxt_r
             acc_r = warpgroup_mma_wait(num_outstanding=0, deps=(acc_r,))
-            _staged_out(dkv_ptr, acc_r, y_smem, rows, valid, D_V + (NUM_R - 1) * RW, DETERMINISTIC, fix)
+            _staged_out(dkv_ptr, acc_r, y_smem, rows, valid, D_V + (NUM_R - 1) * RW, DETERMINISTIC)
         else:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            _staged_out(dkv_ptr, acc, y_smem, rows, valid, (NUM_C - 1) * CHUNK, DETERMINISTIC, fix)
+            _staged_out(dkv_ptr, acc, y_smem, rows, valid, (NUM_C - 1) * CHUNK, DETERMINISTIC)
         _cta_barrier()  # every warp has read back its last piece
         mbarrier.arrive(y_free)
 
 
 @gluon.jit(do_not_specialize=["row_offset", "T_k", "K_slots"])
 def sparse_mla_bwd_sm90_ws_kernel(
-    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, lse2_ptr, delta_ptr, ds_ptr, dkv_ptr, fix_ptr,
+    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, lse2_ptr, delta_ptr, ds_ptr, dkv_ptr,
     row_offset, T_k, K_slots, sm_scale, qk_scale,
     H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr, DETERMINISTIC: gl.constexpr,
     REGS_PROB: gl.constexpr, REGS_PRODUCER: gl.constexpr, num_warps: gl.constexpr, PREFETCH_IDX: gl.constexpr = False,
@@ -327,7 +324,7 @@ def sparse_mla_bwd_sm90_ws_kernel(
         n_slots = gl.minimum(gl.maximum(gl.load(len_ptr + t).to(gl.int32), 0), K_slots)  # scalar
     else:
         n_slots = K_slots
-    ptrs = (q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr + t * K_slots, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr, fix_ptr)
+    ptrs = (q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr + t * K_slots, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr)
     row = (t, t_local, hb, n_slots, T_k, K_slots, sm_scale, qk_scale)
     sm = (s_v, q_r, v_buf, r_buf, y_smem, delta_smem, ready, free, y_ready, y_free, q_bar, delta_bar)
     gl.warp_specialize(

@@ -95,7 +95,7 @@ def warmup(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     finite = bool(torch.isfinite(out).all()) and all(bool(torch.isfinite(g).all()) for g in grads)
-    from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_backward_plan, sm90_dq_plan, sm90_dq_runs_applies
+    from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_backward_plan, sm90_dq_plan
     from longtrain.dsa.triton.sparse_mla_fwd import _sm90_default
 
     fwd_kernel = "sparse_mla_fwd_sm90_kernel" if _sm90_default(q, d_v) else "sparse_mla_fwd_kernel"
@@ -106,10 +106,7 @@ def warmup(
         "fused": ["sparse_mla_bwd_sm90_kernel_ds_dkv"],
         "fused_ws": ["sparse_mla_bwd_sm90_ws_kernel"],
     }[plan and plan[0]]
-    dq_plan = sm90_dq_plan(q, d_v, None)
-    dq_kernel = "sparse_mla_bwd_sm90_kernel_dq" if dq_plan else "sparse_mla_bwd_kernel_dq"
-    if dq_plan and sm90_dq_runs_applies(dq_plan, topk):
-        dq_kernel = "sparse_mla_bwd_sm90_dq_runs_kernel"
+    dq_kernel = "sparse_mla_bwd_sm90_kernel_dq" if sm90_dq_plan(q, d_v, None) else "sparse_mla_bwd_kernel_dq"
     # The bf16/fp16 scores run the SM90 kernel where it applies; the FP8 codes always score on the portable kernel.
     sm90_scores = indexer_topk.scores_route(iq, base, False) == "sm90"
     score_kernels = ["indexer_topk_fwd_sm90_kernel_scores"] if sm90_scores else []
