@@ -1,8 +1,9 @@
 """The sparse MLA backward's SM90 dq kernel at 64 and 128 heads per program, the row chunk and the deterministic
 chunk (CUDA; experiment).
 
-``python benchmarks/dsa_bwd_dq.py [--out-dir DIR] [--quick] [--rings]`` writes ``dsa_bwd_dq_<date>.md``, one
-document, K slots per query (random causal index sets as in ``dsa.py``), GLM-5.2 / DeepSeek-V3.2 dims:
+``python benchmarks/dsa_bwd_dq.py [--out-dir DIR] [--quick] [--rings] [--staged-store]`` writes
+``dsa_bwd_dq_<date>.md``, one document, K slots per query (random causal index sets as in ``dsa.py``), GLM-5.2 /
+DeepSeek-V3.2 dims:
 
 * ``dq kernel``: the dq kernel alone on one chunk of every row (``dS`` random, as the backward stores it), 64 heads
   per program (every column) against 128 heads per program (two programs, half of the columns each) at several
@@ -15,7 +16,9 @@ document, K slots per query (random causal index sets as in ``dsa.py``), GLM-5.2
   chunk) and whether two runs agree bit for bit.
 
 ``--rings`` times only the dq kernel alone and the whole backward with deeper rings (64 heads per program, dS in
-registers: 64 x 2, 64 x 3, 32 x 4, 32 x 6), at four shapes.
+registers: 64 x 2, 64 x 3, 32 x 4, 32 x 6), at four shapes. ``--staged-store`` times only dq stored through the ring
+(``SM90_DQ_STAGED_STORE``) against straight from the accumulator, alone and in the whole backward, alternating, at
+four shapes.
 
 Correctness against float64 is the GPU test's (``tests/gpu/test_dsa_triton_gpu.py -k dq128``).
 """
@@ -161,9 +164,62 @@ def _deterministic(rows: list[dict], chunk_rows: tuple[int, ...], total: int = 4
         print(rows[-1], flush=True)
 
 
-def main(out_dir: Path, quick: bool, rings: bool) -> None:
+def _staged_case(rows: list[dict], total: int, heads: int, topk: int, rounds: int = 2) -> None:
+    """dq stored through the ring (``SM90_DQ_STAGED_STORE``) against straight from the accumulator, alternating:
+    the dq kernel alone (64 x 2, dS in registers) and the whole backward at the defaults."""
+    from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sparse_mla_bwd_sm90_kernel_dq
+
+    dev = torch.device("cuda")
+    idx, length, _, _ = causal_index_sets([total], topk, dev)
+    valid = int(length.sum())
+    shape = f"T={total} H={heads} K={topk} 1doc"
+    q, kv = mla_inputs(total, heads, dev)
+    gen = torch.Generator(device=dev).manual_seed(1)
+    ds = (torch.randn((total, heads, topk), generator=gen, device=dev) * 0.05).to(kv.dtype)
+    grid = (total * triton.cdiv(heads, 64),)
+    meta = dict(H=heads, D_V=D_V, D_R=D_QK - D_V, HAS_LEN=True, BLOCK_K=64, NUM_BUF=2, HEADS=64, DS_SMEM=False,
+                num_warps=8)  # fmt: skip
+    out, lse = run_fwd(q, kv, idx, length, None)
+    dout = torch.randn_like(out)
+    flops = 2 * valid * heads * (3 * D_QK + 2 * D_V)
+    first = {}
+    for rnd in range(rounds):
+        for staged in (False, True):
+            dq = torch.full((total, heads, D_QK), float("nan"), dtype=kv.dtype, device=dev)
+
+            def launch(dq=dq, staged=staged):
+                sparse_mla_bwd_sm90_kernel_dq[grid](kv.view(kv.shape[0], -1), idx, length, ds, dq, 0, kv.shape[0],
+                                                    topk, **meta, STAGED_STORE=staged)  # fmt: skip
+
+            launch()
+            torch.cuda.synchronize()
+            first.setdefault("dq", dq)
+            ms = bench(launch)
+            rows.append(dict(part="dq kernel", shape=shape, variant=f"staged store {staged}, round {rnd + 1}", ms=ms[0],
+                             p20=ms[1], p80=ms[2], tflops=2 * valid * heads * D_QK / ms[0] / 1e9,
+                             finite=bool(torch.isfinite(dq).all()), dq_rel=_rel(dq, first["dq"])))  # fmt: skip
+            print(rows[-1], flush=True)
+            bwd_plan.SM90_DQ_STAGED_STORE = staged
+            try:
+                dqb, dkv, _ = run_bwd(q, kv, out, dout, lse, idx, length)
+                first.setdefault("bwd", (dqb, dkv))
+                ms = bench(lambda: run_bwd(q, kv, out, dout, lse, idx, length), rep_ms=300)
+            finally:
+                bwd_plan.SM90_DQ_STAGED_STORE = False
+            rows.append(dict(part="backward", shape=shape, variant=f"defaults, staged store {staged}, round {rnd + 1}",
+                             ms=ms[0], p20=ms[1], p80=ms[2], tflops=flops / ms[0] / 1e9,
+                             dq_rel=_rel(dqb, first["bwd"][0]), dkv_rel=_rel(dkv, first["bwd"][1])))  # fmt: skip
+            print(rows[-1], flush=True)
+
+
+def main(out_dir: Path, quick: bool, rings: bool, staged: bool = False) -> None:
     rows: list[dict] = []
     budgets = (1 << 29, 1 << 30, 1 << 31)
+    if staged:
+        for total, heads, topk in ((4096, 128, 512), (16384, 64, 2048), (4096, 64, 2048), (16384, 128, 2048)):
+            _staged_case(rows, total, heads, topk)
+        _write(rows, out_dir)
+        return
     if rings:
         for total, heads, topk in ((4096, 128, 512), (16384, 64, 2048), (4096, 64, 2048), (16384, 128, 2048)):
             _case(rows, total, heads, topk, (), rings=True)
@@ -196,5 +252,6 @@ if __name__ == "__main__":
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--quick", action="store_true", help="one chunk budget at T = 16384")
     parser.add_argument("--rings", action="store_true", help="only deeper rings of the dq kernel, four shapes")
+    parser.add_argument("--staged-store", action="store_true", help="only dq stored through the ring, four shapes")
     args = parser.parse_args()
-    main(args.out_dir, args.quick, args.rings)
+    main(args.out_dir, args.quick, args.rings, args.staged_store)

@@ -265,21 +265,24 @@ def test_a_forced_sm90_dq_config_is_accepted():
 
 @pytest.mark.skipif(cuobjdump() is None, reason="needs triton with its bundled NVIDIA toolchain (ptxas, cuobjdump)")
 @pytest.mark.parametrize(
-    "block_k,num_buf,d_qk,d_v,heads,ds_smem",
-    [(64, 2, 576, 512, 64, True), (64, 2, 576, 512, 64, False), (32, 4, 576, 512, 64, True),
-     (64, 2, 512, 512, 64, True), (64, 4, 576, 512, 128, True), (64, 4, 576, 512, 128, False),
-     (32, 2, 512, 512, 128, True), (64, 2, 320, 256, 128, True)],
-    ids=["64", "64-ds-regs", "32x4", "D512", "wide-64x4", "wide-64x4-ds-regs", "wide-D512-32x2", "wide-dv256"],
+    "block_k,num_buf,d_qk,d_v,heads,ds_smem,staged",
+    [(64, 2, 576, 512, 64, True, False), (64, 2, 576, 512, 64, False, False), (32, 4, 576, 512, 64, True, False),
+     (64, 2, 512, 512, 64, True, False), (64, 4, 576, 512, 128, True, False), (64, 4, 576, 512, 128, False, False),
+     (32, 2, 512, 512, 128, True, False), (64, 2, 320, 256, 128, True, False), (64, 2, 576, 512, 64, False, True),
+     (32, 4, 576, 512, 64, False, True), (64, 2, 576, 512, 128, False, True), (64, 2, 320, 256, 128, True, True)],
+    ids=["64", "64-ds-regs", "32x4", "D512", "wide-64x4", "wide-64x4-ds-regs", "wide-D512-32x2", "wide-dv256",
+         "64-ds-regs-staged", "32x4-staged", "wide-staged", "wide-dv256-staged"],
 )  # fmt: skip
-def test_sm90_dq_kernel_compiles_for_hopper(block_k, num_buf, d_qk, d_v, heads, ds_smem):
+def test_sm90_dq_kernel_compiles_for_hopper(block_k, num_buf, d_qk, d_v, heads, ds_smem, staged):
     """The SM90 dq kernel compiled for sm_90a: cp.async ring + wgmma, shared memory as budgeted, no spills, no
     serialized wgmma; with 128 heads per program each program gathers half of the columns; with ``DS_SMEM`` dS rides
-    in the ring, copied 16 bytes at a time."""
+    in the ring, copied 16 bytes at a time; with ``STAGED_STORE`` dq goes out through the ring (no more shared
+    memory)."""
     from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_dq_smem_bytes
 
     types = ["*bf16", "*i32", "*i32", "*bf16", "*bf16", "i32", "i32", "i32"]
     consts = dict(H=heads, D_V=d_v, D_R=d_qk - d_v, HAS_LEN=True, BLOCK_K=block_k, NUM_BUF=num_buf, HEADS=heads,
-                  DS_SMEM=ds_smem)  # fmt: skip
+                  DS_SMEM=ds_smem, STAGED_STORE=staged)  # fmt: skip
     stats = compile_sm90("longtrain.dsa.triton.sparse_mla_bwd_sm90", "sparse_mla_bwd_sm90_kernel_dq", types, consts)
     assert stats["cp_async"] and stats["wgmma"], stats
     assert stats["shared"] == sm90_dq_smem_bytes(block_k, num_buf, d_qk, 2, heads, ds_smem), stats

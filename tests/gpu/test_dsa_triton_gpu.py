@@ -359,6 +359,37 @@ def test_sm90_dq_deeper_rings_equal_64x2(H, K):
 
 
 @_SM90
+@pytest.mark.parametrize(
+    "T,H,K,ring",
+    [(96, 64, 512, None), (70, 96, 300, None), (5, 64, 64, None), (96, 128, 1000, (64, 2, 128)),
+     (40, 64, 256, (32, 4))],
+    ids=["64", "H96-K300", "T5", "128-heads-per-program", "32x4"],
+)  # fmt: skip
+def test_sm90_dq_staged_store_equals_direct(monkeypatch, T, H, K, ring):
+    """dq stored through the ring (``SM90_DQ_STAGED_STORE``) equals dq stored straight from the accumulator, bit for
+    bit (the same values, another path), at the defaults and forced rings: heads past H masked, a row without slots
+    stored as zeros, every element written (the output starts as NaN)."""
+    from longtrain.dsa.triton import sparse_mla_bwd_plan as bwd_plan
+    from longtrain.dsa.triton import sparse_mla_triton
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(T + H + K + 23)
+    q = torch.randn((T, H, 576), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
+    kv = torch.randn((2048, 1, 576), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
+    idx, length = _index_sets(T, 2048, K, gen, dev)
+    dout = torch.randn((T, H, 512), generator=gen, device=dev).to(torch.bfloat16)
+    config = None if ring is None else _configs(("sm90", 64, 2), "ws", ring)
+    grads = []
+    for staged in (False, True):
+        monkeypatch.setattr(bwd_plan, "SM90_DQ_STAGED_STORE", staged)
+        out = sparse_mla_triton(q, kv, idx, 192**-0.5, d_v=512, topk_length=length, config=config)
+        grads.append(torch.autograd.grad(out, (q, kv), dout))
+    assert torch.isfinite(grads[1][0]).all()
+    assert torch.equal(grads[1][0][0], torch.zeros_like(grads[1][0][0]))  # row 0 has no slots
+    assert torch.equal(grads[0][0], grads[1][0])
+
+
+@_SM90
 def test_forced_sm90_refuses_unsupported_shapes():
     from longtrain.dsa.triton import KernelConfig, sparse_mla_triton
 

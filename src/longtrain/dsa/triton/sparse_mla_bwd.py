@@ -574,6 +574,7 @@ def sparse_mla_bwd(
                 kv2d, *common, ds_buf, dq, row0, num_keys, k_slots, H=num_heads, D_V=d_v, D_R=d_r,
                 HAS_LEN=topk_length is not None, BLOCK_K=dq_block_k, NUM_BUF=dq_num_buf, HEADS=dq_heads,
                 DS_SMEM=bwd_plan.SM90_DQ_DS_SMEM and k_slots % 8 == 0, num_warps=8,
+                STAGED_STORE=bwd_plan.SM90_DQ_STAGED_STORE,
             )  # fmt: skip
         else:
             _launch(

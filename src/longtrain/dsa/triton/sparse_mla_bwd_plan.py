@@ -16,6 +16,7 @@ __all__ = [
     "SM90_DQ_DS_SMEM",
     "SM90_DQ_HEADS",
     "SM90_DQ_RINGS",
+    "SM90_DQ_STAGED_STORE",
     "sm90_backward_plan",
     "sm90_dq_plan",
     "sm90_dq_smem_bytes",
@@ -39,6 +40,11 @@ SM90_DQ_RINGS = {64: (64, 2), 128: (64, 2)}
 # and checked for sm_90a here; its GPU test is tests/gpu/test_dsa_triton_gpu.py -k ds_ring. Read at each
 # call.
 SM90_DQ_DS_SMEM = False
+# Whether the SM90 dq kernel stores dq through its ring (free by then) as whole 16-byte row segments per thread,
+# instead of straight from the wgmma accumulator (4-byte pairs, each 32-byte sector written in two halves). Its GPU
+# test is tests/gpu/test_dsa_triton_gpu.py -k staged_store, its benchmark python benchmarks/dsa_bwd_dq.py
+# --staged-store. Read at each call.
+SM90_DQ_STAGED_STORE = False
 # Heads per program of the SM90 kernels, and gathered slots per step of the fused one.
 _STACK_H = 64
 _DKV_BLOCK_K = 64

@@ -413,7 +413,7 @@ def sparse_mla_bwd_sm90_kernel_dq(
     row_offset, T_k, K_slots,
     H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr,
     BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, HEADS: gl.constexpr, DS_SMEM: gl.constexpr,
-    num_warps: gl.constexpr,
+    num_warps: gl.constexpr, STAGED_STORE: gl.constexpr = False,
 ):  # fmt: skip
     """``dq = dS K`` over a row's gathered slots: the gathered rows stream through the forward's cp.async ring of
     ``NUM_BUF`` tiles of ``BLOCK_K`` rows, each step one wgmma per part (latent, rope). Same contract as
@@ -530,10 +530,38 @@ def sparse_mla_bwd_sm90_kernel_dq(
     cp.wait_group(0)
 
     dq_row = dq_ptr + t * (H * D_QK)
-    oh = hb * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(1, o_layout))
-    oc = v_off + gl.arange(0, WV, layout=gl.SliceLayout(0, o_layout))
-    gl.store(dq_row + oh[:, None] * D_QK + oc[None, :], acc.to(dq_ptr.dtype.element_ty), mask=(oh < H)[:, None])
-    if D_R > 0:
-        rh = hb * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(1, r_layout))
-        rc = r_off + gl.arange(0, WR, layout=gl.SliceLayout(0, r_layout))
-        gl.store(dq_row + rh[:, None] * D_QK + rc[None, :], acc_r.to(dq_ptr.dtype.element_ty), mask=(rh < H)[:, None])
+    if STAGED_STORE:
+        # Through the ring, now free: whole 16-byte row segments per thread instead of the accumulator's 4-byte
+        # pairs, which write every 32-byte sector in two halves.
+        _cta_barrier()  # every warp's last wgmma has read the ring
+        _staged_store(dq_row, acc.to(dq_ptr.dtype.element_ty), v_bufs, hb * HEADS, v_off, H, D_QK, num_warps)
+        if D_R > 0:
+            _staged_store(dq_row, acc_r.to(dq_ptr.dtype.element_ty), r_bufs, hb * HEADS, r_off, H, D_QK, num_warps)
+    else:
+        oh = hb * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(1, o_layout))
+        oc = v_off + gl.arange(0, WV, layout=gl.SliceLayout(0, o_layout))
+        gl.store(dq_row + oh[:, None] * D_QK + oc[None, :], acc.to(dq_ptr.dtype.element_ty), mask=(oh < H)[:, None])
+        if D_R > 0:
+            rh = hb * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(1, r_layout))
+            rc = r_off + gl.arange(0, WR, layout=gl.SliceLayout(0, r_layout))
+            gl.store(dq_row + rh[:, None] * D_QK + rc[None, :], acc_r.to(dq_ptr.dtype.element_ty),
+                     mask=(rh < H)[:, None])  # fmt: skip
+
+
+@gluon.jit
+def _staged_store(row_ptr, value, buf, h0, col0, H: gl.constexpr, D_QK: gl.constexpr, num_warps: gl.constexpr):
+    """Store ``value`` ``[heads, W]`` (any layout) at heads ``h0 + [0, heads)``, columns ``col0 + [0, W)`` of a
+    ``[H, D_QK]`` row through the shared buffer ``buf`` (at least ``heads * W`` elements, free): each thread then
+    writes 16-byte pieces of whole row segments."""
+    ROWS: gl.constexpr = value.type.shape[0]
+    W: gl.constexpr = value.type.shape[1]
+    VEC: gl.constexpr = 128 // value.dtype.primitive_bitwidth  # 16 bytes
+    TPW_C: gl.constexpr = min(32, W // VEC)
+    L: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // TPW_C, TPW_C], [num_warps, 1], [1, 0])
+    view = _alias(buf, value.dtype, ROWS, W, gl.SwizzledSharedLayout(VEC, 1, min(8, W // VEC), order=[1, 0]))
+    view.store(value)
+    _cta_barrier()
+    out = view.load(L)  # [ROWS, W]
+    oh = h0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L))
+    oc = col0 + gl.arange(0, W, layout=gl.SliceLayout(0, L))
+    gl.store(row_ptr + oh[:, None] * D_QK + oc[None, :], out, mask=(oh < H)[:, None])
