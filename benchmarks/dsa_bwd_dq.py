@@ -17,8 +17,8 @@ DeepSeek-V3.2 dims:
 
 ``--rings`` times only the dq kernel alone and the whole backward with deeper rings (64 heads per program, dS in
 registers: 64 x 2, 64 x 3, 32 x 4, 32 x 6), at four shapes. ``--staged-store`` times only dq stored through the ring
-(``SM90_DQ_STAGED_STORE``) against straight from the accumulator, alone and in the whole backward, alternating, at
-four shapes.
+(``SM90_DQ_STAGED_STORE``) against straight from the accumulator alone, and the whole backward with each store path
+of dq and of dS (``WS_BWD_STAGED_DS``), alternating, at four shapes.
 
 Correctness against float64 is the GPU test's (``tests/gpu/test_dsa_triton_gpu.py -k dq128``).
 """
@@ -165,8 +165,10 @@ def _deterministic(rows: list[dict], chunk_rows: tuple[int, ...], total: int = 4
 
 
 def _staged_case(rows: list[dict], total: int, heads: int, topk: int, rounds: int = 2) -> None:
-    """dq stored through the ring (``SM90_DQ_STAGED_STORE``) against straight from the accumulator, alternating:
-    the dq kernel alone (64 x 2, dS in registers) and the whole backward at the defaults."""
+    """dq stored through the ring (``SM90_DQ_STAGED_STORE``) against straight from the accumulator (the dq kernel
+    alone, 64 x 2, dS in registers), and the whole backward at the defaults with each store path of dq and of dS
+    (``sparse_mla_bwd_sm90_ws.WS_BWD_STAGED_DS``), alternating."""
+    from longtrain.dsa.triton import sparse_mla_bwd_sm90_ws as ws
     from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sparse_mla_bwd_sm90_kernel_dq
 
     dev = torch.device("cuda")
@@ -183,6 +185,7 @@ def _staged_case(rows: list[dict], total: int, heads: int, topk: int, rounds: in
     dout = torch.randn_like(out)
     flops = 2 * valid * heads * (3 * D_QK + 2 * D_V)
     first = {}
+    saved = (bwd_plan.SM90_DQ_STAGED_STORE, ws.WS_BWD_STAGED_DS)
     for rnd in range(rounds):
         for staged in (False, True):
             dq = torch.full((total, heads, D_QK), float("nan"), dtype=kv.dtype, device=dev)
@@ -199,15 +202,16 @@ def _staged_case(rows: list[dict], total: int, heads: int, topk: int, rounds: in
                              p20=ms[1], p80=ms[2], tflops=2 * valid * heads * D_QK / ms[0] / 1e9,
                              finite=bool(torch.isfinite(dq).all()), dq_rel=_rel(dq, first["dq"])))  # fmt: skip
             print(rows[-1], flush=True)
-            bwd_plan.SM90_DQ_STAGED_STORE = staged
+        for dq_staged, ds_staged in ((False, False), (True, False), (True, True)):
+            bwd_plan.SM90_DQ_STAGED_STORE, ws.WS_BWD_STAGED_DS = dq_staged, ds_staged
             try:
                 dqb, dkv, _ = run_bwd(q, kv, out, dout, lse, idx, length)
                 first.setdefault("bwd", (dqb, dkv))
                 ms = bench(lambda: run_bwd(q, kv, out, dout, lse, idx, length), rep_ms=300)
             finally:
-                bwd_plan.SM90_DQ_STAGED_STORE = False
-            rows.append(dict(part="backward", shape=shape, variant=f"defaults, staged store {staged}, round {rnd + 1}",
-                             ms=ms[0], p20=ms[1], p80=ms[2], tflops=flops / ms[0] / 1e9,
+                bwd_plan.SM90_DQ_STAGED_STORE, ws.WS_BWD_STAGED_DS = saved
+            rows.append(dict(part="backward", shape=shape, ms=ms[0], p20=ms[1], p80=ms[2], tflops=flops / ms[0] / 1e9,
+                             variant=f"defaults, dq staged {dq_staged}, dS staged {ds_staged}, round {rnd + 1}",
                              dq_rel=_rel(dqb, first["bwd"][0]), dkv_rel=_rel(dkv, first["bwd"][1])))  # fmt: skip
             print(rows[-1], flush=True)
 

@@ -365,12 +365,13 @@ def test_smem_budget_of_the_warp_specialized_backward():
 
 @pytest.mark.skipif(cuobjdump() is None, reason="needs triton with its bundled NVIDIA toolchain (ptxas, cuobjdump)")
 @pytest.mark.parametrize(
-    "H,d_qk,d_v,deterministic,prefetch",
-    [(64, 576, 512, False, True), (64, 576, 512, False, False), (128, 512, 512, False, True),
-     (64, 576, 512, True, True), (64, 320, 256, False, True), (64, 384, 256, False, True)],
-    ids=["glm", "glm-indices-after-wait", "H128-D512", "det", "dv256", "rope128"],
+    "H,d_qk,d_v,deterministic,prefetch,staged",
+    [(64, 576, 512, False, True, False), (64, 576, 512, False, False, False), (128, 512, 512, False, True, False),
+     (64, 576, 512, True, True, False), (64, 320, 256, False, True, False), (64, 384, 256, False, True, False),
+     (64, 576, 512, False, False, True), (96, 320, 256, True, False, True)],
+    ids=["glm", "glm-indices-after-wait", "H128-D512", "det", "dv256", "rope128", "glm-staged-ds", "dv256-det-staged"],
 )  # fmt: skip
-def test_warp_specialized_backward_compiles_for_hopper(H, d_qk, d_v, deterministic, prefetch):
+def test_warp_specialized_backward_compiles_for_hopper(H, d_qk, d_v, deterministic, prefetch, staged):
     """The warp-specialized fused kernel compiled for sm_90a: cp.async + wgmma, shared memory within the budget (the
     compiler adds nothing of its own beyond it), no spills, no serialized wgmma, the worker partitions' register
     budgets as set."""
@@ -379,7 +380,7 @@ def test_warp_specialized_backward_compiles_for_hopper(H, d_qk, d_v, determinist
 
     types = _TYPES[:3] + ["*bf16"] + _TYPES[3:8] + ["*fp32"] + _TYPES[9:] + ["fp32", "fp32"]  # q kv dO O idx ...
     consts = dict(H=H, D_V=d_v, D_R=d_qk - d_v, HAS_LEN=True, DETERMINISTIC=deterministic, PREFETCH_IDX=prefetch,
-                  REGS_PROB=ws.WS_BWD_NUM_REGS[0], REGS_PRODUCER=ws.WS_BWD_NUM_REGS[1])  # fmt: skip
+                  REGS_PROB=ws.WS_BWD_NUM_REGS[0], REGS_PRODUCER=ws.WS_BWD_NUM_REGS[1], STAGED_DS=staged)  # fmt: skip
     stats = compile_sm90("longtrain.dsa.triton.sparse_mla_bwd_sm90_ws", "sparse_mla_bwd_sm90_ws_kernel", types, consts,
                          num_warps=4, maxnreg=ws.WS_BWD_MAXNREG)  # fmt: skip
     assert stats["cp_async"] and stats["wgmma"] and not stats["wgmma_serialized"], stats

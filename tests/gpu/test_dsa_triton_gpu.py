@@ -390,6 +390,36 @@ def test_sm90_dq_staged_store_equals_direct(monkeypatch, T, H, K, ring):
 
 
 @_SM90
+@pytest.mark.parametrize(
+    "T,H,K,deterministic", [(96, 64, 512, False), (70, 96, 300, True), (5, 128, 64, False)], ids=["64", "H96-det", "T5"]
+)
+def test_ws_backward_staged_ds_equals_direct(monkeypatch, T, H, K, deterministic):
+    """dS stored from the handed-over ``[dS; P]`` tile (``WS_BWD_STAGED_DS``) equals dS stored straight from the
+    accumulator: dq equal bit for bit (the dq kernel reads it), dkv equal up to its atomics' order (bit for bit in
+    deterministic mode), over ragged rows, a head count that is not a multiple of 64 and a partial last tile."""
+    from longtrain.dsa.triton import sparse_mla_bwd_sm90_ws as ws
+    from longtrain.dsa.triton import sparse_mla_triton
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(T + H + K + 29)
+    q = torch.randn((T, H, 576), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
+    kv = torch.randn((2048, 1, 576), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
+    idx, length = _index_sets(T, 2048, K, gen, dev)
+    dout = torch.randn((T, H, 512), generator=gen, device=dev).to(torch.bfloat16)
+    grads = []
+    for staged in (False, True):
+        monkeypatch.setattr(ws, "WS_BWD_STAGED_DS", staged)
+        out = sparse_mla_triton(q, kv, idx, 192**-0.5, d_v=512, topk_length=length, deterministic=deterministic)
+        grads.append(torch.autograd.grad(out, (q, kv), dout))
+    assert torch.isfinite(grads[1][0]).all() and torch.isfinite(grads[1][1]).all()
+    assert torch.equal(grads[0][0], grads[1][0])
+    if deterministic:
+        assert torch.equal(grads[0][1], grads[1][1])
+    else:
+        torch.testing.assert_close(grads[0][1].float(), grads[1][1].float(), rtol=2**-7, atol=2**-7)
+
+
+@_SM90
 def test_forced_sm90_refuses_unsupported_shapes():
     from longtrain.dsa.triton import KernelConfig, sparse_mla_triton
 

@@ -41,10 +41,12 @@ SM90_DQ_RINGS = {64: (64, 2), 128: (64, 2)}
 # call.
 SM90_DQ_DS_SMEM = False
 # Whether the SM90 dq kernel stores dq through its ring (free by then) as whole 16-byte row segments per thread,
-# instead of straight from the wgmma accumulator (4-byte pairs, each 32-byte sector written in two halves). Its GPU
-# test is tests/gpu/test_dsa_triton_gpu.py -k staged_store, its benchmark python benchmarks/dsa_bwd_dq.py
-# --staged-store. Read at each call.
-SM90_DQ_STAGED_STORE = False
+# instead of straight from the wgmma accumulator (4-byte pairs, each 32-byte sector written in two halves). True: on an
+# H100 the dq kernel took 1.01-1.03 ms against 1.20-1.22 at T = 4096, H = 128, K = 512 and the whole backward 5.43-5.45
+# against 5.62-5.64 (39.94-39.98 against 40.42-40.43 at T = 16384, H = 64, K = 2048; 79.63 against 81.27-81.33 at
+# H = 128), dq equal bit for bit (benchmarks/results/dsa_bwd_dq_staged_8736276_h100_2026-12-06.md, python
+# benchmarks/dsa_bwd_dq.py --staged-store; tests/gpu/test_dsa_triton_gpu.py -k staged_store). Read at each call.
+SM90_DQ_STAGED_STORE = True
 # Heads per program of the SM90 kernels, and gathered slots per step of the fused one.
 _STACK_H = 64
 _DKV_BLOCK_K = 64

@@ -50,6 +50,7 @@ __all__ = [
     "WS_BWD_MAXNREG",
     "WS_BWD_NUM_REGS",
     "WS_BWD_PREFETCH_IDX",
+    "WS_BWD_STAGED_DS",
     "sparse_mla_bwd_sm90_ws_kernel",
 ]
 
@@ -66,6 +67,10 @@ WS_BWD_MAXNREG = 168
 # 5.75; T = 16384 within 1 %; benchmarks/results/dsa_ws_prefetch_0a9b2ae_h100_2026-12-06.md), where the forward's
 # producer gains from it. Read at each launch.
 WS_BWD_PREFETCH_IDX = False
+# Whether the probabilities warpgroup stores dS (the dq kernel's input) from the [dS; P] tile it hands over, as whole
+# 16-byte row segments per thread (True), instead of straight from the wgmma accumulator's 4-byte pairs. Read at each
+# launch.
+WS_BWD_STAGED_DS = False
 
 
 @gluon.jit
@@ -143,7 +148,7 @@ def _row_delta(o_row, d_o, hb, H: gl.constexpr, D_V: gl.constexpr):
 
 @gluon.jit
 def _probabilities(ptrs, row, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr,
-                   DETERMINISTIC: gl.constexpr):  # fmt: skip
+                   DETERMINISTIC: gl.constexpr, STAGED_DS: gl.constexpr):  # fmt: skip
     """Worker partition: per tile, ``S`` and ``dP``, then ``P`` and ``dS``; ``dS`` stored, ``[dS; P]`` handed over."""
     q_ptr, kv_ptr, dout_ptr, out_ptr, idx_row, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr = ptrs
     t, t_local, hb, n_slots, T_k, K_slots, sm_scale, qk_scale = row
@@ -159,6 +164,11 @@ def _probabilities(ptrs, row, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.co
     lse2 = gl.load(lse2_ptr + t * H + offs_h, mask=mask_h, other=float("inf"))  # [64]
     delta = gl.zeros([_BLOCK_H], gl.float32, layout=row_s)  # the producer's, from the first tile on
     ds_rows = (t_local * H + offs_h.to(gl.int64)) * K_slots  # [64]
+    if STAGED_DS:
+        LB: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_K // 8), BLOCK_K // 8], [4, 1], [1, 0])
+        offs_hb = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, LB))
+        mask_hb = offs_hb < H
+        ds_rows_b = (t_local * H + offs_hb.to(gl.int64)) * K_slots  # [64]
     zero = gl.zeros([_BLOCK_H, BLOCK_K], gl.float32, layout=s_layout)
     q_v = s_v.slice(0, _BLOCK_H, dim=0)  # [64, D_V]
     d_o = s_v.slice(_BLOCK_H, _BLOCK_H, dim=0)  # [64, D_V]
@@ -180,14 +190,24 @@ def _probabilities(ptrs, row, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.co
 
         p = gl.where(valid[None, :], gl.exp2(s * qk_scale - lse2[:, None]), 0.0)  # [64, BLOCK_K]
         ds = (p * (dp - delta[:, None]) * sm_scale).to(dtype)  # [64, BLOCK_K]
-        offs_k = i * BLOCK_K + gl.arange(0, BLOCK_K, layout=col_s)
-        mask = mask_h[:, None] & (offs_k < n_slots)[None, :]
-        gl.store(ds_ptr + ds_rows[:, None] + offs_k[None, :], ds, mask=mask)
+        if not STAGED_DS:
+            offs_k = i * BLOCK_K + gl.arange(0, BLOCK_K, layout=col_s)
+            mask = mask_h[:, None] & (offs_k < n_slots)[None, :]
+            gl.store(ds_ptr + ds_rows[:, None] + offs_k[None, :], ds, mask=mask)
         mbarrier.wait(y_free, (i & 1) ^ 1)
         y_smem.slice(0, _BLOCK_H, dim=0).store(ds)
         y_smem.slice(_BLOCK_H, _BLOCK_H, dim=0).store(p.to(dtype))
         fence_async_shared()
         mbarrier.arrive(y_ready)
+        if STAGED_DS:
+            # dS for the dq kernel from the tile just handed over, as whole 16-byte row segments per thread (the
+            # accumulator's 4-byte pairs write every 32-byte sector in two halves).
+            _cta_barrier()  # every warp's dS is in shared memory
+            d = y_smem.slice(0, _BLOCK_H, dim=0).load(LB)  # [64, BLOCK_K]
+            offs_kb = i * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, LB))
+            mask_b = mask_hb[:, None] & (offs_kb < n_slots)[None, :]
+            gl.store(ds_ptr + ds_rows_b[:, None] + offs_kb[None, :], d, mask=mask_b)
+            _cta_barrier()  # read by every warp before the next tile's dS overwrites it
 
 
 @gluon.jit
@@ -281,6 +301,7 @@ def sparse_mla_bwd_sm90_ws_kernel(
     row_offset, T_k, K_slots, sm_scale, qk_scale,
     H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr, DETERMINISTIC: gl.constexpr,
     REGS_PROB: gl.constexpr, REGS_PRODUCER: gl.constexpr, num_warps: gl.constexpr, PREFETCH_IDX: gl.constexpr = False,
+    STAGED_DS: gl.constexpr = False,
 ):  # fmt: skip
     NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
     BLOCK_K: gl.constexpr = _BLOCK_K
@@ -330,7 +351,7 @@ def sparse_mla_bwd_sm90_ws_kernel(
     gl.warp_specialize(
         [
             (_dkv, (ptrs, row, sm, H, D_V, D_R, BLOCK_K, DETERMINISTIC)),
-            (_probabilities, (ptrs, row, sm, H, D_V, D_R, BLOCK_K, DETERMINISTIC)),
+            (_probabilities, (ptrs, row, sm, H, D_V, D_R, BLOCK_K, DETERMINISTIC, STAGED_DS)),
             (_producer, (ptrs, row, sm, H, D_V, D_R, BLOCK_K, DETERMINISTIC, PREFETCH_IDX)),
         ],
         [4, 4],
