@@ -197,17 +197,19 @@ def _probabilities(ptrs, row, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.co
         mbarrier.wait(y_free, (i & 1) ^ 1)
         y_smem.slice(0, _BLOCK_H, dim=0).store(ds)
         y_smem.slice(_BLOCK_H, _BLOCK_H, dim=0).store(p.to(dtype))
+        if STAGED_DS:
+            # dS for the dq kernel read back from the tile, as whole 16-byte row segments per thread (the
+            # accumulator's 4-byte pairs write every 32-byte sector in two halves). Read before the hand-over: the
+            # dkv warpgroup stages its fp32 pieces in this buffer once it has loaded the tile.
+            _cta_barrier()  # every warp's dS is in shared memory
+            d = y_smem.slice(0, _BLOCK_H, dim=0).load(LB)  # [64, BLOCK_K]
+            _cta_barrier()  # ... and read back by every warp
         fence_async_shared()
         mbarrier.arrive(y_ready)
         if STAGED_DS:
-            # dS for the dq kernel from the tile just handed over, as whole 16-byte row segments per thread (the
-            # accumulator's 4-byte pairs write every 32-byte sector in two halves).
-            _cta_barrier()  # every warp's dS is in shared memory
-            d = y_smem.slice(0, _BLOCK_H, dim=0).load(LB)  # [64, BLOCK_K]
             offs_kb = i * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, LB))
             mask_b = mask_hb[:, None] & (offs_kb < n_slots)[None, :]
             gl.store(ds_ptr + ds_rows_b[:, None] + offs_kb[None, :], d, mask=mask_b)
-            _cta_barrier()  # read by every warp before the next tile's dS overwrites it
 
 
 @gluon.jit
