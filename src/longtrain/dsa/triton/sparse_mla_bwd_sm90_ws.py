@@ -68,9 +68,13 @@ WS_BWD_MAXNREG = 168
 # producer gains from it. Read at each launch.
 WS_BWD_PREFETCH_IDX = False
 # Whether the probabilities warpgroup stores dS (the dq kernel's input) from the [dS; P] tile it hands over, as whole
-# 16-byte row segments per thread (True), instead of straight from the wgmma accumulator's 4-byte pairs. Read at each
-# launch.
-WS_BWD_STAGED_DS = False
+# 16-byte row segments per thread (True), instead of straight from the wgmma accumulator's 4-byte pairs (each 32-byte
+# sector written in two halves). True: with dq through the dq kernel's ring, the backward on an H100 took 39.25 ms
+# against 39.94-40.36 at T = 16384, H = 64, K = 2048, 77.66-77.78 against 79.77-79.92 at H = 128 and 7.92-7.93
+# against 8.10-8.11 at T = 4096, H = 64; at T = 4096, H = 128, K = 512 5.45-5.54 against 5.45-5.51 (the same)
+# (benchmarks/results/dsa_bwd_staged_1332b69_h100_2026-12-06.md, python benchmarks/dsa_bwd_dq.py --staged-store;
+# tests/gpu/test_dsa_triton_gpu.py -k staged_ds). Read at each launch.
+WS_BWD_STAGED_DS = True
 
 
 @gluon.jit
