@@ -202,7 +202,7 @@ def _staged_case(rows: list[dict], total: int, heads: int, topk: int, rounds: in
                              p20=ms[1], p80=ms[2], tflops=2 * valid * heads * D_QK / ms[0] / 1e9,
                              finite=bool(torch.isfinite(dq).all()), dq_rel=_rel(dq, first["dq"])))  # fmt: skip
             print(rows[-1], flush=True)
-        for dq_staged, ds_staged in ((False, 0), (True, 0), (True, 1), (True, 2)):
+        for dq_staged, ds_staged in ((False, False), (True, False), (True, True)):
             bwd_plan.SM90_DQ_STAGED_STORE, ws.WS_BWD_STAGED_DS = dq_staged, ds_staged
             try:
                 dqb, dkv, _ = run_bwd(q, kv, out, dout, lse, idx, length)

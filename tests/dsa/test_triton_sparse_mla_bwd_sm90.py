@@ -366,11 +366,10 @@ def test_smem_budget_of_the_warp_specialized_backward():
 @pytest.mark.skipif(cuobjdump() is None, reason="needs triton with its bundled NVIDIA toolchain (ptxas, cuobjdump)")
 @pytest.mark.parametrize(
     "H,d_qk,d_v,deterministic,prefetch,staged",
-    [(64, 576, 512, False, True, 0), (64, 576, 512, False, False, 1), (128, 512, 512, False, True, 1),
-     (64, 576, 512, True, True, 1), (64, 320, 256, False, True, 0), (64, 384, 256, False, True, 1),
-     (64, 576, 512, False, False, 2), (96, 320, 256, True, False, 2)],
-    ids=["glm-ds-direct", "glm-indices-after-wait", "H128-D512", "det", "dv256-ds-direct", "rope128",
-         "glm-ds-by-dkv", "dv256-det-ds-by-dkv"],
+    [(64, 576, 512, False, True, False), (64, 576, 512, False, False, False), (128, 512, 512, False, True, False),
+     (64, 576, 512, True, True, False), (64, 320, 256, False, True, False), (64, 384, 256, False, True, False),
+     (64, 576, 512, False, False, True), (96, 320, 256, True, False, True)],
+    ids=["glm", "glm-indices-after-wait", "H128-D512", "det", "dv256", "rope128", "glm-staged-ds", "dv256-det-staged"],
 )  # fmt: skip
 def test_warp_specialized_backward_compiles_for_hopper(H, d_qk, d_v, deterministic, prefetch, staged):
     """The warp-specialized fused kernel compiled for sm_90a: cp.async + wgmma, shared memory within the budget (the

@@ -67,15 +67,14 @@ WS_BWD_MAXNREG = 168
 # 5.75; T = 16384 within 1 %; benchmarks/results/dsa_ws_prefetch_0a9b2ae_h100_2026-12-06.md), where the forward's
 # producer gains from it. Read at each launch.
 WS_BWD_PREFETCH_IDX = False
-# How dS (the dq kernel's input) reaches global memory: 0, straight from the probabilities warpgroup's wgmma
-# accumulator (4-byte pairs: each 32-byte sector written in two halves); 1, read back by the probabilities warpgroup
-# from the [dS; P] tile before it hands the tile over, as whole 16-byte row segments per thread; 2, the same read by
-# the dkv warpgroup once it has the tile. 1 against 0 (with dq through the dq kernel's ring), on an H100: the backward
-# 39.25 ms against 39.94-40.36 at T = 16384, H = 64, K = 2048, 77.66-77.78 against 79.77-79.92 at H = 128 and
-# 7.92-7.93 against 8.10-8.11 at T = 4096, H = 64; at T = 4096, H = 128, K = 512 5.45-5.54 against 5.45-5.51 (the
-# same) (benchmarks/results/dsa_bwd_staged_1332b69_h100_2026-12-06.md, python benchmarks/dsa_bwd_dq.py
-# --staged-store; tests/gpu/test_dsa_triton_gpu.py -k staged_ds). Read at each launch.
-WS_BWD_STAGED_DS = 1
+# Whether the probabilities warpgroup stores dS (the dq kernel's input) from the [dS; P] tile it hands over, as whole
+# 16-byte row segments per thread (True), instead of straight from the wgmma accumulator's 4-byte pairs (each 32-byte
+# sector written in two halves). True: with dq through the dq kernel's ring, the backward on an H100 took 39.25 ms
+# against 39.94-40.36 at T = 16384, H = 64, K = 2048, 77.66-77.78 against 79.77-79.92 at H = 128 and 7.92-7.93
+# against 8.10-8.11 at T = 4096, H = 64; at T = 4096, H = 128, K = 512 5.45-5.54 against 5.45-5.51 (the same)
+# (benchmarks/results/dsa_bwd_staged_1332b69_h100_2026-12-06.md, python benchmarks/dsa_bwd_dq.py --staged-store;
+# tests/gpu/test_dsa_triton_gpu.py -k staged_ds). Read at each launch.
+WS_BWD_STAGED_DS = True
 
 
 @gluon.jit
@@ -169,9 +168,11 @@ def _probabilities(ptrs, row, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.co
     lse2 = gl.load(lse2_ptr + t * H + offs_h, mask=mask_h, other=float("inf"))  # [64]
     delta = gl.zeros([_BLOCK_H], gl.float32, layout=row_s)  # the producer's, from the first tile on
     ds_rows = (t_local * H + offs_h.to(gl.int64)) * K_slots  # [64]
-    if STAGED_DS == 1:
-        LB: gl.constexpr = _ds_rows_layout(BLOCK_K)
-        ds_rows_b, mask_hb = _ds_rows(t_local, hb, H, K_slots, LB)
+    if STAGED_DS:
+        LB: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_K // 8), BLOCK_K // 8], [4, 1], [1, 0])
+        offs_hb = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, LB))
+        mask_hb = offs_hb < H
+        ds_rows_b = (t_local * H + offs_hb.to(gl.int64)) * K_slots  # [64]
     zero = gl.zeros([_BLOCK_H, BLOCK_K], gl.float32, layout=s_layout)
     q_v = s_v.slice(0, _BLOCK_H, dim=0)  # [64, D_V]
     d_o = s_v.slice(_BLOCK_H, _BLOCK_H, dim=0)  # [64, D_V]
@@ -193,14 +194,14 @@ def _probabilities(ptrs, row, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.co
 
         p = gl.where(valid[None, :], gl.exp2(s * qk_scale - lse2[:, None]), 0.0)  # [64, BLOCK_K]
         ds = (p * (dp - delta[:, None]) * sm_scale).to(dtype)  # [64, BLOCK_K]
-        if STAGED_DS == 0:
+        if not STAGED_DS:
             offs_k = i * BLOCK_K + gl.arange(0, BLOCK_K, layout=col_s)
             mask = mask_h[:, None] & (offs_k < n_slots)[None, :]
             gl.store(ds_ptr + ds_rows[:, None] + offs_k[None, :], ds, mask=mask)
         mbarrier.wait(y_free, (i & 1) ^ 1)
         y_smem.slice(0, _BLOCK_H, dim=0).store(ds)
         y_smem.slice(_BLOCK_H, _BLOCK_H, dim=0).store(p.to(dtype))
-        if STAGED_DS == 1:
+        if STAGED_DS:
             # dS for the dq kernel read back from the tile, as whole 16-byte row segments per thread (the
             # accumulator's 4-byte pairs write every 32-byte sector in two halves). Read before the hand-over: the
             # dkv warpgroup stages its fp32 pieces in this buffer once it has loaded the tile.
@@ -209,23 +210,10 @@ def _probabilities(ptrs, row, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.co
             _cta_barrier()  # ... and read back by every warp
         fence_async_shared()
         mbarrier.arrive(y_ready)
-        if STAGED_DS == 1:
+        if STAGED_DS:
             offs_kb = i * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, LB))
             mask_b = mask_hb[:, None] & (offs_kb < n_slots)[None, :]
             gl.store(ds_ptr + ds_rows_b[:, None] + offs_kb[None, :], d, mask=mask_b)
-
-
-@gluon.constexpr_function
-def _ds_rows_layout(block_k):
-    """A ``[64, block_k]`` bf16 tile as whole 16-byte row segments per thread (one warpgroup)."""
-    return gl.BlockedLayout([1, 8], [32 // (block_k // 8), block_k // 8], [4, 1], [1, 0])
-
-
-@gluon.jit
-def _ds_rows(t_local, hb, H: gl.constexpr, K_slots, layout: gl.constexpr):
-    """The block's ``dS`` scratch rows ``[64]`` and which heads exist, in ``layout``'s rows."""
-    offs_h = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, layout))
-    return (t_local * H + offs_h.to(gl.int64)) * K_slots, offs_h < H
 
 
 @gluon.jit
@@ -250,7 +238,7 @@ def _staged_out(dkv_ptr, acc, stage, rows, valid, col0, DETERMINISTIC: gl.conste
 
 @gluon.jit
 def _dkv(ptrs, row, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr,
-         DETERMINISTIC: gl.constexpr, STAGED_DS: gl.constexpr):  # fmt: skip
+         DETERMINISTIC: gl.constexpr):  # fmt: skip
     """Default partition: per tile, ``dkv[idx] += [dS; P]^T [Q_v; dO]`` (value columns) and ``dS^T Q_r`` (rope
     columns) in column chunks of 64, each chunk's wgmma issued before the previous chunk's piece is turned into whole
     row segments through the ``[dS; P]`` buffer (read into registers first, released at the end of the tile) and
@@ -273,9 +261,6 @@ def _dkv(ptrs, row, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, B
         ar_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=r_layout, k_width=2)
         zero_r = gl.zeros([BLOCK_K, RW], gl.float32, layout=r_layout)
 
-    if STAGED_DS == 2:
-        LB: gl.constexpr = _ds_rows_layout(BLOCK_K)
-        ds_rows_b, mask_hb = _ds_rows(t_local, hb, H, K_slots, LB)
     mbarrier.wait(q_bar, 0)
     for i in range(gl.cdiv(n_slots, BLOCK_K)):
         k0 = i * BLOCK_K
@@ -289,11 +274,6 @@ def _dkv(ptrs, row, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, B
         a = y_smem.permute((1, 0)).load(a_layout)  # [BLOCK_K, 128]: [dS; P]^T
         if D_R > 0:
             a_r = y_smem.slice(0, _BLOCK_H, dim=0).permute((1, 0)).load(ar_layout)  # [BLOCK_K, 64]: dS^T
-        if STAGED_DS == 2:  # dS for the dq kernel as whole 16-byte row segments, before the tile stages pieces
-            d = y_smem.slice(0, _BLOCK_H, dim=0).load(LB)  # [64, BLOCK_K]
-            offs_kb = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, LB))
-            mask_b = mask_hb[:, None] & (offs_kb < n_slots)[None, :]
-            gl.store(ds_ptr + ds_rows_b[:, None] + offs_kb[None, :], d, mask=mask_b)
 
         acc = warpgroup_mma(a, s_v.slice(0, CHUNK, dim=1), zero, use_acc=False, is_async=True)  # [BLOCK_K, CHUNK]
         for c in gl.static_range(1, NUM_C):
@@ -327,7 +307,7 @@ def sparse_mla_bwd_sm90_ws_kernel(
     row_offset, T_k, K_slots, sm_scale, qk_scale,
     H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr, DETERMINISTIC: gl.constexpr,
     REGS_PROB: gl.constexpr, REGS_PRODUCER: gl.constexpr, num_warps: gl.constexpr, PREFETCH_IDX: gl.constexpr = False,
-    STAGED_DS: gl.constexpr = 0,
+    STAGED_DS: gl.constexpr = False,
 ):  # fmt: skip
     NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
     BLOCK_K: gl.constexpr = _BLOCK_K
@@ -376,7 +356,7 @@ def sparse_mla_bwd_sm90_ws_kernel(
     sm = (s_v, q_r, v_buf, r_buf, y_smem, delta_smem, ready, free, y_ready, y_free, q_bar, delta_bar)
     gl.warp_specialize(
         [
-            (_dkv, (ptrs, row, sm, H, D_V, D_R, BLOCK_K, DETERMINISTIC, STAGED_DS)),
+            (_dkv, (ptrs, row, sm, H, D_V, D_R, BLOCK_K, DETERMINISTIC)),
             (_probabilities, (ptrs, row, sm, H, D_V, D_R, BLOCK_K, DETERMINISTIC, STAGED_DS)),
             (_producer, (ptrs, row, sm, H, D_V, D_R, BLOCK_K, DETERMINISTIC, PREFETCH_IDX)),
         ],
