@@ -18,7 +18,8 @@ DeepSeek-V3.2 dims:
 ``--rings`` times only the dq kernel alone and the whole backward with deeper rings (64 heads per program, dS in
 registers: 64 x 2, 64 x 3, 32 x 4, 32 x 6), at four shapes. ``--staged-store`` times only dq stored through the ring
 (``SM90_DQ_STAGED_STORE``) against straight from the accumulator alone, and the whole backward with each store path
-of dq and of dS (``WS_BWD_STAGED_DS``), alternating, at four shapes.
+of dq and of dS (``WS_BWD_STAGED_DS``), alternating, at four shapes. ``--memcheck`` runs small backwards through
+every store path for ``compute-sanitizer`` (no report).
 
 Correctness against float64 is the GPU test's (``tests/gpu/test_dsa_triton_gpu.py -k dq128``).
 """
@@ -216,6 +217,38 @@ def _staged_case(rows: list[dict], total: int, heads: int, topk: int, rounds: in
             print(rows[-1], flush=True)
 
 
+def memcheck() -> None:
+    """Small backwards for compute-sanitizer: the defaults (dq and dS stored through shared memory) and both stores
+    straight from the accumulators, forced dq rings (128 heads per program, 32 x 4), H = 64, 96, 128, with and
+    without lengths, invalid and out-of-range slots, deterministic mode."""
+    from longtrain.dsa.triton import sparse_mla_bwd_sm90_ws as ws
+
+    dev = torch.device("cuda")
+    total, topk = 300, 256
+    for heads in (64, 96, 128):
+        idx, length, _, _ = causal_index_sets([total], topk, dev)
+        idx[5, :6] = torch.tensor([-1, total, 2**30, 3, 3, -7], dtype=torch.int32, device=dev)
+        q, kv = mla_inputs(total, heads, dev)
+        out, lse = run_fwd(q, kv, idx, length, None)
+        dout = torch.randn_like(out)
+        rings = [(None, None, None), (None, KernelConfig(impl="sm90", block_k=32, num_stages=4), None)]
+        if heads % 128 == 0:
+            rings.append((None, KernelConfig(impl="sm90", block_k=64, num_stages=2, block_h=128), None))
+        for staged in (True, False):
+            bwd_plan.SM90_DQ_STAGED_STORE = ws.WS_BWD_STAGED_DS = staged
+            try:
+                for with_len in (True, False):
+                    for cfgs in rings:
+                        for det in (False, True):
+                            dq, dkv, _ = run_bwd(q, kv, out, dout, lse, idx, length if with_len else None, cfgs=cfgs,
+                                                 deterministic=det)  # fmt: skip
+                            torch.cuda.synchronize()
+                            print("memcheck case", heads, staged, with_len, cfgs[1] is not None, det,
+                                  bool(dq.isfinite().all() and dkv.isfinite().all()), flush=True)  # fmt: skip
+            finally:
+                bwd_plan.SM90_DQ_STAGED_STORE = ws.WS_BWD_STAGED_DS = True
+
+
 def main(out_dir: Path, quick: bool, rings: bool, staged: bool = False) -> None:
     rows: list[dict] = []
     budgets = (1 << 29, 1 << 30, 1 << 31)
@@ -257,5 +290,9 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true", help="one chunk budget at T = 16384")
     parser.add_argument("--rings", action="store_true", help="only deeper rings of the dq kernel, four shapes")
     parser.add_argument("--staged-store", action="store_true", help="only dq stored through the ring, four shapes")
+    parser.add_argument("--memcheck", action="store_true", help="small backwards for compute-sanitizer, no report")
     args = parser.parse_args()
-    main(args.out_dir, args.quick, args.rings, args.staged_store)
+    if args.memcheck:
+        memcheck()
+    else:
+        main(args.out_dir, args.quick, args.rings, args.staged_store)

@@ -73,7 +73,9 @@ WS_BWD_PREFETCH_IDX = False
 # against 39.94-40.36 at T = 16384, H = 64, K = 2048, 77.66-77.78 against 79.77-79.92 at H = 128 and 7.92-7.93
 # against 8.10-8.11 at T = 4096, H = 64; at T = 4096, H = 128, K = 512 5.45-5.54 against 5.45-5.51 (the same)
 # (benchmarks/results/dsa_bwd_staged_1332b69_h100_2026-12-06.md, python benchmarks/dsa_bwd_dq.py --staged-store;
-# tests/gpu/test_dsa_triton_gpu.py -k staged_ds). Read at each launch.
+# tests/gpu/test_dsa_triton_gpu.py -k staged_ds). The dkv warpgroup storing it from the tile it has loaded instead was
+# slower than either (40.18-40.20 ms at T = 16384, H = 64; code in f317c5f,
+# benchmarks/results/dsa_bwd_staged_modes_f317c5f_h100_2026-12-06.md). Read at each launch.
 WS_BWD_STAGED_DS = True
 
 
