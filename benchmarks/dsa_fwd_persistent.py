@@ -3,15 +3,16 @@ runs of ``WS_RUN`` consecutive items per program, persistent (one program per SM
 block) item) and dynamic (one program per SM taking its next item from a counter).
 
 ``python benchmarks/dsa_fwd_persistent.py [--out-dir DIR] [--baseline-file FILE] [--case T,H,K] [--rounds N]
-[--regs R,P] [--runs 2,4,8] [--contention BLOCKS,MS]`` writes
+[--regs R,P] [--runs 2,4,8] [--contention BLOCKS,MS] [--staged-out]`` writes
 ``dsa_fwd_persistent_<date>.md``: the forward at ``config=None`` every way on one document (GLM-5.2 dims, random
 causal index sets as in ``dsa.py``), each way ``--rounds`` times, with whether each gives the same output bit for bit
 (they run the same arithmetic per item). ``--baseline-file`` also times a copy of an earlier
 ``sparse_mla_fwd_sm90_ws.py`` (one program per item, its own launch signature ``(..., lse, T_k, K_slots,
 qk_scale)``), e.g. the last commit's, in the same run. ``--contention BLOCKS,MS`` adds rows timed while a kernel of
 ``BLOCKS`` programs that each hold an SM for ``MS`` ms runs on another stream, launched just before the forward (as
-the NCCL kernels of an all-gather that FSDP overlaps with a layer hold their SMs). ``--memcheck`` runs small launches
-only, for ``compute-sanitizer --tool memcheck``.
+the NCCL kernels of an all-gather that FSDP overlaps with a layer hold their SMs). ``--staged-out`` times only runs of 4 and
+persistent programs, each with the output stored straight from the accumulators and through the last tile
+(``WS_STAGED_OUT``). ``--memcheck`` runs small launches only, for ``compute-sanitizer --tool memcheck``.
 """
 
 from __future__ import annotations
@@ -52,26 +53,31 @@ def _baseline_launcher(path: Path):
     return launch
 
 
-def _variants(runs: list[int], baseline: Path | None) -> dict[str, tuple[str, int, bool]]:
-    """name -> (WS_SCHEDULE, WS_RUN, WS_PREFETCH_Q); ``baseline file`` runs the earlier copy's kernel."""
-    table = {"per item": ("runs", 1, False)}
-    table.update({f"runs of {r}": ("runs", r, False) for r in runs})
-    table.update({"persistent": ("persistent", 1, False), "dynamic": ("dynamic", 1, False),
-                  "dynamic, queries prefetched to L2": ("dynamic", 1, True)})  # fmt: skip
+def _variants(runs: list[int], baseline: Path | None, staged: bool = False) -> dict[str, tuple[str, int, bool, bool]]:
+    """name -> (WS_SCHEDULE, WS_RUN, WS_PREFETCH_Q, WS_STAGED_OUT); ``baseline file`` runs the earlier copy's kernel;
+    ``staged``: only runs of 4 and persistent programs, each with the output stored directly and staged."""
+    if staged:
+        return {f"{name}{', staged output' if st else ''}": (sched, run, False, st)
+                for name, sched, run in (("runs of 4", "runs", 4), ("persistent", "persistent", 1))
+                for st in (False, True)}  # fmt: skip
+    table = {"per item": ("runs", 1, False, False)}
+    table.update({f"runs of {r}": ("runs", r, False, False) for r in runs})
+    table.update({"persistent": ("persistent", 1, False, False), "dynamic": ("dynamic", 1, False, False),
+                  "dynamic, queries prefetched to L2": ("dynamic", 1, True, False)})  # fmt: skip
     if baseline is not None:
-        table["baseline file"] = ("runs", 1, False)
+        table["baseline file"] = ("runs", 1, False, False)
     return table
 
 
-def _run(name: str, knobs: tuple[str, int, bool], baseline_launch, fn):
-    saved = (ws.WS_SCHEDULE, ws.WS_RUN, ws.WS_PREFETCH_Q, fwd_mod._launch_sm90_ws)
+def _run(name: str, knobs: tuple[str, int, bool, bool], baseline_launch, fn):
+    saved = (ws.WS_SCHEDULE, ws.WS_RUN, ws.WS_PREFETCH_Q, ws.WS_STAGED_OUT, fwd_mod._launch_sm90_ws)
     try:
-        ws.WS_SCHEDULE, ws.WS_RUN, ws.WS_PREFETCH_Q = knobs
+        ws.WS_SCHEDULE, ws.WS_RUN, ws.WS_PREFETCH_Q, ws.WS_STAGED_OUT = knobs
         if name == "baseline file":
             fwd_mod._launch_sm90_ws = baseline_launch
         return fn()
     finally:
-        ws.WS_SCHEDULE, ws.WS_RUN, ws.WS_PREFETCH_Q, fwd_mod._launch_sm90_ws = saved
+        ws.WS_SCHEDULE, ws.WS_RUN, ws.WS_PREFETCH_Q, ws.WS_STAGED_OUT, fwd_mod._launch_sm90_ws = saved
 
 
 @triton.jit
@@ -122,8 +128,9 @@ def memcheck() -> None:
     dev = torch.device("cuda")
     ring = KernelConfig(impl="sm90", layout="warp_specialized", block_k=32, num_warps=4, num_stages=4)
     for heads in (64, 96, 128):
-        for name, knobs in (("persistent", ("persistent", 1, False)), ("runs of 3", ("runs", 3, True)),
-                            ("per item", ("runs", 1, False)), ("dynamic", ("dynamic", 1, True))):  # fmt: skip
+        for name, knobs in (("persistent", ("persistent", 1, False, True)), ("runs of 3", ("runs", 3, True, False)),
+                            ("per item", ("runs", 1, False, True)), ("dynamic", ("dynamic", 1, True, True)),
+                            ("runs of 4", ("runs", 4, False, False))):  # fmt: skip
             for with_len in (True, False):
                 for cfg in (None, ring):
                     idx, length, _, _ = causal_index_sets([300], 256, dev)
@@ -137,11 +144,11 @@ def memcheck() -> None:
 
 
 def main(out_dir: Path, baseline: Path | None, cases, rounds: int, regs: tuple[int, int] | None, runs: list[int],
-         contention: tuple[int, float] | None) -> None:  # fmt: skip
+         contention: tuple[int, float] | None, staged: bool = False) -> None:  # fmt: skip
     baseline_launch = _baseline_launcher(baseline) if baseline is not None else None
     if regs is not None:
         ws.WS_NUM_REGS = regs
-    variants = _variants(runs, baseline)
+    variants = _variants(runs, baseline, staged)
     dev = torch.device("cuda")
     rows: list[dict] = []
     for total, heads, topk in cases:
@@ -202,6 +209,7 @@ if __name__ == "__main__":
     parser.add_argument("--runs", default="2,4,8", help="WS_RUN values to time besides 1 (comma-separated)")
     parser.add_argument("--contention", default=None, help="BLOCKS,MS: also time beside a kernel holding BLOCKS SMs")
     parser.add_argument("--memcheck", action="store_true", help="small launches only, for compute-sanitizer")
+    parser.add_argument("--staged-out", action="store_true", help="only runs of 4 and persistent, output staged or not")
     args = parser.parse_args()
     if args.memcheck:
         memcheck()
@@ -210,4 +218,4 @@ if __name__ == "__main__":
     regs = tuple(int(x) for x in args.regs.split(",")) if args.regs else None
     runs = [int(x) for x in args.runs.split(",") if x]
     contention = (int(args.contention.split(",")[0]), float(args.contention.split(",")[1])) if args.contention else None
-    main(args.out_dir, args.baseline_file, cases, args.rounds, regs, runs, contention)
+    main(args.out_dir, args.baseline_file, cases, args.rounds, regs, runs, contention, args.staged_out)

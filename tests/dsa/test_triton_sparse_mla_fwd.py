@@ -214,15 +214,17 @@ def test_warp_specialized_default_ring_fits_shared_memory():
 
 @pytest.mark.skipif(cuobjdump() is None, reason="needs triton with its bundled NVIDIA toolchain (ptxas, cuobjdump)")
 @pytest.mark.parametrize(
-    "block_k,num_buf,prefetch,d_r,run",
+    "block_k,num_buf,prefetch,d_r,run,staged",
     [
-        (32, 4, True, 64, 1),
-        (64, 2, True, 64, 0),
-        (64, 2, False, 64, 4),
-        (64, 2, True, 0, 3),
-        (64, 2, True, 64, 4),
-        (64, 2, True, 64, -1),
-        (32, 4, True, 64, -1),
+        (32, 4, True, 64, 1, False),
+        (64, 2, True, 64, 0, False),
+        (64, 2, False, 64, 4, False),
+        (64, 2, True, 0, 3, False),
+        (64, 2, True, 64, 4, False),
+        (64, 2, True, 64, -1, False),
+        (32, 4, True, 64, -1, False),
+        (64, 2, True, 64, 4, True),
+        (64, 2, True, 0, -1, True),
     ],
     ids=[
         "32x4-deferred",
@@ -232,9 +234,11 @@ def test_warp_specialized_default_ring_fits_shared_memory():
         "64x2",
         "64x2-dynamic",
         "32x4-dynamic",
+        "64x2-staged-out",
+        "64x2-no-rope-dynamic-staged-out",
     ],
 )
-def test_warp_specialized_kernel_compiles_for_hopper(block_k, num_buf, prefetch, d_r, run):
+def test_warp_specialized_kernel_compiles_for_hopper(block_k, num_buf, prefetch, d_r, run, staged):
     """The warp-specialized forward compiled for sm_90a on this CPU-only machine: three partitions with their
     register budgets (setmaxnreg), cp.async + wgmma, no spills, no serialized wgmma (ptxas C7510-C7520), shared memory
     within 227 KiB and within what ``ws_smem_bytes`` (the launcher's fit check) counts."""
@@ -243,7 +247,7 @@ def test_warp_specialized_kernel_compiles_for_hopper(block_k, num_buf, prefetch,
     types = ["*bf16", "*bf16", "*i32", "*i32", "*fp32", "*bf16", "*fp32", "i32", "i32", "i32", "fp32", "*i32"]
     consts = dict(H=64, D_V=512, D_R=d_r, HAS_LEN=True, HAS_SINK=True, BLOCK_K=block_k, NUM_BUF=num_buf,
                   REGS_RIGHT=WS_NUM_REGS[0], REGS_PRODUCER=WS_NUM_REGS[1], RUN=run, PREFETCH_IDX=prefetch,
-                  PREFETCH_Q=prefetch)  # fmt: skip
+                  PREFETCH_Q=prefetch, STAGED_OUT=staged)  # fmt: skip
     stats = compile_sm90("longtrain.dsa.triton.sparse_mla_fwd_sm90_ws", "sparse_mla_fwd_sm90_ws_kernel", types,
                          consts, num_warps=4, maxnreg=WS_MAXNREG)  # fmt: skip
     assert stats["cp_async"] and stats["wgmma"], stats

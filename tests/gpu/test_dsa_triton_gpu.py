@@ -420,6 +420,44 @@ def test_ws_backward_staged_ds_equals_direct(monkeypatch, T, H, K, deterministic
 
 
 @_SM90
+@pytest.mark.parametrize(
+    "T,H,K,ring,with_sink",
+    [(600, 64, 2048, (64, 2), True), (300, 128, 1000, (64, 2), False), (200, 96, 300, (64, 2), True),
+     (300, 64, 520, (32, 4), False), (5, 128, 64, (64, 2), True)],
+    ids=["64x2-sink", "H128-K1000", "H96-sink", "32x4-direct", "fewer-items-than-SMs"],
+)  # fmt: skip
+def test_ws_forward_staged_out_equals_direct(monkeypatch, T, H, K, ring, with_sink):
+    """The warp-specialized forward's output stored through the last tile (``WS_STAGED_OUT``) equals the output stored
+    straight from the accumulators, bit for bit, with lse, under every schedule (the tile goes back to the producer
+    only after the store, while the next item's tiles already stream in), over rows without slots (stored directly),
+    ragged lengths, invalid indices and a head count that is not a multiple of 64; a 32-row ring keeps the direct
+    store."""
+    from longtrain.dsa.triton import KernelConfig
+    from longtrain.dsa.triton import sparse_mla_fwd_sm90_ws as ws
+    from longtrain.dsa.triton.sparse_mla_fwd import sparse_mla_fwd
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(T + H + K + 31)
+    T_k = max(2 * K, 64)
+    q = torch.randn((T, H, 576), generator=gen, device=dev).to(torch.bfloat16)
+    kv2d = torch.randn((T_k, 576), generator=gen, device=dev).to(torch.bfloat16)
+    idx, length = _index_sets(T, T_k, K, gen, dev)
+    idx[min(3, T - 1), :7] = torch.tensor([-1, T_k, 2**30, 3, 3, 3, -5], dtype=torch.int32, device=dev)
+    sink = torch.randn(H, generator=gen, device=dev) if with_sink else None
+    config = KernelConfig(impl="sm90", layout="warp_specialized", block_k=ring[0], num_warps=4, num_stages=ring[1])
+    monkeypatch.setattr(ws, "WS_STAGED_OUT", False)
+    out, lse = sparse_mla_fwd(q, kv2d, idx, 192**-0.5, 512, length, sink, config)
+    assert (length == 0).any()
+    monkeypatch.setattr(ws, "WS_STAGED_OUT", True)
+    for schedule, run in (("runs", 1), ("runs", 4), ("persistent", 1), ("dynamic", 1)):
+        monkeypatch.setattr(ws, "WS_SCHEDULE", schedule)
+        monkeypatch.setattr(ws, "WS_RUN", run)
+        o, l = sparse_mla_fwd(q, kv2d, idx, 192**-0.5, 512, length, sink, config)
+        assert torch.equal(out, o), (schedule, run)
+        assert torch.equal(lse, l), (schedule, run)
+
+
+@_SM90
 def test_forced_sm90_refuses_unsupported_shapes():
     from longtrain.dsa.triton import KernelConfig, sparse_mla_triton
 

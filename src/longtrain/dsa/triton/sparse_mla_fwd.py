@@ -329,7 +329,8 @@ def _launch_sm90_ws(grid, args, meta, block_k: int, num_buf: int) -> None:
     ws.sparse_mla_fwd_sm90_ws_kernel[(programs,)](
         *args, **meta, BLOCK_K=block_k, NUM_BUF=num_buf, REGS_RIGHT=ws.WS_NUM_REGS[0],
         REGS_PRODUCER=ws.WS_NUM_REGS[1], RUN=run, PREFETCH_IDX=ws.WS_PREFETCH_IDX,
-        PREFETCH_Q=ws.WS_PREFETCH_Q and programs < num_items, num_warps=4, maxnreg=ws.WS_MAXNREG,
+        PREFETCH_Q=ws.WS_PREFETCH_Q and programs < num_items, STAGED_OUT=ws.WS_STAGED_OUT and block_k >= 64,
+        num_warps=4, maxnreg=ws.WS_MAXNREG,
     )  # fmt: skip
 
 

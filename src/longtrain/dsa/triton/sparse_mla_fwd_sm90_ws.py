@@ -56,6 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from longtrain.dsa.triton._common import sm_count
 from longtrain.dsa.triton.sparse_mla_fwd_sm90 import (
     _async_load,
+    _cta_barrier,
     _gather_layout,
     _load_idx,
     sm90_unsupported_reason,
@@ -74,6 +75,7 @@ __all__ = [
     "WS_NUM_REGS",
     "WS_PREFETCH_IDX",
     "WS_PREFETCH_Q",
+    "WS_STAGED_OUT",
     "WS_RUN",
     "WS_SCHEDULE",
     "WS_SCHEDULES",
@@ -115,6 +117,10 @@ WS_RUN = 4
 # (benchmarks/results/dsa_fwd_persistent_157f7b1_h100_2026-12-06.md), another 17.81-18.76 against 17.72-17.78
 # (dsa_fwd_persistent_7f6816f_h100_2026-12-06.md); the same at H = 64 and at T = 4096, K = 512. Read at each launch.
 WS_PREFETCH_Q = False
+# Whether each consumer warpgroup stores its half of an item's output through its half of the item's last ring tile
+# (released to the producer only after that), as whole 16-byte row segments per thread, instead of straight from the
+# wgmma accumulator (4-byte pairs: every 32-byte sector written in two halves). Read at each launch.
+WS_STAGED_OUT = False
 
 
 @gluon.constexpr_function
@@ -225,7 +231,8 @@ def _produce_item(sc, sm, item, next_item, stop, k, g, H: gl.constexpr, D_V: gl.
 
 @gluon.jit
 def _right_half(sc, sm, it, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr,
-                HAS_SINK: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, RUN: gl.constexpr):  # fmt: skip
+                HAS_SINK: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, RUN: gl.constexpr,
+                STAGED_OUT: gl.constexpr):  # fmt: skip
     """Worker partition: ``O[:, D_V/2:] = sum_i P_i V_i[:, D_V/2:]`` from the shared ``P`` and factors, per item."""
     T_q = sc[7]
     g = 0  # ring position of the item's first tile
@@ -235,18 +242,18 @@ def _right_half(sc, sm, it, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexp
         k = 0
         item = _recv_item(it, k)
         while item < T_q * NUM_HB:
-            g, pc = _right_item(sc, sm, item, g, pc, H, D_V, HAS_LEN, BLOCK_K, NUM_BUF)
+            g, pc = _right_item(sc, sm, item, g, pc, H, D_V, HAS_LEN, BLOCK_K, NUM_BUF, STAGED_OUT)
             k += 1
             item = _recv_item(it, k)
     else:
         first, stop, step = _items(T_q, H, RUN)
         for item in range(first, stop, step):
-            g, pc = _right_item(sc, sm, item, g, pc, H, D_V, HAS_LEN, BLOCK_K, NUM_BUF)
+            g, pc = _right_item(sc, sm, item, g, pc, H, D_V, HAS_LEN, BLOCK_K, NUM_BUF, STAGED_OUT)
 
 
 @gluon.jit
 def _right_item(sc, sm, item, g, pc, H: gl.constexpr, D_V: gl.constexpr, HAS_LEN: gl.constexpr,
-                BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr):  # fmt: skip
+                BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, STAGED_OUT: gl.constexpr):  # fmt: skip
     """The right warpgroup's part of item ``item`` (first tile at ring position ``g``, first handover ``pc``);
     returns the ring position and handover index after it."""
     q_ptr, kv_ptr, idx_ptr, len_ptr, out_ptr, lse_ptr, sink_ptr, T_q, K_slots, T_k, qk_scale = sc
@@ -268,16 +275,44 @@ def _right_item(sc, sm, item, g, pc, H: gl.constexpr, D_V: gl.constexpr, HAS_LEN
         acc = warpgroup_mma(p_smem.index(j), kv_bufs.index(b).slice(DH, DH, dim=1), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(p_free.index(j))
-        mbarrier.arrive(free.index(b))
+        if not STAGED_OUT or i < n_tiles - 1:  # staged: the last tile holds the output on its way out
+            mbarrier.arrive(free.index(b))
     e = pc + n_tiles
     mbarrier.wait(p_ready.index(e % NUM_P), (e // NUM_P) & 1)
     inv = a_smem.index(e % NUM_P).load(row_o)  # [64]: 1 / denominator, 0 for rows without keys
     mbarrier.arrive(p_free.index(e % NUM_P))
     out = (acc * inv[:, None]).to(out_ptr.dtype.element_ty)
-    oh = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=row_o)
-    oc = DH + gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
-    gl.store(out_ptr + t * (H * D_V) + oh[:, None] * D_V + oc[None, :], out, mask=(oh < H)[:, None])
+    _out_half(out_ptr, out, kv_bufs, free, g, n_tiles, t, hb, DH, H, D_V, NUM_BUF, STAGED_OUT)
     return g + n_tiles, e + 1
+
+
+@gluon.jit
+def _out_half(out_ptr, out, kv_bufs, free, g, n_tiles, t, hb, col0, H: gl.constexpr, D_V: gl.constexpr,
+              NUM_BUF: gl.constexpr, STAGED_OUT: gl.constexpr):  # fmt: skip
+    """Store a warpgroup's half ``out [64, D_V/2]`` of an item's output at columns ``col0 + [0, D_V/2)``: staged,
+    through the same columns of the item's last tile (then released to the producer), as whole 16-byte row segments
+    per thread; else (or for an item without tiles) straight from the accumulator's layout."""
+    DH: gl.constexpr = out.type.shape[1]
+    staged = n_tiles > 0
+    if STAGED_OUT:  # noqa: SIM102 (a compile-time condition around a run-time one)
+        if staged:
+            b_last = (g + n_tiles - 1) % NUM_BUF
+            half = kv_bufs.index(b_last).slice(col0, DH, dim=1)  # [64, DH]: this warpgroup's columns of V
+            half.store(out)
+            _cta_barrier()  # the whole half is in shared memory
+            TPW_C: gl.constexpr = min(32, DH // 8)
+            L: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_C, TPW_C], [4, 1], [1, 0])
+            seg = half.load(L)  # [64, DH]
+            _cta_barrier()  # every warp has read it: the tile goes back to the producer
+            mbarrier.arrive(free.index(b_last))
+            oh = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, L))
+            oc = col0 + gl.arange(0, DH, layout=gl.SliceLayout(0, L))
+            gl.store(out_ptr + t * (H * D_V) + oh[:, None] * D_V + oc[None, :], seg, mask=(oh < H)[:, None])
+    if not STAGED_OUT or not staged:
+        o_layout: gl.constexpr = out.type.layout
+        oh = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, o_layout))
+        oc = col0 + gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
+        gl.store(out_ptr + t * (H * D_V) + oh[:, None] * D_V + oc[None, :], out, mask=(oh < H)[:, None])
 
 
 @gluon.jit
@@ -407,7 +442,7 @@ def _finish(sc, sm, t, hb, m_i, l_i, e, H: gl.constexpr, HAS_SINK: gl.constexpr,
 @gluon.jit
 def _softmax_left(sc, sm, it, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr,
                   HAS_SINK: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr,
-                  RUN: gl.constexpr):  # fmt: skip
+                  RUN: gl.constexpr, STAGED_OUT: gl.constexpr):  # fmt: skip
     """Default partition: logits, online softmax, the shared ``P``, ``O[:, :D_V/2]`` and the LSE, per item.
 
     With two tiles in the ring, tile i's ``P V`` runs right after its softmax, and the queries are released to the
@@ -423,20 +458,20 @@ def _softmax_left(sc, sm, it, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.conste
         k = 0
         item = _recv_item(it, k)
         while item < T_q * NUM_HB:
-            g, pc = _softmax_item(sc, sm, item, k, g, pc, H, D_V, D_R, HAS_LEN, HAS_SINK, BLOCK_K, NUM_BUF)
+            g, pc = _softmax_item(sc, sm, item, k, g, pc, H, D_V, D_R, HAS_LEN, HAS_SINK, BLOCK_K, NUM_BUF, STAGED_OUT)
             k += 1
             item = _recv_item(it, k)
     else:
         first, stop, step = _items(T_q, H, RUN)
         for item in range(first, stop, step):
             k = (item - first) // step  # this program's earlier items: the query barriers' phase
-            g, pc = _softmax_item(sc, sm, item, k, g, pc, H, D_V, D_R, HAS_LEN, HAS_SINK, BLOCK_K, NUM_BUF)
+            g, pc = _softmax_item(sc, sm, item, k, g, pc, H, D_V, D_R, HAS_LEN, HAS_SINK, BLOCK_K, NUM_BUF, STAGED_OUT)
 
 
 @gluon.jit
 def _softmax_item(sc, sm, item, k, g, pc, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
                   HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr, BLOCK_K: gl.constexpr,
-                  NUM_BUF: gl.constexpr):  # fmt: skip
+                  NUM_BUF: gl.constexpr, STAGED_OUT: gl.constexpr):  # fmt: skip
     """The softmax warpgroup's part of item ``item``, the program's ``k``-th (first tile at ring position ``g``,
     first handover ``pc``); returns the ring position and handover index after it."""
     q_ptr, kv_ptr, idx_ptr, len_ptr, out_ptr, lse_ptr, sink_ptr, T_q, K_slots, T_k, qk_scale = sc
@@ -479,7 +514,8 @@ def _softmax_item(sc, sm, item, k, g, pc, H: gl.constexpr, D_V: gl.constexpr, D_
             v_last = kv_bufs.index(b_last).slice(0, DH, dim=1)
             acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_last, acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(free.index(b_last))
+            if not STAGED_OUT:  # staged: the last tile holds the output on its way out
+                mbarrier.arrive(free.index(b_last))
         mbarrier.arrive(q_free)
     else:
         for i in range(n_tiles):
@@ -496,15 +532,14 @@ def _softmax_item(sc, sm, item, k, g, pc, H: gl.constexpr, D_V: gl.constexpr, D_
             v_left = kv_bufs.index(b).slice(0, DH, dim=1)
             acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_left, acc, is_async=True)  # [64, DH]
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(free.index(b))
+            if not STAGED_OUT or i < n_tiles - 1:  # staged: the last tile holds the output on its way out
+                mbarrier.arrive(free.index(b))
         if n_tiles == 0:
             mbarrier.arrive(q_free)
 
     inv = _finish(sc, sm, t, hb, m_i, l_i, pc + n_tiles, H, HAS_SINK, row_s)
     out = (acc * gl.convert_layout(inv, row_o)[:, None]).to(out_ptr.dtype.element_ty)
-    oh = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=row_o)
-    oc = gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
-    gl.store(out_ptr + t * (H * D_V) + oh[:, None] * D_V + oc[None, :], out, mask=(oh < H)[:, None])
+    _out_half(out_ptr, out, kv_bufs, free, g, n_tiles, t, hb, 0, H, D_V, NUM_BUF, STAGED_OUT)
     return g + n_tiles, pc + n_tiles + 1
 
 
@@ -516,7 +551,7 @@ def sparse_mla_fwd_sm90_ws_kernel(
     HAS_LEN: gl.constexpr, HAS_SINK: gl.constexpr,
     BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, REGS_RIGHT: gl.constexpr, REGS_PRODUCER: gl.constexpr,
     num_warps: gl.constexpr, RUN: gl.constexpr = 1, PREFETCH_IDX: gl.constexpr = False,
-    PREFETCH_Q: gl.constexpr = False,
+    PREFETCH_Q: gl.constexpr = False, STAGED_OUT: gl.constexpr = False,
 ):  # fmt: skip
     """Items ``(query row, block of 64 heads)``, query-major: program ``pid`` takes the ``RUN`` items from
     ``pid * RUN`` (``RUN = 1``: one program per item); with ``RUN = 0`` (persistent) the items ``pid, pid + G, ...``
@@ -524,6 +559,7 @@ def sparse_mla_fwd_sm90_ws_kernel(
     ``G + atomic_add(cnt_ptr, 1)`` (``cnt_ptr``: an int32 zero per launch; unused otherwise)."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     gl.static_assert(num_warps == 4, "the default partition is one warpgroup")
+    gl.static_assert(not STAGED_OUT or BLOCK_K >= _BLOCK_H, "the output goes out through a tile of at least 64 rows")
 
     # Shared memory: queries and the ring, each as (values, rope tail); P and its factors.
     qv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BLOCK_H, D_V], dtype)
@@ -573,8 +609,8 @@ def sparse_mla_fwd_sm90_ws_kernel(
     it = (cnt_ptr, items, item_ready, item_free)
     gl.warp_specialize(
         [
-            (_softmax_left, (sc, sm, it, H, D_V, D_R, HAS_LEN, HAS_SINK, BLOCK_K, NUM_BUF, RUN)),
-            (_right_half, (sc, sm, it, H, D_V, D_R, HAS_LEN, HAS_SINK, BLOCK_K, NUM_BUF, RUN)),
+            (_softmax_left, (sc, sm, it, H, D_V, D_R, HAS_LEN, HAS_SINK, BLOCK_K, NUM_BUF, RUN, STAGED_OUT)),
+            (_right_half, (sc, sm, it, H, D_V, D_R, HAS_LEN, HAS_SINK, BLOCK_K, NUM_BUF, RUN, STAGED_OUT)),
             (_producer, (sc, sm, it, H, D_V, D_R, HAS_LEN, HAS_SINK, BLOCK_K, NUM_BUF, RUN, PREFETCH_IDX, PREFETCH_Q)),
         ],
         [4, 4],
