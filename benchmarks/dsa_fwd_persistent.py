@@ -10,8 +10,8 @@ causal index sets as in ``dsa.py``), each way ``--rounds`` times, with whether e
 ``sparse_mla_fwd_sm90_ws.py`` (one program per item, its own launch signature ``(..., lse, T_k, K_slots,
 qk_scale)``), e.g. the last commit's, in the same run. ``--contention BLOCKS,MS`` adds rows timed while a kernel of
 ``BLOCKS`` programs that each hold an SM for ``MS`` ms runs on another stream, launched just before the forward (as
-the NCCL kernels of an all-gather that FSDP overlaps with a layer hold their SMs). ``--staged-out`` times only runs of 4 and
-persistent programs, each with the output stored straight from the accumulators and through the last tile
+the NCCL kernels of an all-gather that FSDP overlaps with a layer hold their SMs). ``--staged-out`` times only runs
+of 4 and persistent programs, each with the output stored straight from the accumulators and through the last tile
 (``WS_STAGED_OUT``). ``--memcheck`` runs small launches only, for ``compute-sanitizer --tool memcheck``.
 """
 
