@@ -269,9 +269,10 @@ def test_a_forced_sm90_dq_config_is_accepted():
     [(64, 2, 576, 512, 64, True, False), (64, 2, 576, 512, 64, False, False), (32, 4, 576, 512, 64, True, False),
      (64, 2, 512, 512, 64, True, False), (64, 4, 576, 512, 128, True, False), (64, 4, 576, 512, 128, False, False),
      (32, 2, 512, 512, 128, True, False), (64, 2, 320, 256, 128, True, False), (64, 2, 576, 512, 64, False, True),
-     (32, 4, 576, 512, 64, False, True), (64, 2, 576, 512, 128, False, True), (64, 2, 320, 256, 128, True, True)],
+     (32, 4, 576, 512, 64, False, True), (64, 2, 576, 512, 128, False, True), (64, 2, 320, 256, 128, True, True),
+     (32, 2, 576, 512, 128, False, True)],
     ids=["64", "64-ds-regs", "32x4", "D512", "wide-64x4", "wide-64x4-ds-regs", "wide-D512-32x2", "wide-dv256",
-         "64-ds-regs-staged", "32x4-staged", "wide-staged", "wide-dv256-staged"],
+         "64-ds-regs-staged", "32x4-staged", "wide-staged", "wide-dv256-staged", "wide-32x2-too-small-to-stage"],
 )  # fmt: skip
 def test_sm90_dq_kernel_compiles_for_hopper(block_k, num_buf, d_qk, d_v, heads, ds_smem, staged):
     """The SM90 dq kernel compiled for sm_90a: cp.async ring + wgmma, shared memory as budgeted, no spills, no

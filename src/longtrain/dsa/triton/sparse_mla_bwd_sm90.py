@@ -530,7 +530,9 @@ def sparse_mla_bwd_sm90_kernel_dq(
     cp.wait_group(0)
 
     dq_row = dq_ptr + t * (H * D_QK)
-    if STAGED_STORE:
+    # Staged through the ring only where it holds the program's [HEADS, W] tile (not 128 heads on a 32 x 2 ring).
+    STAGED: gl.constexpr = STAGED_STORE and NUM_BUF * BLOCK_K >= HEADS
+    if STAGED:
         # Through the ring, now free: whole 16-byte row segments per thread instead of the accumulator's 4-byte
         # pairs, which write every 32-byte sector in two halves.
         _cta_barrier()  # every warp's last wgmma has read the ring

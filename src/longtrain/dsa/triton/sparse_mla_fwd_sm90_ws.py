@@ -119,8 +119,13 @@ WS_RUN = 4
 WS_PREFETCH_Q = False
 # Whether each consumer warpgroup stores its half of an item's output through its half of the item's last ring tile
 # (released to the producer only after that), as whole 16-byte row segments per thread, instead of straight from the
-# wgmma accumulator (4-byte pairs: every 32-byte sector written in two halves). Read at each launch.
-WS_STAGED_OUT = False
+# wgmma accumulator (4-byte pairs: every 32-byte sector written in two halves); rings of 64-row tiles only. True: on
+# an H100, alternating, runs of 4 took 8.69 / 8.86 ms against 8.95 / 9.16 at T = 16384, H = 64, K = 2048 and 1.38 /
+# 1.36 against 1.46 / 1.51 at T = 4096, H = 128, K = 512; at H = 128, K = 2048 within that run's noise (20th
+# percentiles 17.79 / 17.97 against 18.03 / 18.09); output and lse equal bit for bit
+# (benchmarks/results/dsa_fwd_staged_out_ec1ac9c_h100_2026-12-06.md, python benchmarks/dsa_fwd_persistent.py
+# --staged-out; tests/gpu/test_dsa_triton_gpu.py -k staged_out). Read at each launch.
+WS_STAGED_OUT = True
 
 
 @gluon.constexpr_function
