@@ -249,6 +249,20 @@ def test_sparse_mla_bf16(T, T_k, H, D, d_v, K, with_sink, forced, dtype):
     assert torch.equal(grads[0][empty], torch.zeros_like(grads[0][empty]))
 
 
+def _ws_forward_case(T, H, K, with_sink, seed):
+    """bf16 GLM-5.2 widths, ``max(2K, 64)`` keys, ragged index sets with one row of invalid, out-of-range and repeated
+    slots, an optional sink: ``(q [T, H, 576], kv2d [T_k, 576], idx, length, sink)``."""
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    T_k = max(2 * K, 64)
+    q = torch.randn((T, H, 576), generator=gen, device=dev).to(torch.bfloat16)
+    kv2d = torch.randn((T_k, 576), generator=gen, device=dev).to(torch.bfloat16)
+    idx, length = _index_sets(T, T_k, K, gen, dev)
+    idx[min(3, T - 1), :7] = torch.tensor([-1, T_k, 2**30, 3, 3, 3, -5], dtype=torch.int32, device=dev)
+    sink = torch.randn(H, generator=gen, device=dev) if with_sink else None
+    return q, kv2d, idx, length, sink
+
+
 @_SM90
 @pytest.mark.parametrize(
     "T,H,K,ring,with_sink",
@@ -268,13 +282,7 @@ def test_ws_forward_schedules_equal_one_program_per_item(monkeypatch, T, H, K, r
     from longtrain.dsa.triton.sparse_mla_fwd import sparse_mla_fwd
 
     dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(T + H + K)
-    T_k = max(2 * K, 64)
-    q = torch.randn((T, H, 576), generator=gen, device=dev).to(torch.bfloat16)
-    kv2d = torch.randn((T_k, 576), generator=gen, device=dev).to(torch.bfloat16)
-    idx, length = _index_sets(T, T_k, K, gen, dev)
-    idx[min(3, T - 1), :7] = torch.tensor([-1, T_k, 2**30, 3, 3, 3, -5], dtype=torch.int32, device=dev)
-    sink = torch.randn(H, generator=gen, device=dev) if with_sink else None
+    q, kv2d, idx, length, sink = _ws_forward_case(T, H, K, with_sink, T + H + K)
     config = KernelConfig(impl="sm90", layout="warp_specialized", block_k=ring[0], num_warps=4, num_stages=ring[1])
     items = T * -(-H // 64)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -436,14 +444,7 @@ def test_ws_forward_staged_out_equals_direct(monkeypatch, T, H, K, ring, with_si
     from longtrain.dsa.triton import sparse_mla_fwd_sm90_ws as ws
     from longtrain.dsa.triton.sparse_mla_fwd import sparse_mla_fwd
 
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(T + H + K + 31)
-    T_k = max(2 * K, 64)
-    q = torch.randn((T, H, 576), generator=gen, device=dev).to(torch.bfloat16)
-    kv2d = torch.randn((T_k, 576), generator=gen, device=dev).to(torch.bfloat16)
-    idx, length = _index_sets(T, T_k, K, gen, dev)
-    idx[min(3, T - 1), :7] = torch.tensor([-1, T_k, 2**30, 3, 3, 3, -5], dtype=torch.int32, device=dev)
-    sink = torch.randn(H, generator=gen, device=dev) if with_sink else None
+    q, kv2d, idx, length, sink = _ws_forward_case(T, H, K, with_sink, T + H + K + 31)
     config = KernelConfig(impl="sm90", layout="warp_specialized", block_k=ring[0], num_warps=4, num_stages=ring[1])
     monkeypatch.setattr(ws, "WS_STAGED_OUT", False)
     out, lse = sparse_mla_fwd(q, kv2d, idx, 192**-0.5, 512, length, sink, config)

@@ -557,10 +557,8 @@ def _staged_store(row_ptr, value, buf, h0, col0, H: gl.constexpr, D_QK: gl.const
     writes 16-byte pieces of whole row segments."""
     ROWS: gl.constexpr = value.type.shape[0]
     W: gl.constexpr = value.type.shape[1]
-    VEC: gl.constexpr = 128 // value.dtype.primitive_bitwidth  # 16 bytes
-    TPW_C: gl.constexpr = min(32, W // VEC)
-    L: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // TPW_C, TPW_C], [num_warps, 1], [1, 0])
-    view = _alias(buf, value.dtype, ROWS, W, gl.SwizzledSharedLayout(VEC, 1, min(8, W // VEC), order=[1, 0]))
+    L: gl.constexpr = _gather_layout(W, num_warps)  # 16-byte vectors of 16-bit elements, a warp along a row
+    view = _alias(buf, value.dtype, ROWS, W, gl.SwizzledSharedLayout(8, 1, min(8, W // 8), order=[1, 0]))
     view.store(value)
     _cta_barrier()
     out = view.load(L)  # [ROWS, W]

@@ -171,7 +171,7 @@ def _probabilities(ptrs, row, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.co
     delta = gl.zeros([_BLOCK_H], gl.float32, layout=row_s)  # the producer's, from the first tile on
     ds_rows = (t_local * H + offs_h.to(gl.int64)) * K_slots  # [64]
     if STAGED_DS:
-        LB: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_K // 8), BLOCK_K // 8], [4, 1], [1, 0])
+        LB: gl.constexpr = _gather_layout(BLOCK_K, 4)  # 16-byte vectors, a warp along a row
         offs_hb = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, LB))
         mask_hb = offs_hb < H
         ds_rows_b = (t_local * H + offs_hb.to(gl.int64)) * K_slots  # [64]

@@ -305,8 +305,7 @@ def _out_half(out_ptr, out, kv_bufs, free, g, n_tiles, t, hb, col0, H: gl.conste
             half = kv_bufs.index(b_last).slice(col0, DH, dim=1)  # [64, DH]: this warpgroup's columns of V
             half.store(out)
             _cta_barrier()  # the whole half is in shared memory
-            TPW_C: gl.constexpr = min(32, DH // 8)
-            L: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_C, TPW_C], [4, 1], [1, 0])
+            L: gl.constexpr = _gather_layout(DH, 4)  # 16-byte vectors, a warp along a row
             seg = half.load(L)  # [64, DH]
             _cta_barrier()  # every warp has read it: the tile goes back to the producer
             mbarrier.arrive(free.index(b_last))
