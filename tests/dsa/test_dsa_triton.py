@@ -217,6 +217,39 @@ def test_sparse_mla_deterministic_with_several_head_blocks(triton_interpret, gro
     assert torch.equal(grads_a[1], grads_b[1])
 
 
+@pytest.mark.parametrize(
+    "num_hb,row0,with_len", [(1, 0, False), (2, 3, True), (3, 1, True)], ids=["hb1", "hb2-row3-len", "hb3-row1-len"]
+)
+def test_deterministic_reduce_sums_each_key_in_row_slot_order(triton_interpret, num_hb, row0, with_len):
+    """The deterministic mode's reduction of one row chunk equals, bit for bit, a sequential fp32 sum per key over
+    the chunk's valid slots in ascending (row, slot) order, each slot's head-block pieces in order, onto the running
+    dkv; slots past the length, negative or past the last key add nothing, and unselected keys keep their value."""
+    from longtrain.dsa.triton.sparse_mla_bwd import _reduce_chunk
+
+    g = torch.Generator().manual_seed(21)
+    T, K, num_keys, d_qk, rows = 9, 12, 7, 40, 5
+    idx = torch.randint(0, num_keys, (T, K), generator=g, dtype=torch.int32)
+    idx[row0, :4] = torch.tensor([-1, num_keys, 2**30, -5], dtype=torch.int32)  # invalid slots
+    idx[row0 + 1, :] = 2  # one key from every slot of a row
+    idx[:, -1] = num_keys - 1
+    length = torch.randint(0, K + 1, (T,), generator=g, dtype=torch.int32) if with_len else None
+    # Magnitudes over many binades, so a different order or grouping would change the fp32 bits.
+    n_pieces = rows * K * num_hb
+    scales = torch.exp2(torch.randint(-20, 20, (n_pieces, 1), generator=g).float())
+    contrib = torch.randn(n_pieces, d_qk, generator=g) * scales
+    dkv = torch.randn(num_keys, d_qk, generator=g)
+    expected = dkv.clone()
+    for t in range(rows):
+        for s in range(K):
+            key = int(idx[row0 + t, s])
+            if not 0 <= key < num_keys or (length is not None and s >= int(length[row0 + t])):
+                continue
+            for hb in range(num_hb):
+                expected[key] += contrib[(t * K + s) * num_hb + hb]
+    _reduce_chunk(idx, length, contrib, dkv, row0, rows, num_keys, d_qk, num_hb)
+    assert torch.equal(dkv, expected)
+
+
 def test_sparse_mla_fp16_flash_attention_rule(triton_interpret):
     from longtrain.dsa.triton import sparse_mla_triton
 

@@ -394,27 +394,28 @@ def sparse_mla_bwd_kernel_dkv(
             _dkv_out(dkv_ptr + D_V, out_rows, valid, piece, 0, BLOCK_DR, D_R, D_QK, BLOCK_DR == D_R, DETERMINISTIC)
 
 
-@triton.jit(do_not_specialize=["n_items"])
+@triton.jit(do_not_specialize=["num_keys"])
 def sparse_mla_bwd_kernel_dkv_reduce(
-    contrib_ptr, sorted_keys_ptr, order_ptr, seg_end_ptr, dkv_ptr, n_items,
+    contrib_ptr, order_ptr, run_start_ptr, dkv_ptr, num_keys,
     D_QK: tl.constexpr, BLOCK_D: tl.constexpr, NUM_HB: tl.constexpr,
 ):  # fmt: skip
-    """One program per sorted slot; the first slot of each key's run sums the run in order into ``dkv`` (each slot's
-    ``NUM_HB`` head-block pieces in head-block order)."""
-    i = tl.program_id(0)
-    key = tl.load(sorted_keys_ptr + i)  # scalar
-    prev = tl.load(sorted_keys_ptr + tl.maximum(i - 1, 0))  # scalar
-    if (key >= 0) & ((i == 0) | (prev != key)):
-        end = tl.load(seg_end_ptr + i)  # scalar
-        for c0 in tl.static_range(0, D_QK, BLOCK_D):
-            offs = c0 + tl.arange(0, BLOCK_D)
-            cmask = offs < D_QK
-            acc = tl.load(dkv_ptr + key.to(tl.int64) * D_QK + offs, mask=cmask, other=0.0)  # [BLOCK_D]
-            for j in range(i, end):
-                src = tl.load(order_ptr + j).to(tl.int64) * NUM_HB  # scalar
-                for hb in tl.static_range(NUM_HB):
-                    acc += tl.load(contrib_ptr + (src + hb) * D_QK + offs, mask=cmask, other=0.0)  # [BLOCK_D]
-            tl.store(dkv_ptr + key.to(tl.int64) * D_QK + offs, acc, mask=cmask)
+    """Key rows ``pid, pid + grid, ...``: each sums its run of the chunk's sorted slots, ``order[run_start[key] :
+    run_start[key + 1]]``, in that order into ``dkv`` (each slot's ``NUM_HB`` head-block pieces in head-block order).
+    A key no slot of the chunk selected has an empty run and is skipped."""
+    for key in range(tl.program_id(0), num_keys, tl.num_programs(0)):
+        start = tl.load(run_start_ptr + key)  # scalar
+        end = tl.load(run_start_ptr + key + 1)  # scalar
+        if start < end:
+            row = tl.cast(key, tl.int64) * D_QK
+            for c0 in tl.static_range(0, D_QK, BLOCK_D):
+                offs = c0 + tl.arange(0, BLOCK_D)
+                cmask = offs < D_QK
+                acc = tl.load(dkv_ptr + row + offs, mask=cmask, other=0.0)  # [BLOCK_D]
+                for j in range(start, end):
+                    src = tl.load(order_ptr + j).to(tl.int64) * NUM_HB  # scalar
+                    for hb in tl.static_range(NUM_HB):
+                        acc += tl.load(contrib_ptr + (src + hb) * D_QK + offs, mask=cmask, other=0.0)  # [BLOCK_D]
+                tl.store(dkv_ptr + row + offs, acc, mask=cmask)
 
 
 _AUTOTUNED: dict[str, object] = {}
@@ -622,20 +623,22 @@ def _whole_waves(num_tokens: int, rows: int, programs_per_row: int, device: torc
 
 
 def _reduce_chunk(idx, topk_length, contrib, dkv_acc, row0, rows, num_keys, d_qk, num_hb) -> None:
-    """Sum one row chunk's per-slot dkv pieces key by key, in a fixed order (no atomics)."""
+    """Sum one row chunk's per-slot dkv pieces key by key, in a fixed order (no atomics): each key's slots in
+    ascending ``(row, slot)`` order (a stable sort of the chunk's keys), each key row summed by one program."""
     k_slots = idx.shape[1]
-    chunk_idx = idx[row0 : row0 + rows].to(torch.int64)
+    chunk_idx = idx[row0 : row0 + rows]
     valid = (chunk_idx >= 0) & (chunk_idx < num_keys)
     if topk_length is not None:
         slots = torch.arange(k_slots, device=idx.device)
         valid &= slots[None, :] < topk_length[row0 : row0 + rows].to(torch.int64)[:, None]
-    # Invalid slots sort last under a key past every real row and are skipped by the reduction.
-    keys = torch.where(valid, chunk_idx, num_keys).reshape(-1)
+    # Invalid slots sort last under a key past every real row, outside every key's run.
+    keys = torch.where(valid, chunk_idx, num_keys).to(torch.int32).reshape(-1)
     sorted_keys, order = torch.sort(keys, stable=True)
-    seg_end = torch.searchsorted(sorted_keys, sorted_keys, right=True)
-    sorted_keys = torch.where(sorted_keys < num_keys, sorted_keys, -1)
-    n_items = sorted_keys.numel()
-    sparse_mla_bwd_kernel_dkv_reduce[(n_items,)](
-        contrib, sorted_keys, order, seg_end, dkv_acc, n_items,
-        D_QK=d_qk, BLOCK_D=min(1024, next_pow2(d_qk)), NUM_HB=num_hb, num_warps=4,
+    # Key j's run is [run_start[j], run_start[j + 1]): the first sorted position of each key 0..num_keys.
+    run_start = torch.searchsorted(sorted_keys, torch.arange(num_keys + 1, device=idx.device, dtype=torch.int32))
+    # At most one program per key and per slot: a chunk selects at most rows * K distinct keys.
+    grid = (max(1, min(num_keys, keys.numel())),)
+    sparse_mla_bwd_kernel_dkv_reduce[grid](
+        contrib, order, run_start, dkv_acc, num_keys, D_QK=d_qk, BLOCK_D=min(1024, next_pow2(d_qk)), NUM_HB=num_hb,
+        num_warps=4,
     )  # fmt: skip
