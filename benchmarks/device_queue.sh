@@ -2,7 +2,7 @@
 # H200 runs in one call of at most ~9 minutes, run from the repository root on the GPU machine. Logs and reports go
 # under $OUT/queue, tarred into $OUT/queue.tgz at the end (one file comes back).
 #
-#   LONGTRAIN_COMMIT=$(git log -1 --format=%h) bash benchmarks/device_queue.sh [indexer|mla]
+#   LONGTRAIN_COMMIT=$(git log -1 --format=%h) bash benchmarks/device_queue.sh [indexer|mla|bars]
 #
 # indexer (default): GPU tests of the indexer, compute-sanitizer memcheck, the SM90 scoring kernel's sweep of
 #   dsa_indexer_variants.py (INDEXER_SWEEP=defaults: the selection settings' sweep instead) and dsa.py's indexer
@@ -11,6 +11,8 @@
 # mla: carrying .whl-tl (TileLang's site and example files, see device.sh stash-tl; without it TileLang's rows say
 #   why they are missing): GPU parity tests of the sparse MLA kernels, memcheck, and dsa.py at T = 16384 (H = 64 and
 #   128, K = 2048, one document) with TileLang's kernels side by side, then the MLA_EXTRA_CASES cases.
+# bars: issue 17's bars at the defaults in one call of at most 9.5 minutes: the deterministic GPU tests,
+#   dsa_bwd_deterministic.py (the default backward and the deterministic mode at four shapes) and dsa.py's four cases.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -48,8 +50,13 @@ case "${1:-indexer}" in
     # shellcheck disable=SC2086
     run dsa_mla 450 benchmarks/dsa.py --case 16384,64,2048,1doc --case 16384,128,2048,1doc \
       ${MLA_EXTRA_CASES---case 4096,64,2048,1doc --case 4096,128,512,1doc} --out-dir "$Q" ;;
+  bars)
+    run gpu_det_tests 100 -m pytest -q -p no:cacheprovider tests/gpu/test_dsa_triton_gpu.py -k deterministic
+    run dsa_bwd_det 130 benchmarks/dsa_bwd_deterministic.py --out-dir "$Q"
+    run dsa_mla 330 benchmarks/dsa.py --case 16384,64,2048,1doc --case 16384,128,2048,1doc --case 4096,64,2048,1doc \
+      --case 4096,128,512,1doc --out-dir "$Q" ;;
   *)
-    echo "usage: $0 [indexer|mla]"; exit 2 ;;
+    echo "usage: $0 [indexer|mla|bars]"; exit 2 ;;
 esac
 tar czf "$OUT/queue.tgz" -C "$OUT" queue && rm -rf "$Q"
 echo "done after $(since)"
