@@ -217,6 +217,29 @@ def test_sparse_mla_deterministic_with_several_head_blocks(triton_interpret, gro
     assert torch.equal(grads_a[1], grads_b[1])
 
 
+@pytest.mark.parametrize("heads,block_h", [(4, None), (40, 16)], ids=["one-head-block", "three-head-blocks"])
+def test_sparse_mla_deterministic_does_not_depend_on_the_scratch_size(triton_interpret, monkeypatch, heads, block_h):
+    """Each row chunk's reduction continues the running dkv, so every key's pieces are summed in one global (row,
+    slot) order whatever the row chunk: one-row chunks (the smallest scratch) and one chunk of every row give the
+    same gradients bit for bit, and the scratch size only trades memory for speed."""
+    import longtrain.dsa.triton.sparse_mla_bwd as smb
+    from longtrain.dsa.triton import KernelConfig, SparseMLAConfig
+
+    T, K = 6, 24
+    config = _CFG
+    if block_h is not None:
+        bwd = KernelConfig(block_k=16, block_h=block_h, num_warps=4, num_stages=1)
+        config = SparseMLAConfig(fwd=_CFG, bwd=bwd)
+    q, kv, idx = _mla_inputs(T, heads, 48, 9, K, seed=13)
+    idx[:, 3:9] = 4  # many contributions to one key, from every row
+    length = torch.tensor([24, 7, 0, 20, 24, 1])
+    _, whole = _check_against_reference(q, kv, idx, 0.3, d_v=32, topk_length=length, config=config, det=True)
+    monkeypatch.setattr(smb, "DETERMINISTIC_SCRATCH_ELEMENTS", 1)  # one row per chunk
+    _, per_row = _check_against_reference(q, kv, idx, 0.3, d_v=32, topk_length=length, config=config, det=True)
+    for name, a, b in zip(("dq", "dkv"), whole, per_row):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize(
     "num_hb,row0,with_len", [(1, 0, False), (2, 3, True), (3, 1, True)], ids=["hb1", "hb2-row3-len", "hb3-row1-len"]
 )

@@ -72,7 +72,8 @@ DKV_COL_GROUPS = 2
 PDS_SCRATCH_BYTES = 1 << 29
 #: fp32 elements of the deterministic mode's per-slot contribution scratch (``[rows, K, dkv head blocks, D_qk]``): it
 #: sets the row chunk of a deterministic backward (113 rows at K = 2048, D_qk = 576, one head block). Read at each
-#: call.
+#: call. The gradients do not depend on it (each chunk's reduction continues the running sum in (row, slot) order):
+#: a larger scratch trades memory for speed only.
 DETERMINISTIC_SCRATCH_ELEMENTS = 1 << 27
 
 
