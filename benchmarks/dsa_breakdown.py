@@ -1,0 +1,88 @@
+"""Where the sparse MLA forward and backward spend their GPU time: every kernel's share, per shape (CUDA).
+
+``python benchmarks/dsa_breakdown.py [--out-dir DIR] [--case T,H,K ...]`` writes ``dsa_breakdown_<date>.md``: for
+each case (one document, random causal index sets as in ``dsa.py``) and each pass (forward, backward at the
+defaults, deterministic backward), the kernels that ``torch.profiler`` saw over ``ITERS`` calls, with their device
+time per call and share of the pass's kernel time, beside the pass's ``do_bench`` median (the gap is launch and host
+time). Kernel names are shortened to the Triton function's name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections import defaultdict
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import RESULTS_DIR, reproduce_args, write_report  # noqa: E402
+from longtrain.bench_suites.dsa import bench, causal_index_sets, mla_inputs, run_bwd, run_fwd  # noqa: E402
+
+ITERS = 10
+CASES = ["16384,64,2048", "4096,128,512", "4096,64,2048"]
+
+
+def kernel_times(fn) -> dict[str, float]:
+    """Device microseconds per call of ``fn`` by kernel name, over ``ITERS`` profiled calls."""
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(ITERS):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = defaultdict(float)
+    for evt in prof.events():
+        if evt.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = getattr(evt, "device_time", None)
+        if us is None:
+            us = evt.cuda_time
+        totals[re.sub(r"_0d1d.*|\(.*", "", evt.name)[:80]] += us / ITERS
+    return dict(totals)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    ap.add_argument("--case", action="append", help=f"T,H,K (repeatable; default: {' '.join(CASES)})")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    rows = []
+    for case in args.case or CASES:
+        total, heads, topk = (int(x) for x in case.split(","))
+        idx, length, _, _ = causal_index_sets([total], topk, dev)
+        q, kv = mla_inputs(total, heads, dev)
+        out, lse = run_fwd(q, kv, idx, length, None)
+        dout = torch.randn_like(out)
+        passes = {
+            "forward": partial(run_fwd, q, kv, idx, length, None),
+            "backward": partial(run_bwd, q, kv, out, dout, lse, idx, length),
+            "backward, deterministic": partial(run_bwd, q, kv, out, dout, lse, idx, length, deterministic=True),
+        }
+        for name, fn in passes.items():
+            fn()
+            torch.cuda.synchronize()
+            med, _, _ = bench(fn)
+            times = kernel_times(fn)
+            whole = sum(times.values())
+            shape = f"T={total} H={heads} K={topk}"
+            rows.append(dict(shape=shape, op=name, kernel="(all kernels)", us=whole, share=1.0, median_ms=med))
+            for kernel, us in sorted(times.items(), key=lambda kv: -kv[1]):
+                rows.append(dict(shape=shape, op=name, kernel=kernel, us=us, share=us / whole))
+            print(shape, name, f"median {med:.3f} ms, kernels {whole / 1000:.3f} ms", flush=True)
+    cols = ["shape", "op", "kernel", ("us", "us per call"), "share", ("median_ms", "do_bench ms")]
+    notes = (
+        f"torch.profiler over {ITERS} calls after one warm call; `us per call`: the kernel's device time summed over "
+        "its launches, per call; `do_bench ms`: the pass's median with the L2 flushed (the profiled calls run back to "
+        f"back, so their kernels see a warmer L2). Reproduce: `python benchmarks/dsa_breakdown.py {reproduce_args()}`."
+    )
+    md, _ = write_report("dsa_breakdown", rows, cols, notes, out_dir=args.out_dir,
+                         title="Sparse MLA: GPU time by kernel")  # fmt: skip
+    print(md.read_text())
+
+
+if __name__ == "__main__":
+    main()
