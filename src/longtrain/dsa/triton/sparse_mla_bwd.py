@@ -71,9 +71,10 @@ DKV_COL_GROUPS = 2
 #: for P and dS; the SM90 fused kernels keep dS alone, so theirs use half of it). Read at each call.
 PDS_SCRATCH_BYTES = 1 << 29
 #: fp32 elements of the deterministic mode's per-slot contribution scratch (``[rows, K, dkv head blocks, D_qk]``): it
-#: sets the row chunk of a deterministic backward (113 rows at K = 2048, D_qk = 576, one head block). Read at each
-#: call. The gradients do not depend on it (each chunk's reduction continues the running sum in (row, slot) order):
-#: a larger scratch trades memory for speed only.
+#: sets the row chunk of a deterministic backward (113 rows at K = 2048, D_qk = 576, one head block; on an SM90 GPU
+#: rounded down to whole waves of programs, but at least one wave: 132 rows on a 132-SM GPU). Read at each call. The
+#: gradients do not depend on it (each chunk's reduction continues the running sum in (row, slot) order): a larger
+#: scratch trades memory for speed only.
 DETERMINISTIC_SCRATCH_ELEMENTS = 1 << 27
 
 
@@ -523,6 +524,8 @@ def sparse_mla_bwd(
     rows_per_chunk = max(1, PDS_SCRATCH_BYTES // (2 * 2 * num_heads * k_slots))
     if compute_dkv and deterministic:
         rows_per_chunk = min(rows_per_chunk, max(1, DETERMINISTIC_SCRATCH_ELEMENTS // (k_slots * d_qk * n_hb[2])))
+        if ds_sm90 is not None and dev.type == "cuda":
+            rows_per_chunk = _whole_waves_within(rows_per_chunk, triton.cdiv(num_heads, 64), dev)
     elif ds_sm90 is not None and dev.type == "cuda":
         rows_per_chunk = _whole_waves(num_tokens, rows_per_chunk, triton.cdiv(num_heads, 64), dev)
     rows_per_chunk = min(rows_per_chunk, num_tokens)
@@ -621,6 +624,15 @@ def _whole_waves(num_tokens: int, rows: int, programs_per_row: int, device: torc
     step = sms // math.gcd(sms, programs_per_row)
     per_chunk = triton.cdiv(num_tokens, triton.cdiv(num_tokens, rows))
     return triton.cdiv(per_chunk, step) * step
+
+
+def _whole_waves_within(rows: int, programs_per_row: int, device: torch.device) -> int:
+    """The deterministic row chunk: ``rows`` (what the per-slot scratch holds) rounded down to whole waves of the
+    GPU's SMs (one SM90 program per SM), but at least one wave: the default scratch's 113-row chunks at 64 heads left
+    19 of 132 SMs idle in every launch; one wave is 132 rows there, a scratch of 623 MB instead of 512 MiB."""
+    sms = sm_count(device)
+    step = sms // math.gcd(sms, programs_per_row)
+    return max(1, rows // step) * step
 
 
 def _reduce_chunk(idx, topk_length, contrib, dkv_acc, row0, rows, num_keys, d_qk, num_hb) -> None:
