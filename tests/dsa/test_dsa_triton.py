@@ -247,7 +247,7 @@ def test_deterministic_reduce_sums_each_key_in_row_slot_order(triton_interpret, 
     """The deterministic mode's reduction of one row chunk equals, bit for bit, a sequential fp32 sum per key over
     the chunk's valid slots in ascending (row, slot) order, each slot's head-block pieces in order, onto the running
     dkv; slots past the length, negative or past the last key add nothing, and unselected keys keep their value."""
-    from longtrain.dsa.triton.sparse_mla_bwd import _reduce_chunk
+    from longtrain.dsa.triton.sparse_mla_bwd import _reduce_chunk, _reduce_keys
 
     g = torch.Generator().manual_seed(21)
     T, K, num_keys, d_qk, rows = 9, 12, 7, 40, 5
@@ -269,7 +269,7 @@ def test_deterministic_reduce_sums_each_key_in_row_slot_order(triton_interpret, 
                 continue
             for hb in range(num_hb):
                 expected[key] += contrib[(t * K + s) * num_hb + hb]
-    _reduce_chunk(idx, length, contrib, dkv, row0, rows, num_keys, d_qk, num_hb)
+    _reduce_chunk(_reduce_keys(idx, length, num_keys), K, contrib, dkv, row0, rows, d_qk, num_hb)
     assert torch.equal(dkv, expected)
 
 

@@ -4,7 +4,6 @@ tests/gpu/test_dsa_triton_gpu.py)."""
 
 from __future__ import annotations
 
-import math
 from types import SimpleNamespace
 
 import pytest
@@ -397,7 +396,7 @@ def test_warp_specialized_backward_compiles_for_hopper(H, d_qk, d_v, determinist
         (16384, 1024, 1, 132, 1056),  # 16 launches, 15 of them 8 whole waves
         (16384, 1024, 2, 132, 1056),
         (4096, 2048, 2, 132, 2112),  # still 2 launches (a chunk of 2046 rows would leave a third of 4)
-        (4096, 113, 1, 132, 132),  # chunks smaller than a wave: one wave each (fewer chunks)
+        (4096, 113, 1, 132, 132),  # chunks smaller than a wave (the deterministic scratch's): one wave each
         (1000, 4096, 3, 78, 1014),  # one launch
     ],
     ids=["glm", "H128", "T4096-K512", "few-rows", "one-chunk"],
@@ -412,27 +411,6 @@ def test_sm90_row_chunks_fill_whole_waves(monkeypatch, tokens, rows, per_row, sm
     assert chunk == expected and chunk * per_row % sms == 0
     if rows * per_row >= sms:
         assert -(-tokens // chunk) == -(-tokens // rows)
-
-
-@pytest.mark.parametrize(
-    "rows,per_row,sms,expected",
-    [
-        (113, 1, 132, 132),  # the default scratch at K = 2048: less than a wave, so one wave (19 SMs were idle)
-        (455, 1, 132, 396),  # 2 GiB: three whole waves, within the scratch
-        (227, 2, 132, 198),  # 128 heads: two programs per row, 66 rows a wave
-        (1, 3, 78, 26),
-    ],
-    ids=["default", "2GiB", "H128", "odd"],
-)
-def test_sm90_deterministic_row_chunks_are_whole_waves_within_the_scratch(monkeypatch, rows, per_row, sms, expected):
-    """The deterministic backward's row chunk on SM90: the rows its per-slot scratch holds, rounded down to whole
-    waves of the GPU's SMs, but never less than one wave."""
-    from longtrain.dsa.triton import sparse_mla_bwd as mb
-
-    monkeypatch.setattr(mb, "sm_count", lambda device: sms)
-    chunk = mb._whole_waves_within(rows, per_row, torch.device("cuda", 0))
-    assert chunk == expected and chunk * per_row % sms == 0
-    assert chunk <= rows or chunk == sms // math.gcd(sms, per_row)  # over the scratch only to fill one wave
 
 
 @pytest.mark.parametrize("with_sink", [False, True], ids=["no-sink", "sink"])

@@ -71,10 +71,10 @@ DKV_COL_GROUPS = 2
 #: for P and dS; the SM90 fused kernels keep dS alone, so theirs use half of it). Read at each call.
 PDS_SCRATCH_BYTES = 1 << 29
 #: fp32 elements of the deterministic mode's per-slot contribution scratch (``[rows, K, dkv head blocks, D_qk]``): it
-#: sets the row chunk of a deterministic backward (113 rows at K = 2048, D_qk = 576, one head block; on an SM90 GPU
-#: rounded down to whole waves of programs, but at least one wave: 132 rows on a 132-SM GPU). Read at each call. The
-#: gradients do not depend on it (each chunk's reduction continues the running sum in (row, slot) order): a larger
-#: scratch trades memory for speed only.
+#: sets the row chunk of a deterministic backward (113 rows at K = 2048, D_qk = 576, one head block; on an SM90 GPU,
+#: as for every backward there, the chunk is then rounded up to whole waves of programs: 132 rows on a 132-SM GPU,
+#: 623 MB). Read at each call. The gradients do not depend on it (each chunk's reduction continues the running sum
+#: in (row, slot) order): a larger scratch trades memory for speed only.
 DETERMINISTIC_SCRATCH_ELEMENTS = 1 << 27
 
 
@@ -524,9 +524,7 @@ def sparse_mla_bwd(
     rows_per_chunk = max(1, PDS_SCRATCH_BYTES // (2 * 2 * num_heads * k_slots))
     if compute_dkv and deterministic:
         rows_per_chunk = min(rows_per_chunk, max(1, DETERMINISTIC_SCRATCH_ELEMENTS // (k_slots * d_qk * n_hb[2])))
-        if ds_sm90 is not None and dev.type == "cuda":
-            rows_per_chunk = _whole_waves_within(rows_per_chunk, triton.cdiv(num_heads, 64), dev)
-    elif ds_sm90 is not None and dev.type == "cuda":
+    if ds_sm90 is not None and dev.type == "cuda":
         rows_per_chunk = _whole_waves(num_tokens, rows_per_chunk, triton.cdiv(num_heads, 64), dev)
     rows_per_chunk = min(rows_per_chunk, num_tokens)
     ds_buf = torch.empty((rows_per_chunk, num_heads, k_slots), dtype=q.dtype, device=dev)
@@ -534,6 +532,7 @@ def sparse_mla_bwd(
     contrib = None
     if compute_dkv and deterministic:
         contrib = torch.empty((rows_per_chunk * k_slots * n_hb[2], d_qk), dtype=torch.float32, device=dev)
+        reduce_keys = _reduce_keys(idx, topk_length, num_keys)
     for row0 in range(0, num_tokens, rows_per_chunk):
         rows = min(rows_per_chunk, num_tokens - row0)
         common = (idx, len_arg)
@@ -587,7 +586,7 @@ def sparse_mla_bwd(
                 (kv2d, *common, ds_buf, dq, row0, num_keys, k_slots), dict(dims, BLOCK_H=bh[1]), cfg_dq,
             )  # fmt: skip
         if fused and deterministic:
-            _reduce_chunk(idx, topk_length, contrib, dkv_acc, row0, rows, num_keys, d_qk, n_hb[2])
+            _reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2])
         if not compute_dkv or fused:
             continue
         target = contrib if deterministic else dkv_acc
@@ -602,7 +601,7 @@ def sparse_mla_bwd(
             grid = (1, rows * n_hb[2])
             _launch("dkv", sparse_mla_bwd_kernel_dkv, _DKV_CANDIDATES, grid, dkv_args, meta, cfg_dkv, reset)
         if deterministic:
-            _reduce_chunk(idx, topk_length, contrib, dkv_acc, row0, rows, num_keys, d_qk, n_hb[2])
+            _reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2])
     dsink = None
     if attn_sink is not None:
         dsink = sink_grad(attn_sink, lse2, delta) if ws_delta else dsink_rows.sum(0)
@@ -626,31 +625,28 @@ def _whole_waves(num_tokens: int, rows: int, programs_per_row: int, device: torc
     return triton.cdiv(per_chunk, step) * step
 
 
-def _whole_waves_within(rows: int, programs_per_row: int, device: torch.device) -> int:
-    """The deterministic row chunk: ``rows`` (what the per-slot scratch holds) rounded down to whole waves of the
-    GPU's SMs (one SM90 program per SM), but at least one wave: the default scratch's 113-row chunks at 64 heads left
-    19 of 132 SMs idle in every launch; one wave is 132 rows there, a scratch of 623 MB instead of 512 MiB."""
-    sms = sm_count(device)
-    step = sms // math.gcd(sms, programs_per_row)
-    return max(1, rows // step) * step
-
-
-def _reduce_chunk(idx, topk_length, contrib, dkv_acc, row0, rows, num_keys, d_qk, num_hb) -> None:
-    """Sum one row chunk's per-slot dkv pieces key by key, in a fixed order (no atomics): each key's slots in
-    ascending ``(row, slot)`` order (a stable sort of the chunk's keys), each key row summed by one program."""
-    k_slots = idx.shape[1]
-    chunk_idx = idx[row0 : row0 + rows]
-    valid = (chunk_idx >= 0) & (chunk_idx < num_keys)
+def _reduce_keys(idx: torch.Tensor, topk_length: torch.Tensor | None, num_keys: int) -> torch.Tensor:
+    """``[T * K] int32``: each slot's key for the deterministic reduction, ``num_keys`` for an invalid slot (negative,
+    past the last key or past the row's length), so that invalid slots sort last, outside every key's run. Formed
+    once per backward, so each row chunk's reduction is a sort, a search and one launch."""
+    valid = (idx >= 0) & (idx < num_keys)
     if topk_length is not None:
-        slots = torch.arange(k_slots, device=idx.device)
-        valid &= slots[None, :] < topk_length[row0 : row0 + rows].to(torch.int64)[:, None]
-    # Invalid slots sort last under a key past every real row, outside every key's run.
-    keys = torch.where(valid, chunk_idx, num_keys).to(torch.int32).reshape(-1)
-    sorted_keys, order = torch.sort(keys, stable=True)
+        slots = torch.arange(idx.shape[1], device=idx.device)
+        valid &= slots[None, :] < topk_length.to(torch.int64)[:, None]
+    return torch.where(valid, idx, num_keys).to(torch.int32).reshape(-1)
+
+
+def _reduce_chunk(keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, num_hb) -> None:
+    """Sum one row chunk's per-slot dkv pieces key by key, in a fixed order (no atomics): each key's slots in
+    ascending ``(row, slot)`` order (a stable sort of the chunk's ``keys``, from :func:`_reduce_keys`), each key row
+    summed by one program."""
+    num_keys = dkv_acc.shape[0]
+    sorted_keys, order = torch.sort(keys[row0 * k_slots : (row0 + rows) * k_slots], stable=True)
     # Key j's run is [run_start[j], run_start[j + 1]): the first sorted position of each key 0..num_keys.
-    run_start = torch.searchsorted(sorted_keys, torch.arange(num_keys + 1, device=idx.device, dtype=torch.int32))
+    key_ids = torch.arange(num_keys + 1, device=keys.device, dtype=torch.int32)
+    run_start = torch.searchsorted(sorted_keys, key_ids)
     # At most one program per key and per slot: a chunk selects at most rows * K distinct keys.
-    grid = (max(1, min(num_keys, keys.numel())),)
+    grid = (max(1, min(num_keys, rows * k_slots)),)
     sparse_mla_bwd_kernel_dkv_reduce[grid](
         contrib, order, run_start, dkv_acc, num_keys, D_QK=d_qk, BLOCK_D=min(1024, next_pow2(d_qk)), NUM_HB=num_hb,
         num_warps=4,
