@@ -2,7 +2,7 @@
 # H200 runs in one call of at most ~9 minutes, run from the repository root on the GPU machine. Logs and reports go
 # under $OUT/queue, tarred into $OUT/queue.tgz at the end (one file comes back).
 #
-#   LONGTRAIN_COMMIT=$(git log -1 --format=%h) bash benchmarks/device_queue.sh [indexer|mla|bars]
+#   LONGTRAIN_COMMIT=$(git log -1 --format=%h) bash benchmarks/device_queue.sh [indexer|mla|bars|det]
 #
 # indexer (default): GPU tests of the indexer, compute-sanitizer memcheck, the SM90 scoring kernel's sweep of
 #   dsa_indexer_variants.py (INDEXER_SWEEP=defaults: the selection settings' sweep instead) and dsa.py's indexer
@@ -13,6 +13,8 @@
 #   128, K = 2048, one document) with TileLang's kernels side by side, then the MLA_EXTRA_CASES cases.
 # bars: issue 17's bars at the defaults in one call of at most 9.5 minutes: the deterministic GPU tests,
 #   dsa_bwd_deterministic.py (the default backward and the deterministic mode at four shapes) and dsa.py's four cases.
+# det: the deterministic mode after a change (at most 9.5 minutes): its GPU tests, memcheck through
+#   dsa_bwd_dq.py --memcheck (every store path, deterministic or not), dsa_bwd_deterministic.py and dsa_breakdown.py.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -26,8 +28,8 @@ run() {  # run NAME SECONDS CMD...: one bounded step, its log under $Q
   timeout "$limit" bash benchmarks/device.sh python "$@" > "$Q/$name.log" 2>&1
   echo "$name: exit $? after $(since)"
 }
-memcheck() {  # memcheck SECONDS
-  PYTHONPATH=$PWD/src timeout "$1" compute-sanitizer --tool memcheck python3 benchmarks/dsa.py --memcheck \
+memcheck() {  # memcheck SECONDS [SCRIPT]: the script's --memcheck launches under compute-sanitizer
+  PYTHONPATH=$PWD/src timeout "$1" compute-sanitizer --tool memcheck python3 "${2:-benchmarks/dsa.py}" --memcheck \
     > "$Q/memcheck.log" 2>&1
   echo "memcheck: exit $? after $(since)"
 }
@@ -55,8 +57,13 @@ case "${1:-indexer}" in
     run dsa_bwd_det 130 benchmarks/dsa_bwd_deterministic.py --out-dir "$Q"
     run dsa_mla 330 benchmarks/dsa.py --case 16384,64,2048,1doc --case 16384,128,2048,1doc --case 4096,64,2048,1doc \
       --case 4096,128,512,1doc --out-dir "$Q" ;;
+  det)
+    run gpu_det_tests 120 -m pytest -q -p no:cacheprovider tests/gpu/test_dsa_triton_gpu.py -k deterministic
+    memcheck 150 benchmarks/dsa_bwd_dq.py
+    run dsa_bwd_det 150 benchmarks/dsa_bwd_deterministic.py --out-dir "$Q"
+    run dsa_breakdown 150 benchmarks/dsa_breakdown.py --out-dir "$Q" ;;
   *)
-    echo "usage: $0 [indexer|mla|bars]"; exit 2 ;;
+    echo "usage: $0 [indexer|mla|bars|det]"; exit 2 ;;
 esac
 tar czf "$OUT/queue.tgz" -C "$OUT" queue && rm -rf "$Q"
 echo "done after $(since)"
