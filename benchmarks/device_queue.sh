@@ -59,8 +59,8 @@ case "${1:-indexer}" in
       --case 4096,128,512,1doc --out-dir "$Q" ;;
   det)
     run gpu_det_tests 120 -m pytest -q -p no:cacheprovider tests/gpu/test_dsa_triton_gpu.py -k deterministic
-    memcheck 150 benchmarks/dsa_bwd_dq.py
     run dsa_bwd_det 150 benchmarks/dsa_bwd_deterministic.py --out-dir "$Q"
+    memcheck 150 benchmarks/dsa_bwd_dq.py
     run dsa_breakdown 150 benchmarks/dsa_breakdown.py --out-dir "$Q" ;;
   *)
     echo "usage: $0 [indexer|mla|bars|det]"; exit 2 ;;
