@@ -625,25 +625,29 @@ def _whole_waves(num_tokens: int, rows: int, programs_per_row: int, device: torc
     return triton.cdiv(per_chunk, step) * step
 
 
-def _reduce_keys(idx: torch.Tensor, topk_length: torch.Tensor | None, num_keys: int) -> torch.Tensor:
-    """``[T * K] int32``: each slot's key for the deterministic reduction, ``num_keys`` for an invalid slot (negative,
-    past the last key or past the row's length), so that invalid slots sort last, outside every key's run. Formed
-    once per backward, so each row chunk's reduction is a sort, a search and one launch."""
+def _reduce_keys(
+    idx: torch.Tensor, topk_length: torch.Tensor | None, num_keys: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(keys [T * K] int32, key_ids [num_keys + 1] int32)`` for the deterministic reduction: each slot's key,
+    ``num_keys`` for an invalid slot (negative, past the last key or past the row's length), so that invalid slots
+    sort last, outside every key's run; and the key ids each chunk's sorted keys are searched for. Formed once per
+    backward, so each row chunk's reduction is a sort, a search and one launch."""
     valid = (idx >= 0) & (idx < num_keys)
     if topk_length is not None:
         slots = torch.arange(idx.shape[1], device=idx.device)
         valid &= slots[None, :] < topk_length.to(torch.int64)[:, None]
-    return torch.where(valid, idx, num_keys).to(torch.int32).reshape(-1)
+    keys = torch.where(valid, idx, num_keys).to(torch.int32).reshape(-1)
+    return keys, torch.arange(num_keys + 1, device=idx.device, dtype=torch.int32)
 
 
-def _reduce_chunk(keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, num_hb) -> None:
+def _reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, num_hb) -> None:
     """Sum one row chunk's per-slot dkv pieces key by key, in a fixed order (no atomics): each key's slots in
-    ascending ``(row, slot)`` order (a stable sort of the chunk's ``keys``, from :func:`_reduce_keys`), each key row
-    summed by one program."""
+    ascending ``(row, slot)`` order (a stable sort of the chunk's keys, ``reduce_keys`` from :func:`_reduce_keys`),
+    each key row summed by one program."""
+    keys, key_ids = reduce_keys
     num_keys = dkv_acc.shape[0]
     sorted_keys, order = torch.sort(keys[row0 * k_slots : (row0 + rows) * k_slots], stable=True)
     # Key j's run is [run_start[j], run_start[j + 1]): the first sorted position of each key 0..num_keys.
-    key_ids = torch.arange(num_keys + 1, device=keys.device, dtype=torch.int32)
     run_start = torch.searchsorted(sorted_keys, key_ids)
     # At most one program per key and per slot: a chunk selects at most rows * K distinct keys.
     grid = (max(1, min(num_keys, rows * k_slots)),)
