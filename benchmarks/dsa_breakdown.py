@@ -4,7 +4,10 @@
 each case (one document, random causal index sets as in ``dsa.py``) and each pass (forward, backward at the
 defaults, deterministic backward), the kernels that ``torch.profiler`` saw over ``ITERS`` calls, with their device
 time per call and share of the pass's kernel time, beside the pass's ``do_bench`` median (the gap is launch and host
-time). Kernel names are shortened to the Triton function's name.
+time). Kernel names are shortened to the Triton function's name. For the kernels that add or store dkv's fp32
+pieces (the probabilities + dkv kernel, the deterministic reduction) a column gives the rate of those bytes,
+``valid slots x head blocks x D_qk x 4``, to set beside the reduction probe's ceiling
+(``python benchmarks/dsa_bwd_ws.py --pattern-probe``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ from longtrain.bench_suites.dsa import bench, causal_index_sets, mla_inputs, run
 
 ITERS = 10
 CASES = ["16384,64,2048", "4096,128,512", "4096,64,2048"]
+# Kernels whose traffic is dkv's fp32 pieces: each (valid slot, block of 64 heads) adds (or stores, or reads back)
+# one D_qk-wide row.
+PIECE_KERNELS = ("sparse_mla_bwd_sm90_ws_kernel", "sparse_mla_bwd_kernel_dkv_reduce")
 
 
 def kernel_times(fn) -> dict[str, float]:
@@ -54,6 +60,7 @@ def main() -> None:
         q, kv = mla_inputs(total, heads, dev)
         out, lse = run_fwd(q, kv, idx, length, None)
         dout = torch.randn_like(out)
+        piece_bytes = int(length.sum()) * -(-heads // 64) * q.shape[-1] * 4
         passes = {
             "forward": partial(run_fwd, q, kv, idx, length, None),
             "backward": partial(run_bwd, q, kv, out, dout, lse, idx, length),
@@ -68,13 +75,26 @@ def main() -> None:
             shape = f"T={total} H={heads} K={topk}"
             rows.append(dict(shape=shape, op=name, kernel="(all kernels)", us=whole, share=1.0, median_ms=med))
             for kernel, us in sorted(times.items(), key=lambda kv: -kv[1]):
-                rows.append(dict(shape=shape, op=name, kernel=kernel, us=us, share=us / whole))
+                row = dict(shape=shape, op=name, kernel=kernel, us=us, share=us / whole)
+                if kernel in PIECE_KERNELS and name != "forward":
+                    row["piece_gbps"] = piece_bytes / us / 1e3
+                rows.append(row)
             print(shape, name, f"median {med:.3f} ms, kernels {whole / 1000:.3f} ms", flush=True)
-    cols = ["shape", "op", "kernel", ("us", "us per call"), "share", ("median_ms", "do_bench ms")]
+    cols = [
+        "shape",
+        "op",
+        "kernel",
+        ("us", "us per call"),
+        "share",
+        ("median_ms", "do_bench ms"),
+        ("piece_gbps", "dkv pieces GB/s"),
+    ]
     notes = (
         f"torch.profiler over {ITERS} calls after one warm call; `us per call`: the kernel's device time summed over "
         "its launches, per call; `do_bench ms`: the pass's median with the L2 flushed (the profiled calls run back to "
-        f"back, so their kernels see a warmer L2). Reproduce: `python benchmarks/dsa_breakdown.py {reproduce_args()}`."
+        "back, so their kernels see a warmer L2); `dkv pieces GB/s`: the fp32 dkv rows the kernel adds, stores or "
+        "reads back (valid slots x head blocks x D_qk x 4 bytes) per second of its device time. Reproduce: "
+        f"`python benchmarks/dsa_breakdown.py {reproduce_args()}`."
     )
     md, _ = write_report("dsa_breakdown", rows, cols, notes, out_dir=args.out_dir,
                          title="Sparse MLA: GPU time by kernel")  # fmt: skip
