@@ -15,6 +15,7 @@ import importlib.util
 import os
 
 __all__ = [
+    "CUDNN_DSA_SYMBOLS",
     "Probe",
     "cuda_sm",
     "fa4",
@@ -145,6 +146,10 @@ def cudnn_frontend() -> Probe:
     return _import("cudnn", None, "nvidia-cudnn-frontend")
 
 
+# The cudnn.DSA functions longtrain.dsa.cudnn_dsa calls: the probe imports each of them.
+CUDNN_DSA_SYMBOLS = ("indexer_top_k_wrapper", "indexer_forward_wrapper", "sparse_attention_backward_wrapper")
+
+
 @functools.cache
 def cudnn_dsa() -> Probe:
     """The cuDNN frontend DSA namespace (``from cudnn import DSA``), which needs the cutedsl extra."""
@@ -155,8 +160,11 @@ def cudnn_dsa() -> Probe:
         import cudnn
 
         dsa = cudnn.DSA
-        # The namespace is lazy: touching an attribute is what imports the CuTe DSL kernels.
-        getattr(dsa, "__name__", None)
+        # The namespace is lazy (frontend 1.32: an object whose __getattr__ imports a symbol's module on first use),
+        # so only the symbols we call prove that their CuTe DSL kernels import. Without the cutedsl extra the
+        # namespace itself resolves and these raise ModuleNotFoundError ('cutlass.cute').
+        for name in CUDNN_DSA_SYMBOLS:
+            getattr(dsa, name)
     except Exception as exc:
         why = f"{type(exc).__name__}: {str(exc)[:120]}"
         return False, f"cudnn.DSA unavailable ({why}); pip install 'nvidia-cudnn-frontend[cutedsl]'"

@@ -15,6 +15,7 @@ import types
 import pytest
 import torch
 
+from longtrain import _optional
 from longtrain.dsa import cudnn_dsa as cd
 from longtrain.dsa import ops
 from longtrain.dsa import reference as ref
@@ -228,13 +229,55 @@ def test_availability_needs_both_libraries(monkeypatch, has_cudnn, has_mla):
 
 
 def test_availability_is_probed_lazily_through_longtrain_optional(monkeypatch):
-    from longtrain import _optional
-
     monkeypatch.setattr(cd, "_HAS_CUDNN_DSA", None)
     monkeypatch.setattr(cd, "_HAS_FLASH_MLA", None)
     expected = _optional.cudnn_dsa()[0] and _optional.flash_mla()[0]
     assert cd.is_cudnn_dsa_available() is expected
     assert isinstance(cd._HAS_CUDNN_DSA, bool)  # probed and cached
+
+
+class _LazyDSA:
+    """``cudnn.DSA`` as frontend 1.32 builds it: an object whose ``__getattr__`` imports a symbol's module on first
+    use. ``missing`` is the module that import fails on (``cutlass.cute`` without the cutedsl extra), or None."""
+
+    def __init__(self, missing: str | None):
+        self.missing = missing
+
+    def __getattr__(self, name):
+        if name not in _optional.CUDNN_DSA_SYMBOLS:
+            raise AttributeError(f"DSA has no attribute {name!r}")
+        if self.missing is not None:
+            raise ModuleNotFoundError(f"No module named {self.missing!r}")
+        return lambda *args, **kwargs: None
+
+
+@pytest.mark.parametrize("missing", [None, "cutlass.cute"], ids=["cutedsl", "without-cutedsl"])
+def test_the_probe_imports_the_symbols_it_calls(monkeypatch, missing):
+    """A frontend whose DSA namespace resolves but whose kernels cannot import (the cutedsl extra missing) is
+    unavailable: `auto` must not route a backward to it and then fail at call time."""
+    import importlib.machinery
+    import sys
+
+    fake = types.ModuleType("cudnn")
+    fake.__spec__ = importlib.machinery.ModuleSpec("cudnn", None)
+    fake.DSA = _LazyDSA(missing)
+    monkeypatch.setitem(sys.modules, "cudnn", fake)
+    monkeypatch.setattr(cd, "_HAS_CUDNN_DSA", None)
+    _optional.reset_probe_cache()
+    try:
+        ok, reason = _optional.cudnn_dsa()
+        assert cd._has_cudnn_dsa() is ok
+        if missing is None:
+            assert ok and reason == ""
+        else:
+            assert not ok
+            assert "cutlass.cute" in reason and "nvidia-cudnn-frontend[cutedsl]" in reason
+            from longtrain.dsa import routes
+
+            assert routes.cudnn_absent(torch.device("cuda")) == reason
+    finally:
+        monkeypatch.undo()
+        _optional.reset_probe_cache()
 
 
 def test_require_available_is_the_first_check_even_for_cpu_tensors(monkeypatch):
