@@ -562,7 +562,7 @@ def _mla_case(add, total: int, heads: int, topk: int, layout: str) -> None:
             except Exception as exc:  # a variant that fails is a row, not a stop
                 add(op="sparse_mla_bwd", impl=what, shape=shape, note=f"failed: {type(exc).__name__}: {exc}"[:200])
     if heads == 64 and topk == TOPK and layout == "1doc":
-        _cudnn_rows(add, q, kv, idx, length, dout, shape, fwd_flops + bwd_flops)
+        _cudnn_rows(add, q, kv, idx, length, dout, shape, fwd_flops + bwd_flops, bwd_flops)
     if total == 16384 and topk == TOPK and layout == "1doc":  # TileLang's kernels on the same inputs, where carried
         from longtrain.bench_suites.tilelang_baseline import tilelang_rows
 
@@ -606,9 +606,11 @@ def _mla_case(add, total: int, heads: int, topk: int, layout: str) -> None:
         p80=ms[2], tflops=bwd_flops / ms[0] / 1e9, peak_mib=peak_mib(torch_bwd))  # fmt: skip
 
 
-def _cudnn_rows(add, q, kv, idx, length, dout, shape: str, flops: float) -> None:
+def _cudnn_rows(add, q, kv, idx, length, dout, shape: str, flops: float, bwd_flops: float | None = None) -> None:
     """Forward + backward through ``sparse_mla_attention``: backend "cudnn" (FlashMLA's forward, or ours where
-    FlashMLA is not installed, with cuDNN's backward) next to backend "triton" on the same inputs."""
+    FlashMLA is not installed, with cuDNN's backward) next to backend "triton" on the same inputs. With
+    ``bwd_flops``, each backend's backward alone too: the median of forward + backward minus that of its forward
+    (run with grad, as the pair runs it), the rule of every backward row here."""
     from longtrain import _optional
     from longtrain.dsa import ops
 
@@ -621,14 +623,20 @@ def _cudnn_rows(add, q, kv, idx, length, dout, shape: str, flops: float) -> None
             add(op="sparse_mla_fwd+bwd", impl="cudnn backend", shape=shape, note=f"unavailable: {why}")
             continue
 
-        def fwd_bwd(backend=backend):
-            o = ops.sparse_mla_attention(qc, kvc, idx, D_QK**-0.5, d_v=D_V, topk_length=length, backend=backend)
-            torch.autograd.grad(o, (qc, kvc), dout)
+        def fwd(backend=backend):
+            return ops.sparse_mla_attention(qc, kvc, idx, D_QK**-0.5, d_v=D_V, topk_length=length, backend=backend)
+
+        def fwd_bwd(fwd=fwd):
+            torch.autograd.grad(fwd(), (qc, kvc), dout)
 
         try:
             ms = bench(fwd_bwd)
             add(op="sparse_mla_fwd+bwd", impl=impl, shape=shape, ms=ms[0], p20=ms[1], p80=ms[2],
                 tflops=flops / ms[0] / 1e9)  # fmt: skip
+            if bwd_flops is not None:
+                alone = ms[0] - bench(fwd)[0]
+                add(op="sparse_mla_bwd", impl=f"{impl}: backward (forward + backward minus forward)", shape=shape,
+                    ms=alone, tflops=bwd_flops / alone / 1e9)  # fmt: skip
         except Exception as exc:
             add(op="sparse_mla_fwd+bwd", impl=impl, shape=shape, note=f"failed: {exc!s:.150}")
 
