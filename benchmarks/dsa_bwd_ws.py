@@ -7,7 +7,11 @@ with the producer loading each tile's indices one tile ahead, before the wait fo
 True``; not the default), with ``--fused`` the two-warpgroup fused kernel (``layout="fused"``), each with the
 largest relative difference of its dq and dkv from the default's (fp32 atomics in another order and bf16 roundings:
 not 0), then T = 4096 (and H = 128, K = 512) and the deterministic mode through each at T = 4096 (with whether two
-runs agree bit for bit). Correctness against float64 is the GPU test's (``tests/gpu/test_dsa_triton_gpu.py -k bwd_ws``).
+runs agree bit for bit). ``--runs 1,2,4,0`` instead times the default backward with each number of items per
+program of the warp-specialized kernel (``WS_BWD_RUN``), alternating, at issue 17's four shapes
+(``dsa_bwd_item_runs_<date>.md``); ``--memcheck`` runs small backwards over item runs for ``compute-sanitizer``.
+Correctness against float64 is the GPU test's
+(``tests/gpu/test_dsa_triton_gpu.py -k "bwd_ws or item_runs"``).
 """
 
 from __future__ import annotations
@@ -153,6 +157,70 @@ def pattern_probe(out_dir: Path) -> None:
     )  # fmt: skip
 
 
+def item_runs(out_dir: Path, runs: tuple[int, ...], shapes: tuple[tuple[int, int, int], ...], rounds: int) -> None:
+    """The default backward with each ``WS_BWD_RUN`` (items per program; 0: one program per SM), alternating over
+    ``rounds`` rounds at each shape, so that a slower or faster stretch of the GPU falls on every variant."""
+    dev = torch.device("cuda")
+    rows: list[dict] = []
+    saved = ws.WS_BWD_RUN
+    try:
+        for total, heads, topk in shapes:
+            idx, length, _, _ = causal_index_sets([total], topk, dev)
+            flops = 2 * int(length.sum()) * heads * (3 * D_QK + 2 * D_V)
+            q, kv = mla_inputs(total, heads, dev)
+            out, lse = run_fwd(q, kv, idx, length, None)
+            dout = torch.randn_like(out)
+            ws.WS_BWD_RUN = 1
+            ref = run_bwd(q, kv, out, dout, lse, idx, length)
+            for rnd in range(rounds):
+                for run in runs:
+                    ws.WS_BWD_RUN = run
+                    row = dict(shape=f"T={total} H={heads} K={topk} 1doc", run=run, round=rnd)
+                    _time_variant(row, q, kv, out, dout, lse, idx, length, (None, None, None), False, ref, flops)
+                    print(row, flush=True)
+                    rows.append(row)
+    finally:
+        ws.WS_BWD_RUN = saved
+    write_report(
+        "dsa_bwd_item_runs", rows, ["shape", "run", "round", "ms", "p20", "p80", "tflops", "dq_rel", "dkv_rel",
+                                    "finite", "repeat_equal", "note"],
+        "Sparse MLA backward (bf16, one document, query t selects min(t+1, K) random causal keys, FLOPs over valid "
+        "slots: 2 * valid * H * (3 * 576 + 2 * 512)), the whole backward at the defaults but for the warp-specialized "
+        "kernel's items per program (`sparse_mla_bwd_sm90_ws.WS_BWD_RUN`; 0: one program per SM taking every G-th "
+        "item), alternating, triton.testing.do_bench median with 20th/80th percentiles. dq_rel / dkv_rel: largest "
+        "difference from one program per item (run 1), relative to its largest element (dkv's fp32 atomics add in "
+        "another order). Reproduce: `python benchmarks/dsa_bwd_ws.py --runs 1,2,4,0`.",
+        out_dir=out_dir, title="Sparse MLA backward: items per program of the warp-specialized kernel",
+    )  # fmt: skip
+
+
+def memcheck_runs() -> None:
+    """Small backwards for compute-sanitizer through the warp-specialized kernel over runs of items (3: the last run
+    shorter) and one program per SM: H = 64, 96, 128, with and without lengths, invalid and out-of-range slots,
+    deterministic mode."""
+    dev = torch.device("cuda")
+    total, topk = 300, 256
+    saved = ws.WS_BWD_RUN
+    try:
+        for heads in (64, 96, 128):
+            idx, length, _, _ = causal_index_sets([total], topk, dev)
+            idx[5, :6] = torch.tensor([-1, total, 2**30, 3, 3, -7], dtype=torch.int32, device=dev)
+            q, kv = mla_inputs(total, heads, dev)
+            out, lse = run_fwd(q, kv, idx, length, None)
+            dout = torch.randn_like(out)
+            for run in (3, 0):
+                ws.WS_BWD_RUN = run
+                for with_len in (True, False):
+                    for det in (False, True):
+                        dq, dkv, _ = run_bwd(q, kv, out, dout, lse, idx, length if with_len else None,
+                                             deterministic=det)  # fmt: skip
+                        torch.cuda.synchronize()
+                        print("memcheck case", heads, run, with_len, det,
+                              bool(dq.isfinite().all() and dkv.isfinite().all()), flush=True)  # fmt: skip
+    finally:
+        ws.WS_BWD_RUN = saved
+
+
 def main(out_dir: Path, total: int, heads_list: tuple[int, ...]) -> None:
     rows: list[dict] = []
     for heads in heads_list:
@@ -179,9 +247,17 @@ if __name__ == "__main__":
     parser.add_argument("--heads", default="64,128")
     parser.add_argument("--pattern-probe", action="store_true")
     parser.add_argument("--fused", action="store_true", help="also time the two-warpgroup fused kernel")
+    parser.add_argument("--runs", default="", help="comma-separated WS_BWD_RUN values to compare, e.g. 1,2,4,0")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--memcheck", action="store_true", help="small backwards over item runs, no report")
     args = parser.parse_args()
     FUSED_TOO = args.fused
-    if args.pattern_probe:
+    if args.memcheck:
+        memcheck_runs()
+    elif args.runs:
+        item_runs(args.out_dir, tuple(int(r) for r in args.runs.split(",")),
+                  ((16384, 64, 2048), (16384, 128, 2048), (4096, 64, 2048), (4096, 128, 512)), args.rounds)  # fmt: skip
+    elif args.pattern_probe:
         pattern_probe(args.out_dir)
     else:
         main(args.out_dir, args.tokens, tuple(int(h) for h in args.heads.split(",")))

@@ -366,22 +366,28 @@ def test_smem_budget_of_the_warp_specialized_backward():
 
 @pytest.mark.skipif(cuobjdump() is None, reason="needs triton with its bundled NVIDIA toolchain (ptxas, cuobjdump)")
 @pytest.mark.parametrize(
-    "H,d_qk,d_v,deterministic,prefetch,staged",
-    [(64, 576, 512, False, True, False), (64, 576, 512, False, False, False), (128, 512, 512, False, True, False),
-     (64, 576, 512, True, True, False), (64, 320, 256, False, True, False), (64, 384, 256, False, True, False),
-     (64, 576, 512, False, False, True), (96, 320, 256, True, False, True)],
-    ids=["glm", "glm-indices-after-wait", "H128-D512", "det", "dv256", "rope128", "glm-staged-ds", "dv256-det-staged"],
+    "H,d_qk,d_v,deterministic,prefetch,staged,run",
+    [(64, 576, 512, False, True, False, 1), (64, 576, 512, False, False, False, 1),
+     (128, 512, 512, False, True, False, 1), (64, 576, 512, True, True, False, 1),
+     (64, 320, 256, False, True, False, 1), (64, 384, 256, False, True, False, 1),
+     (64, 576, 512, False, False, True, 1), (96, 320, 256, True, False, True, 1),
+     (64, 576, 512, False, False, True, 4), (128, 576, 512, False, False, True, 0),
+     (64, 384, 256, True, False, True, 0)],
+    ids=["glm", "glm-indices-after-wait", "H128-D512", "det", "dv256", "rope128", "glm-staged-ds", "dv256-det-staged",
+         "glm-runs-of-4", "H128-persistent", "rope128-det-persistent"],
 )  # fmt: skip
-def test_warp_specialized_backward_compiles_for_hopper(H, d_qk, d_v, deterministic, prefetch, staged):
+def test_warp_specialized_backward_compiles_for_hopper(H, d_qk, d_v, deterministic, prefetch, staged, run):
     """The warp-specialized fused kernel compiled for sm_90a: cp.async + wgmma, shared memory within the budget (the
     compiler adds nothing of its own beyond it), no spills, no serialized wgmma, the worker partitions' register
     budgets as set."""
     from longtrain.dsa.triton import sparse_mla_bwd_sm90_ws as ws
     from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_ws_bwd_smem_bytes
 
-    types = _TYPES[:3] + ["*bf16"] + _TYPES[3:8] + ["*fp32"] + _TYPES[9:] + ["fp32", "fp32"]  # q kv dO O idx ...
+    # q kv dO O idx len lse2 delta dS dkv, row_offset n_rows T_k K_slots, the two scales
+    types = _TYPES[:3] + ["*bf16"] + _TYPES[3:8] + ["*fp32"] + _TYPES[9:] + ["i32", "fp32", "fp32"]
     consts = dict(H=H, D_V=d_v, D_R=d_qk - d_v, HAS_LEN=True, DETERMINISTIC=deterministic, PREFETCH_IDX=prefetch,
-                  REGS_PROB=ws.WS_BWD_NUM_REGS[0], REGS_PRODUCER=ws.WS_BWD_NUM_REGS[1], STAGED_DS=staged)  # fmt: skip
+                  REGS_PROB=ws.WS_BWD_NUM_REGS[0], REGS_PRODUCER=ws.WS_BWD_NUM_REGS[1], STAGED_DS=staged,
+                  RUN=run)  # fmt: skip
     stats = compile_sm90("longtrain.dsa.triton.sparse_mla_bwd_sm90_ws", "sparse_mla_bwd_sm90_ws_kernel", types, consts,
                          num_warps=4, maxnreg=ws.WS_BWD_MAXNREG)  # fmt: skip
     assert stats["cp_async"] and stats["wgmma"] and not stats["wgmma_serialized"], stats

@@ -429,6 +429,48 @@ def test_ws_backward_staged_ds_equals_direct(monkeypatch, T, H, K, deterministic
 
 @_SM90
 @pytest.mark.parametrize(
+    "T,H,K,deterministic",
+    [(300, 64, 2048, False), (200, 128, 520, True), (150, 96, 300, False), (5, 128, 64, True), (250, 64, 700, True)],
+    ids=["64", "H128-det", "H96", "fewer-items-than-SMs-det", "64-det"],
+)  # fmt: skip
+def test_ws_backward_item_runs_equal_one_program_per_item(monkeypatch, T, H, K, deterministic):
+    """The warp-specialized backward over runs of ``WS_BWD_RUN`` items per program (3: the last run shorter; 4) or one
+    program per SM (0), the next item's first tile, delta and ``[Q_v; dO]`` loading under the current item's last tile,
+    gives dq equal bit for bit to one program per item (the same arithmetic per item) and dkv equal up to its atomics'
+    order (bit for bit in deterministic mode), over rows without slots, ragged lengths, invalid and repeated indices,
+    head counts that are not a multiple of 64, and fewer items than SMs."""
+    from longtrain.dsa.triton import sparse_mla_bwd_sm90_ws as ws
+    from longtrain.dsa.triton import sparse_mla_triton
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(T + H + K + 31)
+    q = torch.randn((T, H, 576), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
+    kv = torch.randn((2048, 1, 576), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
+    idx, length = _index_sets(T, 2048, K, gen, dev)
+    idx[min(3, T - 1), :7] = torch.tensor([-1, 2048, 2**30, 3, 3, 3, -5], dtype=torch.int32, device=dev)
+    dout = torch.randn((T, H, 512), generator=gen, device=dev).to(torch.bfloat16)
+    items = T * -(-H // 64)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    grads = {}
+    for run in (1, 3, 4, 0):
+        monkeypatch.setattr(ws, "WS_BWD_RUN", run)
+        assert ws.ws_bwd_schedule(items, dev) == ((min(items, sms), 0) if run == 0 else (-(-items // run), run))
+        out = sparse_mla_triton(q, kv, idx, 192**-0.5, d_v=512, topk_length=length, deterministic=deterministic)
+        grads[run] = torch.autograd.grad(out, (q, kv), dout)
+    for run in (3, 4, 0):
+        assert torch.isfinite(grads[run][0]).all() and torch.isfinite(grads[run][1]).all()
+        assert torch.equal(grads[1][0], grads[run][0]), run
+        if deterministic:
+            assert torch.equal(grads[1][1], grads[run][1]), run
+        else:  # fp32 atomics in another order, then one bf16 rounding: at most one bf16 step apart
+            torch.testing.assert_close(grads[run][1].float(), grads[1][1].float(), rtol=2**-7, atol=2**-7)
+    monkeypatch.setattr(ws, "WS_BWD_RUN", -1)
+    with pytest.raises(ValueError, match="WS_BWD_RUN"):
+        ws.ws_bwd_schedule(items, dev)
+
+
+@_SM90
+@pytest.mark.parametrize(
     "T,H,K,ring,with_sink",
     [(600, 64, 2048, (64, 2), True), (300, 128, 1000, (64, 2), False), (200, 96, 300, (64, 2), True),
      (300, 64, 520, (32, 4), False), (5, 128, 64, (64, 2), True)],

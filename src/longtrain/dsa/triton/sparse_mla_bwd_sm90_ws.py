@@ -44,20 +44,24 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from longtrain.dsa.triton.sparse_mla_bwd_sm90 import _alias, _dkv_out
 from longtrain.dsa.triton.sparse_mla_fwd_sm90 import _cta_barrier, _gather_layout, _load_idx
+from longtrain.dsa.triton.sparse_mla_fwd_sm90_items import _items
 from longtrain.dsa.triton.sparse_mla_fwd_sm90_ws import _gather, _mma_layout
 
 __all__ = [
     "WS_BWD_MAXNREG",
     "WS_BWD_NUM_REGS",
     "WS_BWD_PREFETCH_IDX",
+    "WS_BWD_RUN",
     "WS_BWD_STAGED_DS",
     "sparse_mla_bwd_sm90_ws_kernel",
+    "ws_bwd_schedule",
 ]
 
 _HEADS = 64  # heads per program (one wgmma tile of M)
 _BLOCK_H = gl.constexpr(_HEADS)
 _SLOTS = 64  # gathered slots per tile
 _BLOCK_K = gl.constexpr(_SLOTS)
+_CHUNK = gl.constexpr(64)  # columns of [Q_v; dO] per dkv wgmma, and per hand-back to the producer
 # setmaxnreg budgets of the worker partitions (probabilities, producer); the dkv warpgroup gets the rest of the
 # 168 x 3 per thread that one 384-thread program may hold on an SM (64K registers).
 WS_BWD_NUM_REGS = (152, 96)
@@ -77,145 +81,193 @@ WS_BWD_PREFETCH_IDX = False
 # slower than either (40.18-40.20 ms at T = 16384, H = 64; code in f317c5f,
 # benchmarks/results/dsa_bwd_staged_modes_f317c5f_h100_2026-12-06.md). Read at each launch.
 WS_BWD_STAGED_DS = True
+# Items (query row, block of 64 heads) per program: a program runs WS_BWD_RUN consecutive items (1: one program per
+# item), or with 0 one program per SM takes the items pid, pid + G, ... Within a program the next item's first tile,
+# delta and [Q_v; dO] load under the current item's last tile (each column chunk as soon as that tile's dkv wgmma has
+# read it), so its start does not stall the reductions. Read at each launch.
+WS_BWD_RUN = 1
 
 
 @gluon.jit
-def _producer(ptrs, row, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr,
-              DETERMINISTIC: gl.constexpr, PREFETCH_IDX: gl.constexpr):  # fmt: skip
-    """Worker partition: the stacked operand and the rope queries, then every tile of the row."""
-    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_row, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr = ptrs
-    t, t_local, hb, n_slots, T_k, K_slots, sm_scale, qk_scale = row
-    s_v, q_r, v_buf, r_buf, y_smem, delta_smem, ready, free, y_ready, y_free, q_bar, delta_bar = sm
+def _item(idx_ptr, len_ptr, row_offset, K_slots, item, H: gl.constexpr, HAS_LEN: gl.constexpr):
+    """Work item ``item`` of the launch (query-major, head blocks fastest): its row in the launch (``t_local``), its
+    row in the batch (``t``), head block, index row and slot count."""
+    NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
+    t_local = (item // NUM_HB).to(gl.int64)
+    t = row_offset + t_local
+    hb = item % NUM_HB
+    if HAS_LEN:
+        n_slots = gl.minimum(gl.maximum(gl.load(len_ptr + t).to(gl.int32), 0), K_slots)  # scalar
+    else:
+        n_slots = K_slots
+    return t, t_local, hb, idx_ptr + t * K_slots, n_slots
+
+
+@gluon.jit
+def _producer(ptrs, sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr,
+              HAS_LEN: gl.constexpr, RUN: gl.constexpr, PREFETCH_IDX: gl.constexpr):  # fmt: skip
+    """Worker partition: per item, its first tile, delta, then ``[Q_v; dO]`` and ``Q_r`` column chunk by column chunk
+    as the previous item's last tile releases them, then the item's other tiles."""
+    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr = ptrs
+    row_offset, n_rows, T_k, K_slots, sm_scale, qk_scale = sc
+    s_v, q_r, v_buf, r_buf, y_smem, delta_smem, ready, free, y_ready, y_free, q_ready, col_free, delta_bar = sm
     D_QK: gl.constexpr = D_V + D_R
+    NUM_C: gl.constexpr = D_V // _CHUNK
     LV: gl.constexpr = _gather_layout(D_V, 4)
+    LC: gl.constexpr = _gather_layout(_CHUNK, 4)
     LR: gl.constexpr = _gather_layout(max(D_R, 16), 4)
-
-    hh = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, LV))
-    _gather(s_v.slice(0, _BLOCK_H, dim=0), q_ptr + t * (H * D_QK), hh * D_QK, hh < H, 0, D_V, LV)  # [64, D_V]
-    _gather(s_v.slice(_BLOCK_H, _BLOCK_H, dim=0), dout_ptr + t * (H * D_V), hh * D_V, hh < H, 0, D_V, LV)
-    if D_R > 0:
-        hr = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, LR))
-        _gather(q_r, q_ptr + t * (H * D_QK), hr * D_QK, hr < H, D_V, D_R, LR)  # [64, D_R]
-    cp.mbarrier_arrive(q_bar, increment_count=False)
-
     rl_v: gl.constexpr = gl.SliceLayout(1, LV)
+    rl_c: gl.constexpr = gl.SliceLayout(1, LC)
     rl_r: gl.constexpr = gl.SliceLayout(1, LR)
-    # A tile's slot indices, -1 past the row's slots (validity below, after the wait, from the indices alone).
-    if PREFETCH_IDX:  # loaded one tile ahead, before the wait for the buffer: tile 0's here
-        idx, _ = _load_idx(idx_row, 0, n_slots, T_k, BLOCK_K, rl_v)  # [BLOCK_K]
-        if D_R > 0:
-            idx_r, _ = _load_idx(idx_row, 0, n_slots, T_k, BLOCK_K, rl_r)  # [BLOCK_K]
-    for i in range(gl.cdiv(n_slots, BLOCK_K)):
-        if PREFETCH_IDX:
-            # Tile i+1's indices now, under the wait below and tile i's copies: with one buffer, the gather of tile
-            # i+1 then starts as soon as the buffer is free instead of a global load's latency later.
-            nxt, _ = _load_idx(idx_row, (i + 1) * BLOCK_K, n_slots, T_k, BLOCK_K, rl_v)  # [BLOCK_K]
+
+    g = 0  # tiles of this program's earlier items: the tile barriers' phase
+    k = 0  # this program's earlier items with tiles: the column barriers' phase
+    first, stop, step = _items(n_rows, H, RUN)
+    for item in range(first, stop, step):
+        t, t_local, hb, idx_row, n_slots = _item(idx_ptr, len_ptr, row_offset, K_slots, item, H, HAS_LEN)
+        n_tiles = gl.cdiv(n_slots, BLOCK_K)
+        # A tile's slot indices, -1 past the row's slots (validity below, after the wait, from the indices alone).
+        if PREFETCH_IDX:  # loaded one tile ahead, before the wait for the buffer: tile 0's here
+            idx, _ = _load_idx(idx_row, 0, n_slots, T_k, BLOCK_K, rl_v)  # [BLOCK_K]
             if D_R > 0:
-                nxt_r, _ = _load_idx(idx_row, (i + 1) * BLOCK_K, n_slots, T_k, BLOCK_K, rl_r)  # [BLOCK_K]
-        mbarrier.wait(free, (i & 1) ^ 1)
-        if not PREFETCH_IDX:  # loaded once the buffer is free
-            idx, _ = _load_idx(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, rl_v)  # [BLOCK_K]
+                idx_r, _ = _load_idx(idx_row, 0, n_slots, T_k, BLOCK_K, rl_r)  # [BLOCK_K]
+        for i in range(n_tiles):
+            r = g + i
+            if PREFETCH_IDX:
+                # Tile i+1's indices now, under the wait below and tile i's copies: with one buffer, the gather of
+                # tile i+1 then starts as soon as the buffer is free instead of a global load's latency later.
+                nxt, _ = _load_idx(idx_row, (i + 1) * BLOCK_K, n_slots, T_k, BLOCK_K, rl_v)  # [BLOCK_K]
+                if D_R > 0:
+                    nxt_r, _ = _load_idx(idx_row, (i + 1) * BLOCK_K, n_slots, T_k, BLOCK_K, rl_r)  # [BLOCK_K]
+            mbarrier.wait(free, (r & 1) ^ 1)
+            if not PREFETCH_IDX:  # loaded once the buffer is free
+                idx, _ = _load_idx(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, rl_v)  # [BLOCK_K]
+                if D_R > 0:
+                    idx_r, _ = _load_idx(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, rl_r)  # [BLOCK_K]
+            valid = (idx >= 0) & (idx < T_k)
+            _gather(v_buf, kv_ptr, gl.where(valid, idx, 0).to(gl.int64) * D_QK, valid, 0, D_V, LV)  # [BLOCK_K, D_V]
             if D_R > 0:
-                idx_r, _ = _load_idx(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, rl_r)  # [BLOCK_K]
-        valid = (idx >= 0) & (idx < T_k)
-        _gather(v_buf, kv_ptr, gl.where(valid, idx, 0).to(gl.int64) * D_QK, valid, 0, D_V, LV)  # [BLOCK_K, D_V]
-        if D_R > 0:
-            valid_r = (idx_r >= 0) & (idx_r < T_k)
-            _gather(r_buf, kv_ptr, gl.where(valid_r, idx_r, 0).to(gl.int64) * D_QK, valid_r, D_V, D_R, LR)
-        cp.mbarrier_arrive(ready, increment_count=False)
-        if PREFETCH_IDX:
-            idx = nxt
-            if D_R > 0:
-                idx_r = nxt_r
-        if i == 0:  # while the first tile lands and its S / dP run
-            mbarrier.wait(q_bar, 0)
-            delta = _row_delta(out_ptr + t * (H * D_V), s_v.slice(_BLOCK_H, _BLOCK_H, dim=0), hb, H, D_V)  # [64]
-            offs_h = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=delta.type.layout)
-            gl.store(delta_ptr + t * H + offs_h, delta, mask=offs_h < H)
-            delta_smem.store(delta)
-            _cta_barrier()  # every producer thread's part is in shared memory
-            mbarrier.arrive(delta_bar)
+                valid_r = (idx_r >= 0) & (idx_r < T_k)
+                _gather(r_buf, kv_ptr, gl.where(valid_r, idx_r, 0).to(gl.int64) * D_QK, valid_r, D_V, D_R, LR)
+            cp.mbarrier_arrive(ready, increment_count=False)
+            if PREFETCH_IDX:
+                idx = nxt
+                if D_R > 0:
+                    idx_r = nxt_r
+            if i == 0:  # while the first tile lands
+                # delta from global memory: the staged dO may still hold the previous item's columns.
+                delta = _row_delta(out_ptr + t * (H * D_V), dout_ptr + t * (H * D_V), hb, H, D_V)  # [64]
+                offs_h = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=delta.type.layout)
+                gl.store(delta_ptr + t * H + offs_h, delta, mask=offs_h < H)
+                delta_smem.store(delta)
+                _cta_barrier()  # every producer thread's part is in shared memory
+                mbarrier.arrive(delta_bar)
+                # [Q_v; dO] a column chunk at a time, each as soon as the previous item's last tile has read it.
+                hc = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=rl_c)
+                for c in gl.static_range(NUM_C):
+                    mbarrier.wait(col_free.index(c), (k & 1) ^ 1)
+                    cols = s_v.slice(c * _CHUNK, _CHUNK, dim=1)
+                    _gather(cols.slice(0, _BLOCK_H, dim=0), q_ptr + t * (H * D_QK), hc * D_QK, hc < H, c * _CHUNK,
+                            _CHUNK, LC)  # fmt: skip
+                    _gather(cols.slice(_BLOCK_H, _BLOCK_H, dim=0), dout_ptr + t * (H * D_V), hc * D_V, hc < H,
+                            c * _CHUNK, _CHUNK, LC)  # fmt: skip
+                if D_R > 0:
+                    mbarrier.wait(col_free.index(NUM_C), (k & 1) ^ 1)
+                    hr = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=rl_r)
+                    _gather(q_r, q_ptr + t * (H * D_QK), hr * D_QK, hr < H, D_V, D_R, LR)  # [64, D_R]
+                cp.mbarrier_arrive(q_ready, increment_count=False)
+        g += n_tiles
+        k += (n_tiles > 0).to(gl.int32)
 
 
 @gluon.jit
-def _row_delta(o_row, d_o, hb, H: gl.constexpr, D_V: gl.constexpr):
-    """``delta[h] = sum_d O[h, d] dO[h, d]`` (fp32) for the block's 64 heads: ``O`` from global memory in column
-    chunks of 64, ``dO`` from the staged operand (``[64, D_V]``, heads past ``H`` zero-filled)."""
+def _row_delta(o_row, do_row, hb, H: gl.constexpr, D_V: gl.constexpr):
+    """``delta[h] = sum_d O[h, d] dO[h, d]`` (fp32) for the block's 64 heads, from global memory in column chunks of
+    64 (heads past ``H`` give 0)."""
     L: gl.constexpr = _gather_layout(64, 4)
     hh = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, L))
     cols = gl.arange(0, 64, layout=gl.SliceLayout(0, L))
     acc = gl.zeros([_BLOCK_H], gl.float32, layout=gl.SliceLayout(1, L))
     for c in gl.static_range(D_V // 64):
-        o = gl.load(o_row + hh[:, None] * D_V + (c * 64 + cols)[None, :], mask=(hh < H)[:, None], other=0.0)
-        d = d_o.slice(c * 64, 64, dim=1).load(L)  # [64, 64]
+        offs = hh[:, None] * D_V + (c * 64 + cols)[None, :]
+        o = gl.load(o_row + offs, mask=(hh < H)[:, None], other=0.0)  # [64, 64]
+        d = gl.load(do_row + offs, mask=(hh < H)[:, None], other=0.0)  # [64, 64]
         acc += gl.sum(o.to(gl.float32) * d.to(gl.float32), axis=1)
     return acc
 
 
 @gluon.jit
-def _probabilities(ptrs, row, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr,
-                   DETERMINISTIC: gl.constexpr, STAGED_DS: gl.constexpr):  # fmt: skip
+def _probabilities(ptrs, sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr,
+                   HAS_LEN: gl.constexpr, RUN: gl.constexpr, STAGED_DS: gl.constexpr):  # fmt: skip
     """Worker partition: per tile, ``S`` and ``dP``, then ``P`` and ``dS``; ``dS`` stored, ``[dS; P]`` handed over."""
-    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_row, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr = ptrs
-    t, t_local, hb, n_slots, T_k, K_slots, sm_scale, qk_scale = row
-    s_v, q_r, v_buf, r_buf, y_smem, delta_smem, ready, free, y_ready, y_free, q_bar, delta_bar = sm
+    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr = ptrs
+    row_offset, n_rows, T_k, K_slots, sm_scale, qk_scale = sc
+    s_v, q_r, v_buf, r_buf, y_smem, delta_smem, ready, free, y_ready, y_free, q_ready, col_free, delta_bar = sm
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     s_layout: gl.constexpr = _mma_layout(BLOCK_K)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-
-    offs_h = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=row_s)
-    mask_h = offs_h < H
-    # Rows without keys have lse2 = +inf: every probability below is exactly 0.
-    lse2 = gl.load(lse2_ptr + t * H + offs_h, mask=mask_h, other=float("inf"))  # [64]
-    delta = gl.zeros([_BLOCK_H], gl.float32, layout=row_s)  # the producer's, from the first tile on
-    ds_rows = (t_local * H + offs_h.to(gl.int64)) * K_slots  # [64]
-    if STAGED_DS:
-        LB: gl.constexpr = _gather_layout(BLOCK_K, 4)  # 16-byte vectors, a warp along a row
-        offs_hb = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, LB))
-        mask_hb = offs_hb < H
-        ds_rows_b = (t_local * H + offs_hb.to(gl.int64)) * K_slots  # [64]
+    LB: gl.constexpr = _gather_layout(BLOCK_K, 4)  # 16-byte vectors, a warp along a row
     zero = gl.zeros([_BLOCK_H, BLOCK_K], gl.float32, layout=s_layout)
     q_v = s_v.slice(0, _BLOCK_H, dim=0)  # [64, D_V]
     d_o = s_v.slice(_BLOCK_H, _BLOCK_H, dim=0)  # [64, D_V]
 
-    mbarrier.wait(q_bar, 0)
-    for i in range(gl.cdiv(n_slots, BLOCK_K)):
-        mbarrier.wait(ready, i & 1)
-        fence_async_shared()
-        s = warpgroup_mma(q_v, v_buf.permute((1, 0)), zero, use_acc=False, is_async=True)
-        if D_R > 0:
-            s = warpgroup_mma(q_r, r_buf.permute((1, 0)), s, is_async=True)  # [64, BLOCK_K]
-        dp = warpgroup_mma(d_o, v_buf.permute((1, 0)), zero, use_acc=False, is_async=True)  # [64, BLOCK_K]
-        _, valid = _load_idx(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, col_s)  # [BLOCK_K]
-        s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
-        mbarrier.arrive(free)
-        if i == 0:
-            mbarrier.wait(delta_bar, 0)
-            delta = delta_smem.load(row_s)  # [64]
+    g = 0
+    k = 0
+    first, stop, step = _items(n_rows, H, RUN)
+    for item in range(first, stop, step):
+        t, t_local, hb, idx_row, n_slots = _item(idx_ptr, len_ptr, row_offset, K_slots, item, H, HAS_LEN)
+        n_tiles = gl.cdiv(n_slots, BLOCK_K)
+        offs_h = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=row_s)
+        mask_h = offs_h < H
+        # Rows without keys have lse2 = +inf: every probability below is exactly 0.
+        lse2 = gl.load(lse2_ptr + t * H + offs_h, mask=mask_h, other=float("inf"))  # [64]
+        delta = gl.zeros([_BLOCK_H], gl.float32, layout=row_s)  # the producer's, from the first tile on
+        ds_rows = (t_local * H + offs_h.to(gl.int64)) * K_slots  # [64]
+        offs_hb = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, LB))
+        mask_hb = offs_hb < H
+        ds_rows_b = (t_local * H + offs_hb.to(gl.int64)) * K_slots  # [64]
+        for i in range(n_tiles):
+            r = g + i
+            mbarrier.wait(ready, r & 1)
+            if i == 0:  # the item's [Q_v; dO] and Q_r
+                mbarrier.wait(q_ready, k & 1)
+            fence_async_shared()
+            s = warpgroup_mma(q_v, v_buf.permute((1, 0)), zero, use_acc=False, is_async=True)
+            if D_R > 0:
+                s = warpgroup_mma(q_r, r_buf.permute((1, 0)), s, is_async=True)  # [64, BLOCK_K]
+            dp = warpgroup_mma(d_o, v_buf.permute((1, 0)), zero, use_acc=False, is_async=True)  # [64, BLOCK_K]
+            _, valid = _load_idx(idx_row, i * BLOCK_K, n_slots, T_k, BLOCK_K, col_s)  # [BLOCK_K]
+            s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
+            if i == 0:  # read before the tile is released: the producer writes the next item's after that
+                mbarrier.wait(delta_bar, k & 1)
+                delta = delta_smem.load(row_s)  # [64]
+            mbarrier.arrive(free)
 
-        p = gl.where(valid[None, :], gl.exp2(s * qk_scale - lse2[:, None]), 0.0)  # [64, BLOCK_K]
-        ds = (p * (dp - delta[:, None]) * sm_scale).to(dtype)  # [64, BLOCK_K]
-        if not STAGED_DS:
-            offs_k = i * BLOCK_K + gl.arange(0, BLOCK_K, layout=col_s)
-            mask = mask_h[:, None] & (offs_k < n_slots)[None, :]
-            gl.store(ds_ptr + ds_rows[:, None] + offs_k[None, :], ds, mask=mask)
-        mbarrier.wait(y_free, (i & 1) ^ 1)
-        y_smem.slice(0, _BLOCK_H, dim=0).store(ds)
-        y_smem.slice(_BLOCK_H, _BLOCK_H, dim=0).store(p.to(dtype))
-        if STAGED_DS:
-            # dS for the dq kernel read back from the tile, as whole 16-byte row segments per thread (the
-            # accumulator's 4-byte pairs write every 32-byte sector in two halves). Read before the hand-over: the
-            # dkv warpgroup stages its fp32 pieces in this buffer once it has loaded the tile.
-            _cta_barrier()  # every warp's dS is in shared memory
-            d = y_smem.slice(0, _BLOCK_H, dim=0).load(LB)  # [64, BLOCK_K]
-            _cta_barrier()  # ... and read back by every warp
-        fence_async_shared()
-        mbarrier.arrive(y_ready)
-        if STAGED_DS:
-            offs_kb = i * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, LB))
-            mask_b = mask_hb[:, None] & (offs_kb < n_slots)[None, :]
-            gl.store(ds_ptr + ds_rows_b[:, None] + offs_kb[None, :], d, mask=mask_b)
+            p = gl.where(valid[None, :], gl.exp2(s * qk_scale - lse2[:, None]), 0.0)  # [64, BLOCK_K]
+            ds = (p * (dp - delta[:, None]) * sm_scale).to(dtype)  # [64, BLOCK_K]
+            if not STAGED_DS:
+                offs_k = i * BLOCK_K + gl.arange(0, BLOCK_K, layout=col_s)
+                mask = mask_h[:, None] & (offs_k < n_slots)[None, :]
+                gl.store(ds_ptr + ds_rows[:, None] + offs_k[None, :], ds, mask=mask)
+            mbarrier.wait(y_free, (r & 1) ^ 1)
+            y_smem.slice(0, _BLOCK_H, dim=0).store(ds)
+            y_smem.slice(_BLOCK_H, _BLOCK_H, dim=0).store(p.to(dtype))
+            if STAGED_DS:
+                # dS for the dq kernel read back from the tile, as whole 16-byte row segments per thread (the
+                # accumulator's 4-byte pairs write every 32-byte sector in two halves). Read before the hand-over: the
+                # dkv warpgroup stages its fp32 pieces in this buffer once it has loaded the tile.
+                _cta_barrier()  # every warp's dS is in shared memory
+                d = y_smem.slice(0, _BLOCK_H, dim=0).load(LB)  # [64, BLOCK_K]
+                _cta_barrier()  # ... and read back by every warp
+            fence_async_shared()
+            mbarrier.arrive(y_ready)
+            if STAGED_DS:
+                offs_kb = i * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, LB))
+                mask_b = mask_hb[:, None] & (offs_kb < n_slots)[None, :]
+                gl.store(ds_ptr + ds_rows_b[:, None] + offs_kb[None, :], d, mask=mask_b)
+        g += n_tiles
+        k += (n_tiles > 0).to(gl.int32)
 
 
 @gluon.jit
@@ -239,80 +291,103 @@ def _staged_out(dkv_ptr, acc, stage, rows, valid, col0, DETERMINISTIC: gl.conste
 
 
 @gluon.jit
-def _dkv(ptrs, row, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr,
-         DETERMINISTIC: gl.constexpr):  # fmt: skip
+def _dkv(ptrs, sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr,
+         HAS_LEN: gl.constexpr, RUN: gl.constexpr, DETERMINISTIC: gl.constexpr):  # fmt: skip
     """Default partition: per tile, ``dkv[idx] += [dS; P]^T [Q_v; dO]`` (value columns) and ``dS^T Q_r`` (rope
     columns) in column chunks of 64, each chunk's wgmma issued before the previous chunk's piece is turned into whole
     row segments through the ``[dS; P]`` buffer (read into registers first, released at the end of the tile) and
-    added."""
-    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_row, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr = ptrs
-    t, t_local, hb, n_slots, T_k, K_slots, sm_scale, qk_scale = row
-    s_v, q_r, v_buf, r_buf, y_smem, delta_smem, ready, free, y_ready, y_free, q_bar, delta_bar = sm
+    added. On an item's last tile each column chunk of ``[Q_v; dO]`` (and ``Q_r``) goes back to the producer as soon
+    as its wgmma has read it."""
+    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr = ptrs
+    row_offset, n_rows, T_k, K_slots, sm_scale, qk_scale = sc
+    s_v, q_r, v_buf, r_buf, y_smem, delta_smem, ready, free, y_ready, y_free, q_ready, col_free, delta_bar = sm
     D_QK: gl.constexpr = D_V + D_R
     NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
-    CHUNK: gl.constexpr = 64
-    NUM_C: gl.constexpr = D_V // CHUNK
-    c_layout: gl.constexpr = _mma_layout(CHUNK)
+    NUM_C: gl.constexpr = D_V // _CHUNK
+    c_layout: gl.constexpr = _mma_layout(_CHUNK)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=c_layout, k_width=2)
     row_c: gl.constexpr = gl.SliceLayout(1, c_layout)
-    zero = gl.zeros([BLOCK_K, CHUNK], gl.float32, layout=c_layout)
+    zero = gl.zeros([BLOCK_K, _CHUNK], gl.float32, layout=c_layout)
     if D_R > 0:
-        RW: gl.constexpr = D_R if D_R < CHUNK else CHUNK
+        RW: gl.constexpr = D_R if D_R < _CHUNK else _CHUNK
         NUM_R: gl.constexpr = D_R // RW
         r_layout: gl.constexpr = _mma_layout(RW)
         ar_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=r_layout, k_width=2)
         zero_r = gl.zeros([BLOCK_K, RW], gl.float32, layout=r_layout)
 
-    mbarrier.wait(q_bar, 0)
-    for i in range(gl.cdiv(n_slots, BLOCK_K)):
-        k0 = i * BLOCK_K
-        keys, valid = _load_idx(idx_row, k0, n_slots, T_k, BLOCK_K, row_c)  # [BLOCK_K] x 2
-        if DETERMINISTIC:  # this row's slots in the per-slot scratch (one row per slot and head block)
-            slots = k0 + gl.arange(0, BLOCK_K, layout=row_c)
-            rows = ((t_local * K_slots + slots.to(gl.int64)) * NUM_HB + hb) * D_QK  # [BLOCK_K]
-        else:
-            rows = gl.where(valid, keys, 0).to(gl.int64) * D_QK  # [BLOCK_K]
-        mbarrier.wait(y_ready, i & 1)
-        a = y_smem.permute((1, 0)).load(a_layout)  # [BLOCK_K, 128]: [dS; P]^T
-        if D_R > 0:
-            a_r = y_smem.slice(0, _BLOCK_H, dim=0).permute((1, 0)).load(ar_layout)  # [BLOCK_K, 64]: dS^T
+    g = 0
+    k = 0
+    first, stop, step = _items(n_rows, H, RUN)
+    for item in range(first, stop, step):
+        t, t_local, hb, idx_row, n_slots = _item(idx_ptr, len_ptr, row_offset, K_slots, item, H, HAS_LEN)
+        n_tiles = gl.cdiv(n_slots, BLOCK_K)
+        for i in range(n_tiles):
+            r = g + i
+            last = i == n_tiles - 1  # its column chunks go back to the producer as they are read
+            k0 = i * BLOCK_K
+            keys, valid = _load_idx(idx_row, k0, n_slots, T_k, BLOCK_K, row_c)  # [BLOCK_K] x 2
+            if DETERMINISTIC:  # this row's slots in the per-slot scratch (one row per slot and head block)
+                slots = k0 + gl.arange(0, BLOCK_K, layout=row_c)
+                rows = ((t_local * K_slots + slots.to(gl.int64)) * NUM_HB + hb) * D_QK  # [BLOCK_K]
+            else:
+                rows = gl.where(valid, keys, 0).to(gl.int64) * D_QK  # [BLOCK_K]
+            mbarrier.wait(y_ready, r & 1)
+            if i == 0:  # the item's [Q_v; dO] and Q_r
+                mbarrier.wait(q_ready, k & 1)
+                fence_async_shared()
+            a = y_smem.permute((1, 0)).load(a_layout)  # [BLOCK_K, 128]: [dS; P]^T
+            if D_R > 0:
+                a_r = y_smem.slice(0, _BLOCK_H, dim=0).permute((1, 0)).load(ar_layout)  # [BLOCK_K, 64]: dS^T
 
-        acc = warpgroup_mma(a, s_v.slice(0, CHUNK, dim=1), zero, use_acc=False, is_async=True)  # [BLOCK_K, CHUNK]
-        for c in gl.static_range(1, NUM_C):
-            nxt = warpgroup_mma(a, s_v.slice(c * CHUNK, CHUNK, dim=1), zero, use_acc=False, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            _staged_out(dkv_ptr, acc, y_smem, rows, valid, (c - 1) * CHUNK, DETERMINISTIC)
-            acc = nxt
-        if D_R > 0:
-            acc_r = zero_r
-            for c in gl.static_range(NUM_R):
-                nxt_r = warpgroup_mma(a_r, q_r.slice(c * RW, RW, dim=1), zero_r, use_acc=False, is_async=True)
-                if c == 0:
-                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                    _staged_out(dkv_ptr, acc, y_smem, rows, valid, (NUM_C - 1) * CHUNK, DETERMINISTIC)
-                else:
-                    acc_r = warpgroup_mma_wait(num_outstanding=1, deps=(acc_r,))
-                    _staged_out(dkv_ptr, acc_r, y_smem, rows, valid, D_V + (c - 1) * RW, DETERMINISTIC)
-                acc_r = nxt_r
-            acc_r = warpgroup_mma_wait(num_outstanding=0, deps=(acc_r,))
-            _staged_out(dkv_ptr, acc_r, y_smem, rows, valid, D_V + (NUM_R - 1) * RW, DETERMINISTIC)
-        else:
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            _staged_out(dkv_ptr, acc, y_smem, rows, valid, (NUM_C - 1) * CHUNK, DETERMINISTIC)
-        _cta_barrier()  # every warp has read back its last piece
-        mbarrier.arrive(y_free)
+            acc = warpgroup_mma(a, s_v.slice(0, _CHUNK, dim=1), zero, use_acc=False, is_async=True)  # [BLOCK_K, 64]
+            for c in gl.static_range(1, NUM_C):
+                nxt = warpgroup_mma(a, s_v.slice(c * _CHUNK, _CHUNK, dim=1), zero, use_acc=False, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                if last:
+                    mbarrier.arrive(col_free.index(c - 1))
+                _staged_out(dkv_ptr, acc, y_smem, rows, valid, (c - 1) * _CHUNK, DETERMINISTIC)
+                acc = nxt
+            if D_R > 0:
+                acc_r = zero_r
+                for c in gl.static_range(NUM_R):
+                    nxt_r = warpgroup_mma(a_r, q_r.slice(c * RW, RW, dim=1), zero_r, use_acc=False, is_async=True)
+                    if c == 0:
+                        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                        if last:
+                            mbarrier.arrive(col_free.index(NUM_C - 1))
+                        _staged_out(dkv_ptr, acc, y_smem, rows, valid, (NUM_C - 1) * _CHUNK, DETERMINISTIC)
+                    else:
+                        acc_r = warpgroup_mma_wait(num_outstanding=1, deps=(acc_r,))
+                        _staged_out(dkv_ptr, acc_r, y_smem, rows, valid, D_V + (c - 1) * RW, DETERMINISTIC)
+                    acc_r = nxt_r
+                acc_r = warpgroup_mma_wait(num_outstanding=0, deps=(acc_r,))
+                if last:
+                    mbarrier.arrive(col_free.index(NUM_C))
+                _staged_out(dkv_ptr, acc_r, y_smem, rows, valid, D_V + (NUM_R - 1) * RW, DETERMINISTIC)
+            else:
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                if last:
+                    mbarrier.arrive(col_free.index(NUM_C - 1))
+                _staged_out(dkv_ptr, acc, y_smem, rows, valid, (NUM_C - 1) * _CHUNK, DETERMINISTIC)
+            _cta_barrier()  # every warp has read back its last piece
+            mbarrier.arrive(y_free)
+        g += n_tiles
+        k += (n_tiles > 0).to(gl.int32)
 
 
-@gluon.jit(do_not_specialize=["row_offset", "T_k", "K_slots"])
+@gluon.jit(do_not_specialize=["row_offset", "n_rows", "T_k", "K_slots"])
 def sparse_mla_bwd_sm90_ws_kernel(
     q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, lse2_ptr, delta_ptr, ds_ptr, dkv_ptr,
-    row_offset, T_k, K_slots, sm_scale, qk_scale,
+    row_offset, n_rows, T_k, K_slots, sm_scale, qk_scale,
     H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr, DETERMINISTIC: gl.constexpr,
     REGS_PROB: gl.constexpr, REGS_PRODUCER: gl.constexpr, num_warps: gl.constexpr, PREFETCH_IDX: gl.constexpr = False,
-    STAGED_DS: gl.constexpr = False,
+    STAGED_DS: gl.constexpr = False, RUN: gl.constexpr = 1,
 ):  # fmt: skip
-    NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
+    """Items ``(row of the launch, block of 64 heads)``, ``n_rows * ceil(H / 64)`` of them, query-major: program
+    ``pid`` takes the ``RUN`` items from ``pid * RUN`` (``RUN = 1``: one program per item), or with ``RUN = 0`` the
+    items ``pid, pid + G, ...`` for ``G`` programs (see :func:`ws_bwd_schedule`)."""
     BLOCK_K: gl.constexpr = _BLOCK_K
+    NUM_COLS: gl.constexpr = D_V // _CHUNK + (1 if D_R > 0 else 0)  # column chunks of [Q_v; dO], then Q_r
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     gl.static_assert(num_warps == 4, "the default partition is one warpgroup")
     gl.static_assert(D_V >= 128, "dkv's value columns go in chunks of up to 128")
@@ -336,32 +411,41 @@ def sparse_mla_bwd_sm90_ws_kernel(
     free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     y_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     y_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    col_free = gl.allocate_shared_memory(gl.int64, [NUM_COLS, 1], mbarrier.MBarrierLayout())
     delta_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(ready, count=128)  # every producer thread, when its copies have landed
     mbarrier.init(free, count=1)  # the probabilities warpgroup
     mbarrier.init(y_ready, count=1)
     mbarrier.init(y_free, count=1)  # the dkv warpgroup
-    mbarrier.init(q_bar, count=128)
+    mbarrier.init(q_ready, count=128)  # every producer thread, when its column copies have landed
+    for c in gl.static_range(NUM_COLS):
+        mbarrier.init(col_free.index(c), count=1)  # the dkv warpgroup, once the item's last tile has read the chunk
     mbarrier.init(delta_bar, count=1)  # the producer, once delta is in shared memory
 
-    pid = gl.program_id(0)
-    t_local = (pid // NUM_HB).to(gl.int64)
-    t = row_offset + t_local
-    hb = pid % NUM_HB
-    if HAS_LEN:
-        n_slots = gl.minimum(gl.maximum(gl.load(len_ptr + t).to(gl.int32), 0), K_slots)  # scalar
-    else:
-        n_slots = K_slots
-    ptrs = (q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr + t * K_slots, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr)
-    row = (t, t_local, hb, n_slots, T_k, K_slots, sm_scale, qk_scale)
-    sm = (s_v, q_r, v_buf, r_buf, y_smem, delta_smem, ready, free, y_ready, y_free, q_bar, delta_bar)
+    ptrs = (q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr)
+    sc = (row_offset, n_rows, T_k, K_slots, sm_scale, qk_scale)
+    sm = (s_v, q_r, v_buf, r_buf, y_smem, delta_smem, ready, free, y_ready, y_free, q_ready, col_free, delta_bar)
     gl.warp_specialize(
         [
-            (_dkv, (ptrs, row, sm, H, D_V, D_R, BLOCK_K, DETERMINISTIC)),
-            (_probabilities, (ptrs, row, sm, H, D_V, D_R, BLOCK_K, DETERMINISTIC, STAGED_DS)),
-            (_producer, (ptrs, row, sm, H, D_V, D_R, BLOCK_K, DETERMINISTIC, PREFETCH_IDX)),
+            (_dkv, (ptrs, sc, sm, H, D_V, D_R, BLOCK_K, HAS_LEN, RUN, DETERMINISTIC)),
+            (_probabilities, (ptrs, sc, sm, H, D_V, D_R, BLOCK_K, HAS_LEN, RUN, STAGED_DS)),
+            (_producer, (ptrs, sc, sm, H, D_V, D_R, BLOCK_K, HAS_LEN, RUN, PREFETCH_IDX)),
         ],
         [4, 4],
         [REGS_PROB, REGS_PRODUCER],
     )
+
+
+def ws_bwd_schedule(num_items: int, device) -> tuple[int, int]:
+    """``(programs, RUN)`` of a launch over ``num_items`` items (``WS_BWD_RUN``): one program per run of
+    ``WS_BWD_RUN`` consecutive items, or with ``WS_BWD_RUN = 0`` one program per SM (never more than items) taking
+    every G-th item. One program fits an SM."""
+    run = WS_BWD_RUN
+    if not isinstance(run, int) or isinstance(run, bool) or run < 0:
+        raise ValueError(f"WS_BWD_RUN must be an int >= 0 (0: one program per SM), got {run!r}")
+    if run == 0:
+        from longtrain.dsa.triton._common import sm_count
+
+        return max(min(num_items, sm_count(device)), 1), 0
+    return max(-(-num_items // run), 1), run
