@@ -1,27 +1,32 @@
 """Sparse MLA backward for Hopper (SM90) in Gluon, warp-specialized: the probabilities and dkv in one pass, with a
 producer warpgroup for the gathers, one warpgroup for the probabilities and one for dkv and its fp32 atomics.
 
-Same contract as :func:`longtrain.dsa.triton.sparse_mla_bwd_sm90.sparse_mla_bwd_sm90_kernel_ds_dkv` (one program
+Same contract as :func:`longtrain.dsa.triton.sparse_mla_bwd_sm90.sparse_mla_bwd_sm90_kernel_ds_dkv` (one item
 per (query row, block of 64 heads); ``dS`` stored for the dq kernel; ``dkv[idx] += [dS; P]^T [Q; dO 0]`` with fp32
 atomics, or each slot's piece stored in deterministic mode at scratch row ``(t_local * K_slots + slot) * NUM_HB +
 hb``). The two-warpgroup kernel runs each step in lockstep (wgmma, softmax, transpose, wgmma, atomics), so the
 tensor cores wait while the atomics drain and the atomics wait while the tensor cores work. Here the roles run on
 different warps:
 
-* the **producer** (4 warps, few registers) cp.asyncs the stacked operand ``[Q_v; dO]`` (``[128, D_V]``) and the
-  rope queries ``Q_r`` (``[64, D_R]``) once, then each tile of ``BLOCK_K`` gathered latent rows into one buffer,
-  signalled by ``cp.async.mbarrier.arrive`` (every producer thread arrives when its own copies have landed); while
-  the first tile lands it forms ``delta = rowsum(O * dO)`` for the block's heads (``O`` from global memory, ``dO``
-  from the staged operand), stores it (for ``dsink``) and hands it over in shared memory, so no preprocess pass
-  reads ``O`` and ``dO``;
+* the **producer** (4 warps, few registers) cp.asyncs, per item, its first tile of ``BLOCK_K`` gathered latent rows
+  into one buffer, signalled by ``cp.async.mbarrier.arrive`` (every producer thread arrives when its own copies have
+  landed); while it lands it forms ``delta = rowsum(O * dO)`` for the block's heads from global memory, stores it (for
+  ``dsink``) and hands it over in shared memory, so no preprocess pass reads ``O`` and ``dO``; then the stacked
+  operand ``[Q_v; dO]`` (``[128, D_V]``) in column chunks of 64 and the rope queries ``Q_r`` (``[64, D_R]``), each as
+  soon as the previous item's last tile has read it (``col_free``); then the item's other tiles;
 * the **probabilities warpgroup** (a worker) computes ``S = Q K^T`` (``[64, BLOCK_K]``: the value and rope parts,
   one wgmma chain) and ``dP = dO V^T`` (a second chain on the same tile), releases the tile to the producer as soon
   as both have completed, forms ``P = exp2(S * qk_scale - lse2)`` and ``dS = sm_scale * P * (dP - delta)`` in
   registers (the two accumulators hold the same (head, slot) pairs in the same threads), stores ``dS`` (the dq
   kernel's input) and hands ``y = [dS; P]`` (``[128, BLOCK_K]``) to the dkv warpgroup through shared memory;
 * the **dkv warpgroup** (the default partition) loads ``y^T`` into registers, releases ``y``, and computes
-  ``dkv = y^T [Q_v; dO]`` in column chunks of 128 (K = 128) and ``y[:64]^T Q_r`` for the rope columns, each chunk's
+  ``dkv = y^T [Q_v; dO]`` in column chunks of 64 (K = 128) and ``y[:64]^T Q_r`` for the rope columns, each chunk's
   atomics issued while the next chunk's wgmma runs. Its atomics run while the other warps compute the next tile.
+  On an item's last tile it hands each column chunk back to the producer as soon as its wgmma has completed.
+
+A program runs ``RUN`` consecutive items (query row, block of 64 heads), or with ``RUN = 0`` every G-th item for G
+programs: the tile barriers' phases run on across items, the column barriers' once per item with tiles, so the next
+item's first tile, delta and queries load under the current item's last reductions.
 
 Shared memory at the GLM shape (64 heads, D_qk 576, one tile of 64 rows): 128 + 8 + 72 + 16 KiB and delta's 256
 bytes.
