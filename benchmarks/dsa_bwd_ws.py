@@ -249,14 +249,16 @@ if __name__ == "__main__":
     parser.add_argument("--fused", action="store_true", help="also time the two-warpgroup fused kernel")
     parser.add_argument("--runs", default="", help="comma-separated WS_BWD_RUN values to compare, e.g. 1,2,4,0")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--shapes", default="16384,64,2048;16384,128,2048;4096,64,2048;4096,128,512",
+                        help="--runs' shapes: T,H,K separated by ';'")  # fmt: skip
     parser.add_argument("--memcheck", action="store_true", help="small backwards over item runs, no report")
     args = parser.parse_args()
     FUSED_TOO = args.fused
     if args.memcheck:
         memcheck_runs()
     elif args.runs:
-        item_runs(args.out_dir, tuple(int(r) for r in args.runs.split(",")),
-                  ((16384, 64, 2048), (16384, 128, 2048), (4096, 64, 2048), (4096, 128, 512)), args.rounds)  # fmt: skip
+        shapes = tuple(tuple(int(x) for x in shape.split(",")) for shape in args.shapes.split(";"))
+        item_runs(args.out_dir, tuple(int(r) for r in args.runs.split(",")), shapes, args.rounds)
     elif args.pattern_probe:
         pattern_probe(args.out_dir)
     else:

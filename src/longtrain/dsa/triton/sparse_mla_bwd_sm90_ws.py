@@ -89,8 +89,13 @@ WS_BWD_STAGED_DS = True
 # Items (query row, block of 64 heads) per program: a program runs WS_BWD_RUN consecutive items (1: one program per
 # item), or with 0 one program per SM takes the items pid, pid + G, ... Within a program the next item's first tile,
 # delta and [Q_v; dO] load under the current item's last tile (each column chunk as soon as that tile's dkv wgmma has
-# read it), so its start does not stall the reductions. Read at each launch.
-WS_BWD_RUN = 1
+# read it). None (the default): runs of 2 where a row is one item (at most 64 heads), one item per program otherwise.
+# Measured on an H100 in one run (benchmarks/results/dsa_bwd_item_runs_da4fc54_h100_2026-12-06.md): at T = 16384,
+# H = 64, K = 2048 the backward 36.76 / 37.05 ms with runs of 2 against 39.32 / 39.54 with one item per program (37.46-
+# 37.96 with 4 or 8), at T = 4096, H = 64 7.72 / 7.77 against 8.04 / 8.02; at T = 4096, H = 128, K = 512 runs of 2
+# were slower (5.60 / 5.63 against 5.56 / 5.57), and at T = 16384, H = 128 runs of 4 or one program per SM no faster
+# (..._da4fc54_h100_..._all.md). Read at each launch.
+WS_BWD_RUN: int | None = None
 
 
 @gluon.jit
@@ -452,13 +457,16 @@ def sparse_mla_bwd_sm90_ws_kernel(
     )
 
 
-def ws_bwd_schedule(num_items: int, device) -> tuple[int, int]:
-    """``(programs, RUN)`` of a launch over ``num_items`` items (``WS_BWD_RUN``): one program per run of
-    ``WS_BWD_RUN`` consecutive items, or with ``WS_BWD_RUN = 0`` one program per SM (never more than items) taking
-    every G-th item. One program fits an SM."""
+def ws_bwd_schedule(num_items: int, head_blocks: int, device) -> tuple[int, int]:
+    """``(programs, RUN)`` of a launch over ``num_items`` items, ``head_blocks`` per row (``WS_BWD_RUN``): one program
+    per run of ``RUN`` consecutive items, or with ``RUN = 0`` one program per SM (never more than items) taking every
+    G-th item. One program fits an SM."""
     run = WS_BWD_RUN
+    if run is None:
+        run = 2 if head_blocks == 1 else 1
     if not isinstance(run, int) or isinstance(run, bool) or run < 0:
-        raise ValueError(f"WS_BWD_RUN must be an int >= 0 (0: one program per SM), got {run!r}")
+        raise ValueError(f"WS_BWD_RUN must be None (the measured default) or an int >= 0 (0: one program per SM), "
+                         f"got {run!r}")  # fmt: skip
     if run == 0:
         from longtrain.dsa.triton._common import sm_count
 
