@@ -94,7 +94,7 @@ WS_BWD_STAGED_DS = True
 # H = 64, K = 2048 the backward 36.76 / 37.05 ms with runs of 2 against 39.32 / 39.54 with one item per program (37.46-
 # 37.96 with 4 or 8), at T = 4096, H = 64 7.72 / 7.77 against 8.04 / 8.02; at T = 4096, H = 128, K = 512 runs of 2
 # were slower (5.60 / 5.63 against 5.56 / 5.57), and at T = 16384, H = 128 runs of 4 or one program per SM no faster
-# (..._da4fc54_h100_..._all.md). Read at each launch.
+# (dsa_bwd_item_runs_all_da4fc54_h100_2026-12-06.md). Read at each launch.
 WS_BWD_RUN: int | None = None
 
 
