@@ -65,12 +65,29 @@ def cuobjdump() -> Path | None:
     return path if path.exists() else None
 
 
-def compile_sm90(module: str, name: str, types: list[str], consts: dict, **options) -> dict:
+#: The Triton of the lent GPU machine (torch 2.11's), installed beside the test environment by ``make install`` so that
+#: the kernels' register use is checked with the compiler that runs them: Triton 3.6 spilled a kernel that Triton 3.9
+#: compiled without spills.
+GPU_TRITON = "3.6.0"
+
+
+def gpu_triton_site() -> Path | None:
+    """The folder holding the GPU machine's Triton (``LONGTRAIN_GPU_TRITON_SITE``, else ``<env>/triton-gpu``), or None
+    where it is not installed."""
+    site = Path(os.environ.get("LONGTRAIN_GPU_TRITON_SITE") or Path(sys.prefix) / "triton-gpu")
+    dist = site / f"triton-{GPU_TRITON}.dist-info"
+    return site if dist.is_dir() and (site / "triton" / "backends" / "nvidia" / "bin" / "cuobjdump").exists() else None
+
+
+def compile_sm90(module: str, name: str, types: list[str], consts: dict, triton_site: Path | None = None,
+                 **options) -> dict:  # fmt: skip
     """Compile ``module.name`` (a Gluon kernel; ``options`` are compile options, 8 warps unless ``num_warps`` says
-    otherwise) for sm_90a; its resource usage and instruction flags."""
+    otherwise) for sm_90a, with the Triton in ``triton_site`` if given, else the installed one; its resource usage
+    and instruction flags."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2] / "src"),
-                                                      env.get("PYTHONPATH")]))  # fmt: skip
+    paths = [str(triton_site)] if triton_site is not None else []
+    paths += [str(Path(__file__).resolve().parents[2] / "src"), env.get("PYTHONPATH")]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     arg = json.dumps([module, name, types, consts, options])
     done = subprocess.run([sys.executable, "-c", _SCRIPT, arg], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:] if not os.environ.get("LONGTRAIN_FULL_ERR") else done.stderr
