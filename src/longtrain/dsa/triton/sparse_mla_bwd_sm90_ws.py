@@ -232,8 +232,7 @@ def _probabilities(ptrs, sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.con
         # Rows without keys have lse2 = +inf: every probability below is exactly 0.
         lse2 = gl.load(lse2_ptr + t * H + offs_h, mask=mask_h, other=float("inf"))  # [64]
         delta = gl.zeros([_BLOCK_H], gl.float32, layout=row_s)  # the producer's, from the first tile on
-        # dS rows as 32-bit offsets from the item's scalar base: 64-bit pointer tiles kept across the tile loop
-        # spill (Triton 3.6 kept [64, 64] of them per thread on the stack, reloaded every tile).
+        # dS rows as 32-bit offsets from the item's scalar base: fewer 64-bit values live across the tile loop.
         ds_item = ds_ptr + t_local * (H * K_slots)
         ds_rows = offs_h * K_slots  # [64]
         offs_hb = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, LB))
