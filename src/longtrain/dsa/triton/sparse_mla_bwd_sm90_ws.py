@@ -37,6 +37,7 @@ kernel applies; its routing and sm_90a compilation are tested on CPU, its numeri
 
 from __future__ import annotations
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
@@ -47,6 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from longtrain.dsa.triton._common import sm_count
 from longtrain.dsa.triton.sparse_mla_bwd_sm90 import _alias, _dkv_out
 from longtrain.dsa.triton.sparse_mla_fwd_sm90 import _cta_barrier, _gather_layout, _load_idx
 from longtrain.dsa.triton.sparse_mla_fwd_sm90_items import _items
@@ -456,7 +458,7 @@ def sparse_mla_bwd_sm90_ws_kernel(
     )
 
 
-def ws_bwd_schedule(num_items: int, head_blocks: int, device) -> tuple[int, int]:
+def ws_bwd_schedule(num_items: int, head_blocks: int, device: torch.device) -> tuple[int, int]:
     """``(programs, RUN)`` of a launch over ``num_items`` items, ``head_blocks`` per row (``WS_BWD_RUN``): one program
     per run of ``RUN`` consecutive items, or with ``RUN = 0`` one program per SM (never more than items) taking every
     G-th item. One program fits an SM."""
@@ -467,7 +469,5 @@ def ws_bwd_schedule(num_items: int, head_blocks: int, device) -> tuple[int, int]
         raise ValueError(f"WS_BWD_RUN must be None (the measured default) or an int >= 0 (0: one program per SM), "
                          f"got {run!r}")  # fmt: skip
     if run == 0:
-        from longtrain.dsa.triton._common import sm_count
-
         return max(min(num_items, sm_count(device)), 1), 0
     return max(-(-num_items // run), 1), run
