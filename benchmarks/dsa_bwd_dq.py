@@ -35,7 +35,16 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import RESULTS_DIR, reproduce_args, write_report  # noqa: E402
-from longtrain.bench_suites.dsa import D_QK, D_V, bench, causal_index_sets, mla_inputs, run_bwd, run_fwd  # noqa: E402
+from longtrain.bench_suites.dsa import (  # noqa: E402
+    D_QK,
+    D_V,
+    bench,
+    causal_index_sets,
+    mla_inputs,
+    run_bwd,
+    run_fwd,
+    small_bwd_case,
+)
 from longtrain.dsa.triton import KernelConfig  # noqa: E402
 from longtrain.dsa.triton import sparse_mla_bwd as smb  # noqa: E402
 from longtrain.dsa.triton import sparse_mla_bwd_plan as bwd_plan  # noqa: E402
@@ -226,11 +235,7 @@ def memcheck() -> None:
     dev = torch.device("cuda")
     total, topk = 300, 256
     for heads in (64, 96, 128):
-        idx, length, _, _ = causal_index_sets([total], topk, dev)
-        idx[5, :6] = torch.tensor([-1, total, 2**30, 3, 3, -7], dtype=torch.int32, device=dev)
-        q, kv = mla_inputs(total, heads, dev)
-        out, lse = run_fwd(q, kv, idx, length, None)
-        dout = torch.randn_like(out)
+        q, kv, idx, length, out, lse, dout = small_bwd_case(total, topk, heads, dev)
         rings = [(None, None, None), (None, KernelConfig(impl="sm90", block_k=32, num_stages=4), None)]
         if heads % 128 == 0:
             rings.append((None, KernelConfig(impl="sm90", block_k=64, num_stages=2, block_h=128), None))

@@ -27,7 +27,17 @@ from triton.experimental.gluon import language as gl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import RESULTS_DIR, write_report  # noqa: E402
-from longtrain.bench_suites.dsa import D_QK, D_V, TOPK, bench, causal_index_sets, mla_inputs, run_bwd, run_fwd  # noqa: E402
+from longtrain.bench_suites.dsa import (  # noqa: E402
+    D_QK,
+    D_V,
+    TOPK,
+    bench,
+    causal_index_sets,
+    mla_inputs,
+    run_bwd,
+    run_fwd,
+    small_bwd_case,
+)
 from longtrain.dsa.triton import KernelConfig  # noqa: E402
 from longtrain.dsa.triton import sparse_mla_bwd_sm90_ws as ws  # noqa: E402
 
@@ -203,11 +213,7 @@ def memcheck_runs() -> None:
     saved = ws.WS_BWD_RUN
     try:
         for heads in (64, 96, 128):
-            idx, length, _, _ = causal_index_sets([total], topk, dev)
-            idx[5, :6] = torch.tensor([-1, total, 2**30, 3, 3, -7], dtype=torch.int32, device=dev)
-            q, kv = mla_inputs(total, heads, dev)
-            out, lse = run_fwd(q, kv, idx, length, None)
-            dout = torch.randn_like(out)
+            q, kv, idx, length, out, lse, dout = small_bwd_case(total, topk, heads, dev)
             for run in (3, 0):
                 ws.WS_BWD_RUN = run
                 for with_len in (True, False):

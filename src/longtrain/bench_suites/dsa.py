@@ -177,6 +177,16 @@ def run_bwd(q, kv, out, dout, lse, idx, length, cfgs=(None, None, None), determi
     )  # fmt: skip
 
 
+def small_bwd_case(total: int, topk: int, heads: int, device):
+    """A small sparse MLA backward's inputs for compute-sanitizer runs: one document, row 5's first slots invalid,
+    out of range and repeated; ``(q, kv, idx, length, out, lse, dout)``."""
+    idx, length, _, _ = causal_index_sets([total], topk, device)
+    idx[5, :6] = torch.tensor([-1, total, 2**30, 3, 3, -7], dtype=torch.int32, device=device)
+    q, kv = mla_inputs(total, heads, device)
+    out, lse = run_fwd(q, kv, idx, length, None)
+    return q, kv, idx, length, out, lse, torch.randn_like(out)
+
+
 def _precompile_job(job: tuple) -> str:
     """Run one tiny launch of a kernel variant in a fresh process: fills Triton's on-disk cache in parallel."""
     kind, params = job
