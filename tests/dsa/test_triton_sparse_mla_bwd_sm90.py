@@ -396,6 +396,29 @@ def test_warp_specialized_backward_compiles_for_hopper(H, d_qk, d_v, determinist
     assert set(ws.WS_BWD_NUM_REGS) <= set(stats["setmaxnreg"]), stats
 
 
+@pytest.mark.parametrize(
+    "run,head_blocks,expected",
+    [(None, 1, (500, 2)), (None, 2, (1000, 1)), (1, 1, (1000, 1)), (3, 2, (334, 3)), (4, 1, (250, 4))],
+    ids=["default-64-heads", "default-128-heads", "one-item", "runs-of-3", "runs-of-4"],
+)  # fmt: skip
+def test_ws_backward_schedule(monkeypatch, run, head_blocks, expected):
+    """Programs and items per program of a warp-specialized backward launch over 1000 items: the measured default
+    (runs of 2 where a row is one item, else one item per program) or the forced count, the last run shorter."""
+    from longtrain.dsa.triton import sparse_mla_bwd_sm90_ws as ws
+
+    monkeypatch.setattr(ws, "WS_BWD_RUN", run)
+    assert ws.ws_bwd_schedule(1000, head_blocks, torch.device("cpu")) == expected
+
+
+@pytest.mark.parametrize("run", [-1, True, 2.0, "2"])
+def test_ws_backward_schedule_refuses_a_bad_run(monkeypatch, run):
+    from longtrain.dsa.triton import sparse_mla_bwd_sm90_ws as ws
+
+    monkeypatch.setattr(ws, "WS_BWD_RUN", run)
+    with pytest.raises(ValueError, match="WS_BWD_RUN must be None"):
+        ws.ws_bwd_schedule(1000, 1, torch.device("cpu"))
+
+
 @pytest.mark.skipif(gpu_triton_site() is None, reason=f"needs Triton {GPU_TRITON} (the GPU machine's) in "
                     "<env>/triton-gpu: `make install` puts it there, or set LONGTRAIN_GPU_TRITON_SITE")  # fmt: skip
 @pytest.mark.parametrize("H,deterministic,run", [(64, False, 2), (64, True, 2), (128, False, 1), (128, False, 0)],
