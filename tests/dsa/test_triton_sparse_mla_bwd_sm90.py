@@ -397,17 +397,20 @@ def test_warp_specialized_backward_compiles_for_hopper(H, d_qk, d_v, determinist
 
 
 @pytest.mark.parametrize(
-    "run,head_blocks,expected",
-    [(None, 1, (500, 2)), (None, 2, (1000, 1)), (1, 1, (1000, 1)), (3, 2, (334, 3)), (4, 1, (250, 4))],
-    ids=["default-64-heads", "default-128-heads", "one-item", "runs-of-3", "runs-of-4"],
+    "run,head_blocks,deterministic,expected",
+    [(None, 1, False, (500, 2)), (None, 2, False, (1000, 1)), (None, 1, True, (1000, 1)), (1, 1, False, (1000, 1)),
+     (3, 2, False, (334, 3)), (4, 1, False, (250, 4)), (2, 1, True, (500, 2))],
+    ids=["default-64-heads", "default-128-heads", "default-deterministic", "one-item", "runs-of-3", "runs-of-4",
+         "forced-deterministic"],
 )  # fmt: skip
-def test_ws_backward_schedule(monkeypatch, run, head_blocks, expected):
+def test_ws_backward_schedule(monkeypatch, run, head_blocks, deterministic, expected):
     """Programs and items per program of a warp-specialized backward launch over 1000 items: the measured default
-    (runs of 2 where a row is one item, else one item per program) or the forced count, the last run shorter."""
+    (runs of 2 where a row is one item, else one item per program; one item per program in deterministic mode, whose
+    row chunks are whole waves of one-item programs) or the forced count, the last run shorter."""
     from longtrain.dsa.triton import sparse_mla_bwd_sm90_ws as ws
 
     monkeypatch.setattr(ws, "WS_BWD_RUN", run)
-    assert ws.ws_bwd_schedule(1000, head_blocks, torch.device("cpu")) == expected
+    assert ws.ws_bwd_schedule(1000, head_blocks, torch.device("cpu"), deterministic=deterministic) == expected
 
 
 @pytest.mark.parametrize("run", [-1, True, 2.0, "2"])

@@ -541,7 +541,8 @@ def sparse_mla_bwd(
         if fused and ds_sm90[0] == "fused_ws":
             from longtrain.dsa.triton import sparse_mla_bwd_sm90_ws as ws
 
-            programs, run = ws.ws_bwd_schedule(rows * triton.cdiv(num_heads, 64), triton.cdiv(num_heads, 64), dev)
+            head_blocks = triton.cdiv(num_heads, 64)
+            programs, run = ws.ws_bwd_schedule(rows * head_blocks, head_blocks, dev, deterministic=deterministic)
             ws.sparse_mla_bwd_sm90_ws_kernel[(programs,)](
                 q, kv2d, dout, out, *common, lse2, delta, ds_buf, contrib if deterministic else dkv_acc, row0, rows,
                 num_keys, k_slots, softmax_scale, softmax_scale * LOG2E, H=num_heads, D_V=d_v, D_R=d_r,

@@ -96,7 +96,11 @@ WS_BWD_STAGED_DS = True
 # H = 64, K = 2048 the backward 36.76 / 37.05 ms with runs of 2 against 39.32 / 39.54 with one item per program (37.46-
 # 37.96 with 4 or 8), at T = 4096, H = 64 7.72 / 7.77 against 8.04 / 8.02; at T = 4096, H = 128, K = 512 runs of 2
 # were slower (5.60 / 5.63 against 5.56 / 5.57), and at T = 16384, H = 128 runs of 4 or one program per SM no faster
-# (dsa_bwd_item_runs_all_da4fc54_h100_2026-12-06.md). Read at each launch.
+# (dsa_bwd_item_runs_all_da4fc54_h100_2026-12-06.md). The deterministic mode keeps one item per program: its row
+# chunks are sized as whole waves of one-item programs (the per-slot scratch bounds them), and runs of 2 left half
+# of the SMs idle in each chunk's launch: 97.85 ms against 77.88 at T = 16384, H = 64 on an H100
+# (dsa_bwd_deterministic_1c6aa75_h100_2026-12-06.md against dsa_bwd_deterministic_1081fc0_h100_2026-12-06.md).
+# Read at each launch.
 WS_BWD_RUN: int | None = None
 
 
@@ -458,13 +462,16 @@ def sparse_mla_bwd_sm90_ws_kernel(
     )
 
 
-def ws_bwd_schedule(num_items: int, head_blocks: int, device: torch.device) -> tuple[int, int]:
+def ws_bwd_schedule(
+    num_items: int, head_blocks: int, device: torch.device, deterministic: bool = False
+) -> tuple[int, int]:
     """``(programs, RUN)`` of a launch over ``num_items`` items, ``head_blocks`` per row (``WS_BWD_RUN``): one program
     per run of ``RUN`` consecutive items, or with ``RUN = 0`` one program per SM (never more than items) taking every
-    G-th item. One program fits an SM."""
+    G-th item. One program fits an SM. The default is one item per program in ``deterministic`` mode, whose row
+    chunks fill whole waves of one-item programs."""
     run = WS_BWD_RUN
     if run is None:
-        run = 2 if head_blocks == 1 else 1
+        run = 2 if head_blocks == 1 and not deterministic else 1
     if not isinstance(run, int) or isinstance(run, bool) or run < 0:
         raise ValueError(f"WS_BWD_RUN must be None (the measured default) or an int >= 0 (0: one program per SM), "
                          f"got {run!r}")  # fmt: skip
