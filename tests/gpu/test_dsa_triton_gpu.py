@@ -435,7 +435,7 @@ def test_ws_backward_staged_ds_equals_direct(monkeypatch, T, H, K, deterministic
 )  # fmt: skip
 def test_ws_backward_item_runs_equal_one_program_per_item(monkeypatch, T, H, K, deterministic):
     """The warp-specialized backward over runs of ``WS_BWD_RUN`` items per program (3: the last run shorter; 4; the
-    default, 2 at up to 64 heads) or one program per SM (0), the next item's first tile, delta and ``[Q_v; dO]``
+    default, 2 at up to 64 heads and 1 in deterministic mode, checked on the launches) or one program per SM (0), the next item's first tile, delta and ``[Q_v; dO]``
     loading under the current item's last tile, gives dq equal bit for bit to one program per item (the same
     arithmetic per item) and dkv equal up to its atomics' order (bit for bit in deterministic mode), over rows without
     slots, ragged lengths, invalid and repeated indices, head counts that are not a multiple of 64, and fewer items
@@ -453,13 +453,18 @@ def test_ws_backward_item_runs_equal_one_program_per_item(monkeypatch, T, H, K, 
     items = T * -(-H // 64)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     grads = {}
+    schedule, used = ws.ws_bwd_schedule, []  # the runs the backward's launches take
+    monkeypatch.setattr(ws, "ws_bwd_schedule", lambda *a, **kw: used.append(schedule(*a, **kw)) or used[-1])
     for run in (1, 3, 4, 0, None):
         monkeypatch.setattr(ws, "WS_BWD_RUN", run)
         eff = (2 if H <= 64 else 1) if run is None else run  # None: the measured default
-        assert ws.ws_bwd_schedule(items, -(-H // 64), dev) == ((min(items, sms), 0) if eff == 0 else
-                                                               (-(-items // eff), eff))  # fmt: skip
+        assert schedule(items, -(-H // 64), dev) == ((min(items, sms), 0) if eff == 0 else
+                                                     (-(-items // eff), eff))  # fmt: skip
+        used.clear()
         out = sparse_mla_triton(q, kv, idx, 192**-0.5, d_v=512, topk_length=length, deterministic=deterministic)
         grads[run] = torch.autograd.grad(out, (q, kv), dout)
+        if run is None:  # deterministic mode: one item per program (its row chunks are whole waves of them)
+            assert used and {r for _, r in used} == {1 if deterministic else eff}, used
     for run in (3, 4, 0, None):
         assert torch.isfinite(grads[run][0]).all() and torch.isfinite(grads[run][1]).all()
         assert torch.equal(grads[1][0], grads[run][0]), run
@@ -469,7 +474,7 @@ def test_ws_backward_item_runs_equal_one_program_per_item(monkeypatch, T, H, K, 
             torch.testing.assert_close(grads[run][1].float(), grads[1][1].float(), rtol=2**-7, atol=2**-7)
     monkeypatch.setattr(ws, "WS_BWD_RUN", -1)
     with pytest.raises(ValueError, match="WS_BWD_RUN"):
-        ws.ws_bwd_schedule(items, -(-H // 64), dev)
+        schedule(items, -(-H // 64), dev)
 
 
 @_SM90
