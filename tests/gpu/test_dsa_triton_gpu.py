@@ -435,11 +435,11 @@ def test_ws_backward_staged_ds_equals_direct(monkeypatch, T, H, K, deterministic
 )  # fmt: skip
 def test_ws_backward_item_runs_equal_one_program_per_item(monkeypatch, T, H, K, deterministic):
     """The warp-specialized backward over runs of ``WS_BWD_RUN`` items per program (3: the last run shorter; 4; the
-    default, 2 at up to 64 heads and 1 in deterministic mode, checked on the launches) or one program per SM (0), the next item's first tile, delta and ``[Q_v; dO]``
-    loading under the current item's last tile, gives dq equal bit for bit to one program per item (the same
-    arithmetic per item) and dkv equal up to its atomics' order (bit for bit in deterministic mode), over rows without
-    slots, ragged lengths, invalid and repeated indices, head counts that are not a multiple of 64, and fewer items
-    than SMs."""
+    default, 2 at up to 64 heads and 1 in deterministic mode, checked on the launches) or one program per SM (0), the
+    next item's first tile, delta and ``[Q_v; dO]`` loading under the current item's last tile, gives dq equal bit for
+    bit to one program per item (the same arithmetic per item) and dkv equal up to its atomics' order (bit for bit in
+    deterministic mode), over rows without slots, ragged lengths, invalid and repeated indices, head counts that are
+    not a multiple of 64, and fewer items than SMs."""
     from longtrain.dsa.triton import sparse_mla_bwd_sm90_ws as ws
     from longtrain.dsa.triton import sparse_mla_triton
 
