@@ -34,8 +34,6 @@ def _variants() -> dict[str, tuple[bool, dict]]:
         "default (fp32 atomics)": (False, {}),
         "deterministic, per-slot scratch (default size)": (True, {}),
         "deterministic, per-slot scratch 2 GiB": (True, {"DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 29}),
-        # The reduction reading one slot at a time (its pieces' loads one after the other), against the default batch.
-        "deterministic, reduction 1 slot at a time": (True, {"DKV_REDUCE_BATCH": 1}),
     }
 
 

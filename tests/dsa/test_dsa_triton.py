@@ -241,22 +241,17 @@ def test_sparse_mla_deterministic_does_not_depend_on_the_scratch_size(triton_int
 
 
 @pytest.mark.parametrize(
-    "num_hb,row0,with_len,batch,num_keys",
-    [(1, 0, False, 8, 7), (2, 3, True, 1, 7), (3, 1, True, 4, 7), (1, 2, True, 8, 40000)],
-    ids=["hb1", "hb2-row3-len-batch1", "hb3-row1-len-batch4", "hb1-int32-keys"],
+    "num_hb,row0,with_len,num_keys",
+    [(1, 0, False, 7), (2, 3, True, 7), (3, 1, True, 7), (1, 2, True, 40000)],
+    ids=["hb1", "hb2-row3-len", "hb3-row1-len", "hb1-int32-keys"],
 )
-def test_deterministic_reduce_sums_each_key_in_row_slot_order(
-    triton_interpret, monkeypatch, num_hb, row0, with_len, batch, num_keys
-):
+def test_deterministic_reduce_sums_each_key_in_row_slot_order(triton_interpret, num_hb, row0, with_len, num_keys):
     """The deterministic mode's reduction of one row chunk equals, bit for bit, a sequential fp32 sum per key over
     the chunk's valid slots in ascending (row, slot) order, each slot's head-block pieces in order, onto the running
-    dkv, whatever the slots read at a time (runs longer and shorter than the batch) and the sort keys' dtype (int16
-    up to 32767 keys); slots past the length, negative or past the last key add nothing, and unselected keys keep
-    their value."""
-    from longtrain.dsa.triton import sparse_mla_bwd as smb
+    dkv, with int16 sort keys up to 32767 keys and int32 past them; slots past the length, negative or past the last
+    key add nothing, and unselected keys keep their value."""
     from longtrain.dsa.triton.sparse_mla_bwd import _reduce_chunk, _reduce_keys
 
-    monkeypatch.setattr(smb, "DKV_REDUCE_BATCH", batch)
     g = torch.Generator().manual_seed(21)
     T, K, d_qk, rows = 9, 12, 40, 5
     idx = torch.randint(0, num_keys, (T, K), generator=g, dtype=torch.int32)

@@ -76,9 +76,6 @@ PDS_SCRATCH_BYTES = 1 << 29
 #: 623 MB). Read at each call. The gradients do not depend on it (each chunk's reduction continues the running sum
 #: in (row, slot) order): a larger scratch trades memory for speed only.
 DETERMINISTIC_SCRATCH_ELEMENTS = 1 << 27
-#: Slots (a power of two) the deterministic reduction reads at a time per key row, their loads in flight together;
-#: the sum is the sequential one whatever the value. Read at each call.
-DKV_REDUCE_BATCH = 8
 
 
 @triton.jit
@@ -402,14 +399,11 @@ def sparse_mla_bwd_kernel_dkv(
 @triton.jit(do_not_specialize=["num_keys"])
 def sparse_mla_bwd_kernel_dkv_reduce(
     contrib_ptr, order_ptr, run_start_ptr, dkv_ptr, num_keys,
-    D_QK: tl.constexpr, BLOCK_D: tl.constexpr, NUM_HB: tl.constexpr, BATCH: tl.constexpr,
+    D_QK: tl.constexpr, BLOCK_D: tl.constexpr, NUM_HB: tl.constexpr,
 ):  # fmt: skip
     """Key rows ``pid, pid + grid, ...``: each sums its run of the chunk's sorted slots, ``order[run_start[key] :
     run_start[key + 1]]``, in that order into ``dkv`` (each slot's ``NUM_HB`` head-block pieces in head-block order).
-    A key no slot of the chunk selected has an empty run and is skipped. The run is read ``BATCH`` slots at a time:
-    their indices in one load, then their pieces' loads issued together (they do not depend on the sum), and added
-    one after the other, so the order, and every bit of the sum, is the sequential one."""
-    lanes = tl.arange(0, BATCH)
+    A key no slot of the chunk selected has an empty run and is skipped."""
     for key in range(tl.program_id(0), num_keys, tl.num_programs(0)):
         start = tl.load(run_start_ptr + key)  # scalar
         end = tl.load(run_start_ptr + key + 1)  # scalar
@@ -419,14 +413,10 @@ def sparse_mla_bwd_kernel_dkv_reduce(
                 offs = c0 + tl.arange(0, BLOCK_D)
                 cmask = offs < D_QK
                 acc = tl.load(dkv_ptr + row + offs, mask=cmask, other=0.0)  # [BLOCK_D]
-                for j0 in range(start, end, BATCH):
-                    srcs = tl.load(order_ptr + j0 + lanes, mask=j0 + lanes < end, other=0).to(tl.int64)  # [BATCH]
-                    for b in tl.static_range(BATCH):
-                        src = tl.sum(tl.where(lanes == b, srcs, 0)) * NUM_HB  # scalar
-                        # A slot past the run loads zeros: adding +0.0 leaves every sum but -0.0 unchanged.
-                        bmask = cmask & (offs * 0 + j0 + b < end)  # [BLOCK_D]
-                        for hb in tl.static_range(NUM_HB):
-                            acc += tl.load(contrib_ptr + (src + hb) * D_QK + offs, mask=bmask, other=0.0)  # [BLOCK_D]
+                for j in range(start, end):
+                    src = tl.load(order_ptr + j).to(tl.int64) * NUM_HB  # scalar
+                    for hb in tl.static_range(NUM_HB):
+                        acc += tl.load(contrib_ptr + (src + hb) * D_QK + offs, mask=cmask, other=0.0)  # [BLOCK_D]
                 tl.store(dkv_ptr + row + offs, acc, mask=cmask)
 
 
@@ -667,5 +657,5 @@ def _reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, num_
     grid = (max(1, min(num_keys, rows * k_slots)),)
     sparse_mla_bwd_kernel_dkv_reduce[grid](
         contrib, order, run_start, dkv_acc, num_keys, D_QK=d_qk, BLOCK_D=min(1024, next_pow2(d_qk)), NUM_HB=num_hb,
-        BATCH=DKV_REDUCE_BATCH, num_warps=4,
+        num_warps=4,
     )  # fmt: skip
