@@ -278,6 +278,20 @@ def test_deterministic_reduce_sums_each_key_in_row_slot_order(triton_interpret, 
     assert torch.equal(dkv, expected)
 
 
+@pytest.mark.parametrize("num_keys,dtype", [(32767, torch.int16), (32768, torch.int32)], ids=["int16-max", "int32"])
+def test_deterministic_reduce_keys_dtype_boundary(num_keys, dtype):
+    """The sort keys are int16 while the invalid marker (``num_keys``) still fits, int32 from 32768 keys; every valid
+    key keeps its value and every invalid slot (negative, too large, past the length) becomes the marker."""
+    from longtrain.dsa.triton.sparse_mla_bwd import _reduce_keys
+
+    idx = torch.tensor([[num_keys - 1, 0, -1, num_keys], [5, 2**30, num_keys - 2, 7]], dtype=torch.int32)
+    length = torch.tensor([4, 3], dtype=torch.int32)
+    keys, key_ids = _reduce_keys(idx, length, num_keys)
+    assert keys.dtype == dtype and key_ids.dtype == dtype
+    assert keys.tolist() == [num_keys - 1, 0, num_keys, num_keys, 5, num_keys, num_keys - 2, num_keys]
+    assert key_ids[0] == 0 and key_ids[-1] == num_keys and key_ids.numel() == num_keys + 1
+
+
 def test_sparse_mla_fp16_flash_attention_rule(triton_interpret):
     from longtrain.dsa.triton import sparse_mla_triton
 
