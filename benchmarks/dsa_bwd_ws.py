@@ -9,7 +9,11 @@ largest relative difference of its dq and dkv from the default's (fp32 atomics i
 not 0), then T = 4096 (and H = 128, K = 512) and the deterministic mode through each at T = 4096 (with whether two
 runs agree bit for bit). ``--runs 1,2,4,0`` instead times the default backward with each number of items per
 program of the warp-specialized kernel (``WS_BWD_RUN``), alternating, at issue 17's four shapes
-(``dsa_bwd_item_runs_<date>.md``); ``--memcheck`` runs small backwards over item runs for ``compute-sanitizer``.
+(``dsa_bwd_item_runs_<date>.md``); ``--dq-overlap`` times the default backward with each row chunk's dq kernel on
+a second stream beside the next chunk's probabilities + dkv kernel (``sparse_mla_bwd.DQ_OVERLAP``, its stream's
+priority and ``DQ_OVERLAP_MIN_CHUNKS``) against one stream, alternating, at the same shapes, atomic and deterministic
+(``dsa_bwd_dq_overlap_<date>.md``); ``--memcheck`` runs small backwards over item runs (and with the dq overlap) for
+``compute-sanitizer``.
 Correctness against float64 is the GPU test's
 (``tests/gpu/test_dsa_triton_gpu.py -k "bwd_ws or item_runs"``).
 """
@@ -39,6 +43,7 @@ from longtrain.bench_suites.dsa import (  # noqa: E402
     small_bwd_case,
 )
 from longtrain.dsa.triton import KernelConfig  # noqa: E402
+from longtrain.dsa.triton import sparse_mla_bwd as smb  # noqa: E402
 from longtrain.dsa.triton import sparse_mla_bwd_sm90_ws as ws  # noqa: E402
 
 FUSED = KernelConfig(impl="sm90", layout="fused", block_k=64, num_stages=1)
@@ -204,6 +209,54 @@ def item_runs(out_dir: Path, runs: tuple[int, ...], shapes: tuple[tuple[int, int
     )  # fmt: skip
 
 
+OVERLAP_VARIANTS = ((None, 4), ("high", 4), ("high", 8), ("same", 4))
+
+
+def dq_overlap(out_dir: Path, shapes: tuple[tuple[int, int, int], ...], rounds: int, det_shapes: int) -> None:
+    """The default backward with the dq kernel on one stream and on a second one (``DQ_OVERLAP``, at least
+    ``DQ_OVERLAP_MIN_CHUNKS`` row chunks), alternating over ``rounds`` rounds; the deterministic mode too at the first
+    ``det_shapes`` shapes. dq must equal the one-stream dq bit for bit (so must dkv in deterministic mode)."""
+    dev = torch.device("cuda")
+    rows: list[dict] = []
+    saved = smb.DQ_OVERLAP, smb.DQ_OVERLAP_MIN_CHUNKS
+    try:
+        for n, (total, heads, topk) in enumerate(shapes):
+            idx, length, _, _ = causal_index_sets([total], topk, dev)
+            flops = 2 * int(length.sum()) * heads * (3 * D_QK + 2 * D_V)
+            q, kv = mla_inputs(total, heads, dev)
+            out, lse = run_fwd(q, kv, idx, length, None)
+            dout = torch.randn_like(out)
+            for det in (False, True) if n < det_shapes else (False,):
+                smb.DQ_OVERLAP = None
+                ref = run_bwd(q, kv, out, dout, lse, idx, length, deterministic=det)
+                for rnd in range(rounds):
+                    for mode, chunks in OVERLAP_VARIANTS:
+                        smb.DQ_OVERLAP, smb.DQ_OVERLAP_MIN_CHUNKS = mode, chunks
+                        row = dict(shape=f"T={total} H={heads} K={topk} 1doc", det="yes" if det else "no",
+                                   overlap=mode or "off", min_chunks=chunks if mode else "-", round=rnd)  # fmt: skip
+                        _time_variant(row, q, kv, out, dout, lse, idx, length, (None, None, None), det, ref, flops)
+                        dq, dkv, _ = run_bwd(q, kv, out, dout, lse, idx, length, deterministic=det)
+                        row["dq_equal"] = bool(torch.equal(dq, ref[0]))
+                        row["dkv_equal"] = bool(torch.equal(dkv, ref[1]))
+                        print(row, flush=True)
+                        rows.append(row)
+    finally:
+        smb.DQ_OVERLAP, smb.DQ_OVERLAP_MIN_CHUNKS = saved
+    write_report(
+        "dsa_bwd_dq_overlap", rows, ["shape", "det", "overlap", "min_chunks", "round", "ms", "p20", "p80", "tflops",
+                                     "dq_equal", "dkv_equal", "dkv_rel", "repeat_equal", "finite", "note"],
+        "Sparse MLA backward (bf16, one document, query t selects min(t+1, K) random causal keys, FLOPs over valid "
+        "slots: 2 * valid * H * (3 * 576 + 2 * 512)), the whole backward at the defaults but for where each row "
+        "chunk's dq kernel runs: overlap off, one stream; high / same, a second stream of the highest / the default "
+        "priority, beside the next chunk's probabilities + dkv kernel, with at least min_chunks row chunks "
+        "(`sparse_mla_bwd.DQ_OVERLAP`, `DQ_OVERLAP_MIN_CHUNKS`); alternating, triton.testing.do_bench median with "
+        "20th/80th percentiles. dq_equal / dkv_equal: bit for bit against one stream (dkv's fp32 atomics add in "
+        "another order outside the deterministic mode: dkv_rel is the largest difference relative to its largest "
+        "element). Reproduce: `python benchmarks/dsa_bwd_ws.py --dq-overlap`.",
+        out_dir=out_dir, title="Sparse MLA backward: the dq kernel on a second stream",
+    )  # fmt: skip
+
+
 def memcheck_runs() -> None:
     """Small backwards for compute-sanitizer through the warp-specialized kernel over runs of items (3: the last run
     shorter) and one program per SM: H = 64, 96, 128, with and without lengths, invalid and out-of-range slots,
@@ -214,17 +267,17 @@ def memcheck_runs() -> None:
     try:
         for heads in (64, 96, 128):
             q, kv, idx, length, out, lse, dout = small_bwd_case(total, topk, heads, dev)
-            for run in (3, 0):
-                ws.WS_BWD_RUN = run
+            for run, overlap in ((3, None), (0, None), (3, "high")):
+                ws.WS_BWD_RUN, smb.DQ_OVERLAP = run, overlap
                 for with_len in (True, False):
                     for det in (False, True):
                         dq, dkv, _ = run_bwd(q, kv, out, dout, lse, idx, length if with_len else None,
                                              deterministic=det)  # fmt: skip
                         torch.cuda.synchronize()
-                        print("memcheck case", heads, run, with_len, det,
+                        print("memcheck case", heads, run, overlap, with_len, det,
                               bool(dq.isfinite().all() and dkv.isfinite().all()), flush=True)  # fmt: skip
     finally:
-        ws.WS_BWD_RUN = saved
+        ws.WS_BWD_RUN, smb.DQ_OVERLAP = saved, None
 
 
 def main(out_dir: Path, total: int, heads_list: tuple[int, ...]) -> None:
@@ -258,12 +311,16 @@ if __name__ == "__main__":
     parser.add_argument("--shapes", default="16384,64,2048;16384,128,2048;4096,64,2048;4096,128,512",
                         help="--runs' shapes: T,H,K separated by ';'")  # fmt: skip
     parser.add_argument("--memcheck", action="store_true", help="small backwards over item runs, no report")
+    parser.add_argument("--dq-overlap", action="store_true", help="the dq kernel on a second stream against one")
+    parser.add_argument("--det-shapes", type=int, default=2, help="--dq-overlap: the deterministic mode's shapes")
     args = parser.parse_args()
     FUSED_TOO = args.fused
+    shapes = tuple(tuple(int(x) for x in shape.split(",")) for shape in args.shapes.split(";"))
     if args.memcheck:
         memcheck_runs()
+    elif args.dq_overlap:
+        dq_overlap(args.out_dir, shapes, args.rounds, args.det_shapes)
     elif args.runs:
-        shapes = tuple(tuple(int(x) for x in shape.split(",")) for shape in args.shapes.split(";"))
         item_runs(args.out_dir, tuple(int(r) for r in args.runs.split(",")), shapes, args.rounds)
     elif args.pattern_probe:
         pattern_probe(args.out_dir)

@@ -240,6 +240,25 @@ def test_sparse_mla_deterministic_does_not_depend_on_the_scratch_size(triton_int
         assert torch.equal(a, b), name
 
 
+def test_sparse_mla_dq_overlap_is_checked_and_leaves_other_routes_alone(triton_interpret, monkeypatch):
+    """``DQ_OVERLAP`` (the SM90 route's dq on a second stream) is validated at every backward, listing its modes, and
+    where it does not apply (here the interpreter's portable kernels, several row chunks) the gradients are those of
+    one stream, bit for bit."""
+    import longtrain.dsa.triton.sparse_mla_bwd as smb
+
+    T, K = 6, 24
+    q, kv, idx = _mla_inputs(T, 4, 48, 9, K, seed=17)
+    monkeypatch.setattr(smb, "PDS_SCRATCH_BYTES", 4 * 4 * K * 2)  # two-row chunks
+    _, one = _check_against_reference(q, kv, idx, 0.3, d_v=32, config=_CFG, det=True)
+    monkeypatch.setattr(smb, "DQ_OVERLAP", "high")
+    _, overlap = _check_against_reference(q, kv, idx, 0.3, d_v=32, config=_CFG, det=True)
+    for name, a, b in zip(("dq", "dkv"), one, overlap):
+        assert torch.equal(a, b), name
+    monkeypatch.setattr(smb, "DQ_OVERLAP", "fast")
+    with pytest.raises(ValueError, match=r"DQ_OVERLAP must be one of \(None, 'high', 'same'\), got 'fast'"):
+        _check_against_reference(q, kv, idx, 0.3, d_v=32, config=_CFG, det=True)
+
+
 @pytest.mark.parametrize(
     "num_hb,row0,with_len,num_keys",
     [(1, 0, False, 7), (2, 3, True, 7), (3, 1, True, 7), (1, 2, True, 40000)],

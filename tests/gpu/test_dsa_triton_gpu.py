@@ -265,6 +265,50 @@ def _ws_forward_case(T, H, K, with_sink, seed):
 
 @_SM90
 @pytest.mark.parametrize(
+    "T,H,K,deterministic,overlap,chunks",
+    [(600, 64, 2048, False, "high", 4), (600, 64, 700, True, "high", 8), (300, 128, 520, False, "same", 3),
+     (300, 128, 520, True, "high", 5), (5, 64, 64, False, "high", 4)],
+    ids=["64", "64-det", "H128-same", "H128-det", "fewer-rows-than-chunks"],
+)  # fmt: skip
+def test_backward_dq_overlap_equals_one_stream(monkeypatch, T, H, K, deterministic, overlap, chunks):
+    """Each row chunk's dq kernel on a second stream beside the next chunk's probabilities + dkv kernel
+    (``DQ_OVERLAP``, two dS buffers taking turns) gives dq equal bit for bit to one stream, and dkv equal up to its
+    atomics' order (bit for bit in deterministic mode), over rows without slots, ragged lengths and invalid and
+    repeated indices; the result is ready on the caller's stream (read there at once), and more chunks than the
+    two buffers are exercised (a buffer is written again only after its earlier dq has read it). A bad mode is a
+    ValueError."""
+    from longtrain.dsa.triton import sparse_mla_bwd as smb
+    from longtrain.dsa.triton import sparse_mla_triton
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(T + H + K + 47)
+    q = torch.randn((T, H, 576), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
+    kv = torch.randn((2048, 1, 576), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
+    idx, length = _index_sets(T, 2048, K, gen, dev)
+    idx[min(3, T - 1), :7] = torch.tensor([-1, 2048, 2**30, 3, 3, 3, -5], dtype=torch.int32, device=dev)
+    dout = torch.randn((T, H, 512), generator=gen, device=dev).to(torch.bfloat16)
+    # Chunks of a few SM waves' rows at most, so that several chunks run even at these sizes.
+    monkeypatch.setattr(smb, "PDS_SCRATCH_BYTES", 4 * H * K * 2)
+    grads = []
+    for mode in (None, overlap):
+        monkeypatch.setattr(smb, "DQ_OVERLAP", mode)
+        monkeypatch.setattr(smb, "DQ_OVERLAP_MIN_CHUNKS", chunks)
+        out = sparse_mla_triton(q, kv, idx, 192**-0.5, d_v=512, topk_length=length, deterministic=deterministic)
+        dq, dkv = torch.autograd.grad(out, (q, kv), dout)
+        grads.append((dq.clone(), dkv.clone()))  # copied on the caller's stream, at once
+    assert torch.isfinite(grads[1][0]).all() and torch.isfinite(grads[1][1]).all()
+    assert torch.equal(grads[0][0], grads[1][0])
+    if deterministic:
+        assert torch.equal(grads[0][1], grads[1][1])
+    else:  # fp32 atomics in another order, then one bf16 rounding: at most one bf16 step apart
+        torch.testing.assert_close(grads[1][1].float(), grads[0][1].float(), rtol=2**-7, atol=2**-7)
+    monkeypatch.setattr(smb, "DQ_OVERLAP", "fast")
+    with pytest.raises(ValueError, match="DQ_OVERLAP"):
+        sparse_mla_triton(q, kv, idx, 192**-0.5, d_v=512, topk_length=length).sum().backward()
+
+
+@_SM90
+@pytest.mark.parametrize(
     "T,H,K,ring,with_sink",
     [(1000, 64, 2048, (64, 2), True), (600, 128, 1000, (64, 2), False), (700, 96, 300, (32, 4), True),
      (500, 64, 520, (32, 3), False), (5, 128, 64, (64, 2), True)],

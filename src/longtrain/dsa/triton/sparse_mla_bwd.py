@@ -47,6 +47,9 @@ from longtrain.dsa.triton.sparse_mla_fwd import LOG2E, _row_col_mask, fwd_block_
 __all__ = [
     "DETERMINISTIC_SCRATCH_ELEMENTS",
     "DKV_COL_GROUPS",
+    "DQ_OVERLAP",
+    "DQ_OVERLAP_MIN_CHUNKS",
+    "DQ_OVERLAP_MODES",
     "PDS_SCRATCH_BYTES",
     "sparse_mla_bwd",
     "sparse_mla_bwd_kernel_dkv",
@@ -76,6 +79,16 @@ PDS_SCRATCH_BYTES = 1 << 29
 #: 623 MB). Read at each call. The gradients do not depend on it (each chunk's reduction continues the running sum
 #: in (row, slot) order): a larger scratch trades memory for speed only.
 DETERMINISTIC_SCRATCH_ELEMENTS = 1 << 27
+#: With the SM90 probabilities + dkv kernel on CUDA: whether each row chunk's dq kernel runs on a second stream, beside
+#: the next chunk's probabilities + dkv kernel (two dS buffers in the same scratch budget, chunks of at most
+#: ``1 / DQ_OVERLAP_MIN_CHUNKS`` of the rows), so that the dq kernel's gathers overlap the other kernel's fp32
+#: reductions instead of following them. ``"high"``: the second stream has the higher priority (its programs take
+#: the SMs freed first); ``"same"``: the default priority; ``None``: one stream. dq and the deterministic mode's dkv
+#: are the same bit for bit either way (each dq row is one program's; the reduction keeps its order). Read at each
+#: call.
+DQ_OVERLAP: str | None = None
+DQ_OVERLAP_MODES = (None, "high", "same")
+DQ_OVERLAP_MIN_CHUNKS = 4
 
 
 @triton.jit
@@ -524,17 +537,29 @@ def sparse_mla_bwd(
     rows_per_chunk = max(1, PDS_SCRATCH_BYTES // (2 * 2 * num_heads * k_slots))
     if compute_dkv and deterministic:
         rows_per_chunk = min(rows_per_chunk, max(1, DETERMINISTIC_SCRATCH_ELEMENTS // (k_slots * d_qk * n_hb[2])))
+    streams = _dq_streams(fused and dq_sm90 is not None, dev)
+    if streams is not None:  # two dS buffers (the fused kernels keep no P) in the budget of dS and P
+        rows_per_chunk = min(rows_per_chunk, triton.cdiv(num_tokens, DQ_OVERLAP_MIN_CHUNKS))
     if ds_sm90 is not None and dev.type == "cuda":
         rows_per_chunk = _whole_waves(num_tokens, rows_per_chunk, triton.cdiv(num_heads, 64), dev)
     rows_per_chunk = min(rows_per_chunk, num_tokens)
-    ds_buf = torch.empty((rows_per_chunk, num_heads, k_slots), dtype=q.dtype, device=dev)
+    if rows_per_chunk == num_tokens:
+        streams = None
+    ds_bufs = [torch.empty((rows_per_chunk, num_heads, k_slots), dtype=q.dtype, device=dev)
+               for _ in range(1 if streams is None else 2)]  # fmt: skip
+    ds_buf = ds_bufs[0]
     p_buf = torch.empty_like(ds_buf) if compute_dkv and not fused else ds_buf
+    dq_done: list[torch.cuda.Event] = []
     contrib = None
     if compute_dkv and deterministic:
         contrib = torch.empty((rows_per_chunk * k_slots * n_hb[2], d_qk), dtype=torch.float32, device=dev)
         reduce_keys = _reduce_keys(idx, topk_length, num_keys)
-    for row0 in range(0, num_tokens, rows_per_chunk):
+    for chunk, row0 in enumerate(range(0, num_tokens, rows_per_chunk)):
         rows = min(rows_per_chunk, num_tokens - row0)
+        if streams is not None:
+            ds_buf = ds_bufs[chunk % 2]
+            if chunk >= 2:  # the dq kernel of two chunks ago has read this buffer
+                streams[0].wait_event(dq_done[chunk - 2])
         common = (idx, len_arg)
         ds_args = (q, kv2d, dout, *common, lse2, delta, p_buf, ds_buf, row0, num_keys, k_slots, softmax_scale,
                    softmax_scale * LOG2E)  # fmt: skip
@@ -570,18 +595,17 @@ def sparse_mla_bwd(
             stacked = cfg_ds is not None and cfg_ds.layout == "stacked"
             kernel = sparse_mla_bwd_kernel_ds_stacked if stacked else sparse_mla_bwd_kernel_ds
             _launch("ds", kernel, _DS_CANDIDATES, (rows * n_hb[0],), ds_args, meta, cfg_ds)
-        if dq_sm90 is not None:
-            from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sparse_mla_bwd_sm90_kernel_dq
-
-            dq_block_k, dq_num_buf, dq_heads = dq_sm90
-            # 128 heads per program: two programs per block of heads, each half of the columns.
-            dq_programs = triton.cdiv(num_heads, dq_heads) * (dq_heads // 64)
-            sparse_mla_bwd_sm90_kernel_dq[(rows * dq_programs,)](
-                kv2d, *common, ds_buf, dq, row0, num_keys, k_slots, H=num_heads, D_V=d_v, D_R=d_r,
-                HAS_LEN=topk_length is not None, BLOCK_K=dq_block_k, NUM_BUF=dq_num_buf, HEADS=dq_heads,
-                DS_SMEM=bwd_plan.SM90_DQ_DS_SMEM and k_slots % 8 == 0, num_warps=8,
-                STAGED_STORE=bwd_plan.SM90_DQ_STAGED_STORE,
-            )  # fmt: skip
+        if streams is not None:  # this chunk's dq on the second stream, once its dS is written
+            main, side = streams
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                _dq_sm90(dq_sm90, kv2d, common, ds_buf, dq, row0, rows, num_keys, k_slots, num_heads, d_v, d_r,
+                         topk_length is not None)  # fmt: skip
+                dq_done.append(torch.cuda.Event())
+                dq_done[-1].record(side)
+        elif dq_sm90 is not None:
+            _dq_sm90(dq_sm90, kv2d, common, ds_buf, dq, row0, rows, num_keys, k_slots, num_heads, d_v, d_r,
+                     topk_length is not None)  # fmt: skip
         else:
             _launch(
                 "dq", sparse_mla_bwd_kernel_dq, _DQ_CANDIDATES, (rows * n_hb[1],),
@@ -604,11 +628,45 @@ def sparse_mla_bwd(
             _launch("dkv", sparse_mla_bwd_kernel_dkv, _DKV_CANDIDATES, grid, dkv_args, meta, cfg_dkv, reset)
         if deterministic:
             _reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2])
+    if streams is not None:  # dq is complete before anything after the backward reads it (or frees the buffers)
+        streams[0].wait_stream(streams[1])
     dsink = None
     if attn_sink is not None:
         dsink = sink_grad(attn_sink, lse2, delta) if ws_delta else dsink_rows.sum(0)
     dkv = dkv_acc.to(kv2d.dtype) if compute_dkv else None
     return dq, dkv, dsink
+
+
+def _dq_streams(applies: bool, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream] | None:
+    """``(current, second)`` streams when :data:`DQ_OVERLAP` is on and ``applies`` (the SM90 fused probabilities
+    kernel and the SM90 dq kernel) on CUDA outside the interpreter, else None."""
+    if DQ_OVERLAP not in DQ_OVERLAP_MODES:
+        raise ValueError(f"sparse_mla_bwd.DQ_OVERLAP must be one of {DQ_OVERLAP_MODES}, got {DQ_OVERLAP!r}")
+    if DQ_OVERLAP is None or not applies or device.type != "cuda" or interpreting():
+        return None
+    key = (device.index if device.index is not None else torch.cuda.current_device(), DQ_OVERLAP)
+    if key not in _SIDE_STREAMS:
+        # Lower numbers are higher priorities; one past the device's range maps to its highest.
+        priority = -8 if DQ_OVERLAP == "high" else 0
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=key[0], priority=priority)
+    return torch.cuda.current_stream(device), _SIDE_STREAMS[key]
+
+
+_SIDE_STREAMS: dict[tuple[int, str], torch.cuda.Stream] = {}
+
+
+def _dq_sm90(plan, kv2d, common, ds_buf, dq, row0, rows, num_keys, k_slots, num_heads, d_v, d_r, has_len) -> None:
+    """Launch the SM90 dq kernel for rows ``[row0, row0 + rows)`` (``plan``: its ``(block_k, num_buf, heads)``)."""
+    from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sparse_mla_bwd_sm90_kernel_dq
+
+    dq_block_k, dq_num_buf, dq_heads = plan
+    # 128 heads per program: two programs per block of heads, each half of the columns.
+    dq_programs = triton.cdiv(num_heads, dq_heads) * (dq_heads // 64)
+    sparse_mla_bwd_sm90_kernel_dq[(rows * dq_programs,)](
+        kv2d, *common, ds_buf, dq, row0, num_keys, k_slots, H=num_heads, D_V=d_v, D_R=d_r, HAS_LEN=has_len,
+        BLOCK_K=dq_block_k, NUM_BUF=dq_num_buf, HEADS=dq_heads, DS_SMEM=bwd_plan.SM90_DQ_DS_SMEM and k_slots % 8 == 0,
+        num_warps=8, STAGED_STORE=bwd_plan.SM90_DQ_STAGED_STORE,
+    )  # fmt: skip
 
 
 def sink_grad(attn_sink: torch.Tensor, lse2: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
