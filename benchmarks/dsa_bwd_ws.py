@@ -209,7 +209,8 @@ def item_runs(out_dir: Path, runs: tuple[int, ...], shapes: tuple[tuple[int, int
     )  # fmt: skip
 
 
-OVERLAP_VARIANTS = ((None, 4), ("high", 4), ("high", 8), ("same", 4))
+# (DQ_OVERLAP, DQ_OVERLAP_MIN_CHUNKS, DET_REDUCE_OVERLAP); the last only where the mode is deterministic
+OVERLAP_VARIANTS = ((None, 4, False), ("high", 4, False), ("high", 8, False), ("same", 4, False), ("high", 4, True))
 
 
 def dq_overlap(out_dir: Path, shapes: tuple[tuple[int, int, int], ...], rounds: int, det_shapes: int) -> None:
@@ -218,7 +219,7 @@ def dq_overlap(out_dir: Path, shapes: tuple[tuple[int, int, int], ...], rounds: 
     ``det_shapes`` shapes. dq must equal the one-stream dq bit for bit (so must dkv in deterministic mode)."""
     dev = torch.device("cuda")
     rows: list[dict] = []
-    saved = smb.DQ_OVERLAP, smb.DQ_OVERLAP_MIN_CHUNKS
+    saved = smb.DQ_OVERLAP, smb.DQ_OVERLAP_MIN_CHUNKS, smb.DET_REDUCE_OVERLAP
     try:
         for n, (total, heads, topk) in enumerate(shapes):
             idx, length, _, _ = causal_index_sets([total], topk, dev)
@@ -230,10 +231,13 @@ def dq_overlap(out_dir: Path, shapes: tuple[tuple[int, int, int], ...], rounds: 
                 smb.DQ_OVERLAP = None
                 ref = run_bwd(q, kv, out, dout, lse, idx, length, deterministic=det)
                 for rnd in range(rounds):
-                    for mode, chunks in OVERLAP_VARIANTS:
-                        smb.DQ_OVERLAP, smb.DQ_OVERLAP_MIN_CHUNKS = mode, chunks
+                    for mode, chunks, reduce in OVERLAP_VARIANTS:
+                        if reduce and not det:
+                            continue
+                        smb.DQ_OVERLAP, smb.DQ_OVERLAP_MIN_CHUNKS, smb.DET_REDUCE_OVERLAP = mode, chunks, reduce
                         row = dict(shape=f"T={total} H={heads} K={topk} 1doc", det="yes" if det else "no",
-                                   overlap=mode or "off", min_chunks=chunks if mode else "-", round=rnd)  # fmt: skip
+                                   overlap=(mode or "off") + (" + reduce" if reduce else ""),
+                                   min_chunks=chunks if mode else "-", round=rnd)  # fmt: skip
                         _time_variant(row, q, kv, out, dout, lse, idx, length, (None, None, None), det, ref, flops)
                         dq, dkv, _ = run_bwd(q, kv, out, dout, lse, idx, length, deterministic=det)
                         row["dq_equal"] = bool(torch.equal(dq, ref[0]))
@@ -241,7 +245,7 @@ def dq_overlap(out_dir: Path, shapes: tuple[tuple[int, int, int], ...], rounds: 
                         print(row, flush=True)
                         rows.append(row)
     finally:
-        smb.DQ_OVERLAP, smb.DQ_OVERLAP_MIN_CHUNKS = saved
+        smb.DQ_OVERLAP, smb.DQ_OVERLAP_MIN_CHUNKS, smb.DET_REDUCE_OVERLAP = saved
     write_report(
         "dsa_bwd_dq_overlap", rows, ["shape", "det", "overlap", "min_chunks", "round", "ms", "p20", "p80", "tflops",
                                      "dq_equal", "dkv_equal", "dkv_rel", "repeat_equal", "finite", "note"],
@@ -249,10 +253,11 @@ def dq_overlap(out_dir: Path, shapes: tuple[tuple[int, int, int], ...], rounds: 
         "slots: 2 * valid * H * (3 * 576 + 2 * 512)), the whole backward at the defaults but for where each row "
         "chunk's dq kernel runs: overlap off, one stream; high / same, a second stream of the highest / the default "
         "priority, beside the next chunk's probabilities + dkv kernel, with at least min_chunks row chunks "
-        "(`sparse_mla_bwd.DQ_OVERLAP`, `DQ_OVERLAP_MIN_CHUNKS`); alternating, triton.testing.do_bench median with "
-        "20th/80th percentiles. dq_equal / dkv_equal: bit for bit against one stream (dkv's fp32 atomics add in "
-        "another order outside the deterministic mode: dkv_rel is the largest difference relative to its largest "
-        "element). Reproduce: `python benchmarks/dsa_bwd_ws.py --dq-overlap`.",
+        "(`sparse_mla_bwd.DQ_OVERLAP`, `DQ_OVERLAP_MIN_CHUNKS`); + reduce: the deterministic reduction of each chunk's "
+        "pieces after its dq on the second stream, two piece buffers (`DET_REDUCE_OVERLAP`); alternating, "
+        "triton.testing.do_bench median with 20th/80th percentiles. dq_equal / dkv_equal: bit for bit against one "
+        "stream (dkv's fp32 atomics add in another order outside the deterministic mode: dkv_rel is the largest "
+        "difference relative to its largest element). Reproduce: `python benchmarks/dsa_bwd_ws.py --dq-overlap`.",
         out_dir=out_dir, title="Sparse MLA backward: the dq kernel on a second stream",
     )  # fmt: skip
 
@@ -268,7 +273,7 @@ def memcheck_runs() -> None:
         for heads in (64, 96, 128):
             q, kv, idx, length, out, lse, dout = small_bwd_case(total, topk, heads, dev)
             for run, overlap in ((3, None), (0, None), (3, "high")):
-                ws.WS_BWD_RUN, smb.DQ_OVERLAP = run, overlap
+                ws.WS_BWD_RUN, smb.DQ_OVERLAP, smb.DET_REDUCE_OVERLAP = run, overlap, overlap is not None
                 for with_len in (True, False):
                     for det in (False, True):
                         dq, dkv, _ = run_bwd(q, kv, out, dout, lse, idx, length if with_len else None,
@@ -277,7 +282,7 @@ def memcheck_runs() -> None:
                         print("memcheck case", heads, run, overlap, with_len, det,
                               bool(dq.isfinite().all() and dkv.isfinite().all()), flush=True)  # fmt: skip
     finally:
-        ws.WS_BWD_RUN, smb.DQ_OVERLAP = saved, None
+        ws.WS_BWD_RUN, smb.DQ_OVERLAP, smb.DET_REDUCE_OVERLAP = saved, None, False
 
 
 def main(out_dir: Path, total: int, heads_list: tuple[int, ...]) -> None:

@@ -265,18 +265,20 @@ def _ws_forward_case(T, H, K, with_sink, seed):
 
 @_SM90
 @pytest.mark.parametrize(
-    "T,H,K,deterministic,overlap,chunks",
-    [(600, 64, 2048, False, "high", 4), (600, 64, 700, True, "high", 8), (300, 128, 520, False, "same", 3),
-     (300, 128, 520, True, "high", 5), (5, 64, 64, False, "high", 4)],
-    ids=["64", "64-det", "H128-same", "H128-det", "fewer-rows-than-chunks"],
+    "T,H,K,deterministic,overlap,chunks,reduce",
+    [(600, 64, 2048, False, "high", 4, False), (600, 64, 700, True, "high", 8, False),
+     (600, 64, 700, True, "high", 8, True), (300, 128, 520, False, "same", 3, False),
+     (300, 128, 520, True, "high", 5, True), (5, 64, 64, False, "high", 4, False)],
+    ids=["64", "64-det", "64-det-reduce", "H128-same", "H128-det-reduce", "fewer-rows-than-chunks"],
 )  # fmt: skip
-def test_backward_dq_overlap_equals_one_stream(monkeypatch, T, H, K, deterministic, overlap, chunks):
+def test_backward_dq_overlap_equals_one_stream(monkeypatch, T, H, K, deterministic, overlap, chunks, reduce):
     """Each row chunk's dq kernel on a second stream beside the next chunk's probabilities + dkv kernel
-    (``DQ_OVERLAP``, two dS buffers taking turns) gives dq equal bit for bit to one stream, and dkv equal up to its
-    atomics' order (bit for bit in deterministic mode), over rows without slots, ragged lengths and invalid and
-    repeated indices; the result is ready on the caller's stream (read there at once), and more chunks than the
-    two buffers are exercised (a buffer is written again only after its earlier dq has read it). A bad mode is a
-    ValueError."""
+    (``DQ_OVERLAP``, two dS buffers taking turns; with ``DET_REDUCE_OVERLAP`` the deterministic reduction after it
+    there, two piece buffers) gives dq equal bit for bit to one stream, and dkv equal up to its atomics' order (bit
+    for bit in deterministic mode), over rows without slots, ragged lengths and invalid and repeated indices; the
+    result is ready on the caller's stream (read there at once), and more chunks than the two buffers are exercised
+    (a buffer is written again only after the second stream's work of its earlier chunk has read it). A bad mode is
+    a ValueError."""
     from longtrain.dsa.triton import sparse_mla_bwd as smb
     from longtrain.dsa.triton import sparse_mla_triton
 
@@ -293,6 +295,7 @@ def test_backward_dq_overlap_equals_one_stream(monkeypatch, T, H, K, determinist
     for mode in (None, overlap):
         monkeypatch.setattr(smb, "DQ_OVERLAP", mode)
         monkeypatch.setattr(smb, "DQ_OVERLAP_MIN_CHUNKS", chunks)
+        monkeypatch.setattr(smb, "DET_REDUCE_OVERLAP", reduce and mode is not None)
         out = sparse_mla_triton(q, kv, idx, 192**-0.5, d_v=512, topk_length=length, deterministic=deterministic)
         dq, dkv = torch.autograd.grad(out, (q, kv), dout)
         grads.append((dq.clone(), dkv.clone()))  # copied on the caller's stream, at once

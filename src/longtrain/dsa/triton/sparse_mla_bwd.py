@@ -46,6 +46,7 @@ from longtrain.dsa.triton.sparse_mla_fwd import LOG2E, _row_col_mask, fwd_block_
 
 __all__ = [
     "DETERMINISTIC_SCRATCH_ELEMENTS",
+    "DET_REDUCE_OVERLAP",
     "DKV_COL_GROUPS",
     "DQ_OVERLAP",
     "DQ_OVERLAP_MIN_CHUNKS",
@@ -89,6 +90,11 @@ DETERMINISTIC_SCRATCH_ELEMENTS = 1 << 27
 DQ_OVERLAP: str | None = None
 DQ_OVERLAP_MODES = (None, "high", "same")
 DQ_OVERLAP_MIN_CHUNKS = 4
+#: With :data:`DQ_OVERLAP` on, in deterministic mode: whether each chunk's reduction of its dkv pieces follows its dq
+#: kernel on the second stream (two piece buffers, twice the scratch of :data:`DETERMINISTIC_SCRATCH_ELEMENTS`), so
+#: that reading the pieces back overlaps the next chunk's probabilities kernel writing its own. The chunks' reductions
+#: keep their order (one stream), so dkv is the same bit for bit. Read at each call.
+DET_REDUCE_OVERLAP = False
 
 
 @triton.jit
@@ -551,14 +557,19 @@ def sparse_mla_bwd(
     p_buf = torch.empty_like(ds_buf) if compute_dkv and not fused else ds_buf
     dq_done: list[torch.cuda.Event] = []
     contrib = None
+    reduce_side = streams is not None and fused and compute_dkv and deterministic and DET_REDUCE_OVERLAP
     if compute_dkv and deterministic:
-        contrib = torch.empty((rows_per_chunk * k_slots * n_hb[2], d_qk), dtype=torch.float32, device=dev)
+        contribs = [torch.empty((rows_per_chunk * k_slots * n_hb[2], d_qk), dtype=torch.float32, device=dev)
+                    for _ in range(2 if reduce_side else 1)]  # fmt: skip
+        contrib = contribs[0]
         reduce_keys = _reduce_keys(idx, topk_length, num_keys)
     for chunk, row0 in enumerate(range(0, num_tokens, rows_per_chunk)):
         rows = min(rows_per_chunk, num_tokens - row0)
         if streams is not None:
             ds_buf = ds_bufs[chunk % 2]
-            if chunk >= 2:  # the dq kernel of two chunks ago has read this buffer
+            if reduce_side:
+                contrib = contribs[chunk % 2]
+            if chunk >= 2:  # the second stream's work of two chunks ago has read these buffers
                 streams[0].wait_event(dq_done[chunk - 2])
         common = (idx, len_arg)
         ds_args = (q, kv2d, dout, *common, lse2, delta, p_buf, ds_buf, row0, num_keys, k_slots, softmax_scale,
@@ -601,6 +612,8 @@ def sparse_mla_bwd(
             with torch.cuda.stream(side):
                 _dq_sm90(dq_sm90, kv2d, common, ds_buf, dq, row0, rows, num_keys, k_slots, num_heads, d_v, d_r,
                          topk_length is not None)  # fmt: skip
+                if reduce_side:
+                    _reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2])
                 dq_done.append(torch.cuda.Event())
                 dq_done[-1].record(side)
         elif dq_sm90 is not None:
@@ -611,7 +624,7 @@ def sparse_mla_bwd(
                 "dq", sparse_mla_bwd_kernel_dq, _DQ_CANDIDATES, (rows * n_hb[1],),
                 (kv2d, *common, ds_buf, dq, row0, num_keys, k_slots), dict(dims, BLOCK_H=bh[1]), cfg_dq,
             )  # fmt: skip
-        if fused and deterministic:
+        if fused and deterministic and compute_dkv and not reduce_side:
             _reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2])
         if not compute_dkv or fused:
             continue
