@@ -251,7 +251,7 @@ def dq_overlap(out_dir: Path, shapes: tuple[tuple[int, int, int], ...], rounds: 
                                      "dq_equal", "dkv_equal", "dkv_rel", "repeat_equal", "finite", "note"],
         "Sparse MLA backward (bf16, one document, query t selects min(t+1, K) random causal keys, FLOPs over valid "
         "slots: 2 * valid * H * (3 * 576 + 2 * 512)), the whole backward at the defaults but for where each row "
-        "chunk's dq kernel runs: overlap off, one stream; high / same, a second stream of the highest / the default "
+        "chunk's dq kernel runs: overlap off, one stream; high / same, a second stream of a higher (-1) / the default "
         "priority, beside the next chunk's probabilities + dkv kernel, with at least min_chunks row chunks "
         "(`sparse_mla_bwd.DQ_OVERLAP`, `DQ_OVERLAP_MIN_CHUNKS`); + reduce: the deterministic reduction of each chunk's "
         "pieces after its dq on the second stream, two piece buffers (`DET_REDUCE_OVERLAP`); alternating, "

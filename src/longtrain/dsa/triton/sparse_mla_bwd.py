@@ -659,8 +659,8 @@ def _dq_streams(applies: bool, device: torch.device) -> tuple[torch.cuda.Stream,
         return None
     key = (device.index if device.index is not None else torch.cuda.current_device(), DQ_OVERLAP)
     if key not in _SIDE_STREAMS:
-        # Lower numbers are higher priorities; one past the device's range maps to its highest.
-        priority = -8 if DQ_OVERLAP == "high" else 0
+        # Lower numbers are higher priorities; -1 is valid on every device and torch version this library supports.
+        priority = -1 if DQ_OVERLAP == "high" else 0
         _SIDE_STREAMS[key] = torch.cuda.Stream(device=key[0], priority=priority)
     return torch.cuda.current_stream(device), _SIDE_STREAMS[key]
 
