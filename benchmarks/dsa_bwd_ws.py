@@ -12,7 +12,8 @@ program of the warp-specialized kernel (``WS_BWD_RUN``), alternating, at issue 1
 (``dsa_bwd_item_runs_<date>.md``); ``--dq-overlap`` times the default backward with each row chunk's dq kernel on
 a second stream beside the next chunk's probabilities + dkv kernel (``sparse_mla_bwd.DQ_OVERLAP``, its stream's
 priority and ``DQ_OVERLAP_MIN_CHUNKS``) against one stream, alternating, at the same shapes, atomic and deterministic
-(``dsa_bwd_dq_overlap_<date>.md``); ``--memcheck`` runs small backwards over item runs (and with the dq overlap) for
+(the deterministic mode also with bf16 pieces, ``DET_PIECES``; ``dsa_bwd_dq_overlap_<date>.md``); ``--memcheck``
+runs small backwards over item runs (and with the dq overlap and bf16 pieces) for
 ``compute-sanitizer``.
 Correctness against float64 is the GPU test's
 (``tests/gpu/test_dsa_triton_gpu.py -k "bwd_ws or item_runs"``).
@@ -209,8 +210,16 @@ def item_runs(out_dir: Path, runs: tuple[int, ...], shapes: tuple[tuple[int, int
     )  # fmt: skip
 
 
-# (DQ_OVERLAP, DQ_OVERLAP_MIN_CHUNKS, DET_REDUCE_OVERLAP); the last only where the mode is deterministic
-OVERLAP_VARIANTS = ((None, 4, False), ("high", 4, False), ("high", 8, False), ("same", 4, False), ("high", 4, True))
+# (DQ_OVERLAP, DQ_OVERLAP_MIN_CHUNKS, DET_REDUCE_OVERLAP, DET_PIECES); the last two only where the mode is deterministic
+OVERLAP_VARIANTS = (
+    (None, 4, False, "fp32"),
+    ("high", 4, False, "fp32"),
+    ("high", 8, False, "fp32"),
+    ("same", 4, False, "fp32"),
+    ("high", 4, True, "fp32"),
+    (None, 4, False, "bf16"),
+    ("high", 4, True, "bf16"),
+)
 
 
 def dq_overlap(out_dir: Path, shapes: tuple[tuple[int, int, int], ...], rounds: int, det_shapes: int) -> None:
@@ -219,7 +228,7 @@ def dq_overlap(out_dir: Path, shapes: tuple[tuple[int, int, int], ...], rounds: 
     ``det_shapes`` shapes. dq must equal the one-stream dq bit for bit (so must dkv in deterministic mode)."""
     dev = torch.device("cuda")
     rows: list[dict] = []
-    saved = smb.DQ_OVERLAP, smb.DQ_OVERLAP_MIN_CHUNKS, smb.DET_REDUCE_OVERLAP
+    saved = smb.DQ_OVERLAP, smb.DQ_OVERLAP_MIN_CHUNKS, smb.DET_REDUCE_OVERLAP, smb.DET_PIECES
     try:
         for n, (total, heads, topk) in enumerate(shapes):
             idx, length, _, _ = causal_index_sets([total], topk, dev)
@@ -228,16 +237,18 @@ def dq_overlap(out_dir: Path, shapes: tuple[tuple[int, int, int], ...], rounds: 
             out, lse = run_fwd(q, kv, idx, length, None)
             dout = torch.randn_like(out)
             for det in (False, True) if n < det_shapes else (False,):
-                smb.DQ_OVERLAP = None
+                smb.DQ_OVERLAP, smb.DET_PIECES = None, "fp32"
                 ref = run_bwd(q, kv, out, dout, lse, idx, length, deterministic=det)
                 for rnd in range(rounds):
-                    for mode, chunks, reduce in OVERLAP_VARIANTS:
-                        if reduce and not det:
+                    for mode, chunks, reduce, pieces in OVERLAP_VARIANTS:
+                        if (reduce or pieces != "fp32") and not det:
                             continue
                         smb.DQ_OVERLAP, smb.DQ_OVERLAP_MIN_CHUNKS, smb.DET_REDUCE_OVERLAP = mode, chunks, reduce
+                        smb.DET_PIECES = pieces
                         row = dict(shape=f"T={total} H={heads} K={topk} 1doc", det="yes" if det else "no",
                                    overlap=(mode or "off") + (" + reduce" if reduce else ""),
-                                   min_chunks=chunks if mode else "-", round=rnd)  # fmt: skip
+                                   min_chunks=chunks if mode else "-", pieces=pieces if det else "-",
+                                   round=rnd)  # fmt: skip
                         _time_variant(row, q, kv, out, dout, lse, idx, length, (None, None, None), det, ref, flops)
                         dq, dkv, _ = run_bwd(q, kv, out, dout, lse, idx, length, deterministic=det)
                         row["dq_equal"] = bool(torch.equal(dq, ref[0]))
@@ -245,16 +256,18 @@ def dq_overlap(out_dir: Path, shapes: tuple[tuple[int, int, int], ...], rounds: 
                         print(row, flush=True)
                         rows.append(row)
     finally:
-        smb.DQ_OVERLAP, smb.DQ_OVERLAP_MIN_CHUNKS, smb.DET_REDUCE_OVERLAP = saved
+        smb.DQ_OVERLAP, smb.DQ_OVERLAP_MIN_CHUNKS, smb.DET_REDUCE_OVERLAP, smb.DET_PIECES = saved
     write_report(
-        "dsa_bwd_dq_overlap", rows, ["shape", "det", "overlap", "min_chunks", "round", "ms", "p20", "p80", "tflops",
-                                     "dq_equal", "dkv_equal", "dkv_rel", "repeat_equal", "finite", "note"],
+        "dsa_bwd_dq_overlap", rows, ["shape", "det", "overlap", "min_chunks", "pieces", "round", "ms", "p20", "p80",
+                                     "tflops", "dq_equal", "dkv_equal", "dkv_rel", "repeat_equal", "finite", "note"],
         "Sparse MLA backward (bf16, one document, query t selects min(t+1, K) random causal keys, FLOPs over valid "
         "slots: 2 * valid * H * (3 * 576 + 2 * 512)), the whole backward at the defaults but for where each row "
         "chunk's dq kernel runs: overlap off, one stream; high / same, a second stream of a higher (-1) / the default "
         "priority, beside the next chunk's probabilities + dkv kernel, with at least min_chunks row chunks "
         "(`sparse_mla_bwd.DQ_OVERLAP`, `DQ_OVERLAP_MIN_CHUNKS`); + reduce: the deterministic reduction of each chunk's "
-        "pieces after its dq on the second stream, two piece buffers (`DET_REDUCE_OVERLAP`); alternating, "
+        "pieces after its dq on the second stream, two piece buffers (`DET_REDUCE_OVERLAP`); pieces: the deterministic "
+        "mode's per-slot dkv pieces in fp32 or rounded to bf16 before the fixed-order sum (`DET_PIECES`; dkv then "
+        "differs from the fp32 pieces' by up to a bf16 rounding per piece: dkv_rel, not dkv_equal); alternating, "
         "triton.testing.do_bench median with 20th/80th percentiles. dq_equal / dkv_equal: bit for bit against one "
         "stream (dkv's fp32 atomics add in another order outside the deterministic mode: dkv_rel is the largest "
         "difference relative to its largest element). Reproduce: `python benchmarks/dsa_bwd_ws.py --dq-overlap`.",
@@ -274,6 +287,7 @@ def memcheck_runs() -> None:
             q, kv, idx, length, out, lse, dout = small_bwd_case(total, topk, heads, dev)
             for run, overlap in ((3, None), (0, None), (3, "high")):
                 ws.WS_BWD_RUN, smb.DQ_OVERLAP, smb.DET_REDUCE_OVERLAP = run, overlap, overlap is not None
+                smb.DET_PIECES = "bf16" if overlap is not None else "fp32"
                 for with_len in (True, False):
                     for det in (False, True):
                         dq, dkv, _ = run_bwd(q, kv, out, dout, lse, idx, length if with_len else None,
@@ -282,7 +296,7 @@ def memcheck_runs() -> None:
                         print("memcheck case", heads, run, overlap, with_len, det,
                               bool(dq.isfinite().all() and dkv.isfinite().all()), flush=True)  # fmt: skip
     finally:
-        ws.WS_BWD_RUN, smb.DQ_OVERLAP, smb.DET_REDUCE_OVERLAP = saved, None, False
+        ws.WS_BWD_RUN, smb.DQ_OVERLAP, smb.DET_REDUCE_OVERLAP, smb.DET_PIECES = saved, None, False, "fp32"
 
 
 def main(out_dir: Path, total: int, heads_list: tuple[int, ...]) -> None:

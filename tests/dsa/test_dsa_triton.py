@@ -259,6 +259,58 @@ def test_sparse_mla_dq_overlap_is_checked_and_leaves_other_routes_alone(triton_i
         _check_against_reference(q, kv, idx, 0.3, d_v=32, config=_CFG, det=True)
 
 
+@pytest.mark.parametrize("heads,chunk_rows", [(4, None), (4, 1), (16, 2)], ids=["one-chunk", "row-chunks", "H16"])
+def test_sparse_mla_deterministic_bf16_pieces(triton_interpret, monkeypatch, heads, chunk_rows):
+    """``DET_PIECES = "bf16"``: each per-slot dkv piece is rounded to bf16 before the fixed-order fp32 sum. dkv then
+    differs from the float64 reference by at most one bf16 step of every piece it sums (``2**-7 * sum |piece|`` per
+    element, plus fp32's tolerance), does differ from the fp32 pieces' dkv (the rounding happened), is the same
+    bit for bit on a second run and at any row chunk, and dq is unchanged; a bad mode lists the valid ones."""
+    import longtrain.dsa.triton.sparse_mla_bwd as smb
+    from longtrain.dsa.reference import selected_rows, sparse_mla_on_keys
+    from longtrain.dsa.triton import sparse_mla_triton
+
+    T, D, d_v, T_k, K = 6, 48, 32, 9, 24
+    q, kv, idx = _mla_inputs(T, heads, D, T_k, K, seed=19)
+    idx[:, 3:9] = 4  # many contributions to one key, from every row
+    idx[2, :3] = torch.tensor([-1, T_k, 2**30], dtype=torch.int32)
+    length = torch.tensor([24, 7, 0, 20, 24, 1])
+    dout = torch.randn(T, heads, d_v, generator=torch.Generator().manual_seed(7))
+
+    def grads(pieces, scratch=None):
+        monkeypatch.setattr(smb, "DET_PIECES", pieces)
+        if scratch is not None:
+            monkeypatch.setattr(smb, "DETERMINISTIC_SCRATCH_ELEMENTS", scratch)
+        out = sparse_mla_triton(q, kv, idx, 0.3, d_v=d_v, topk_length=length, config=_CFG, deterministic=True)
+        return torch.autograd.grad(out, (q, kv), dout)
+
+    dq32, dkv32 = grads("fp32")
+    dq16, dkv16 = grads("bf16")
+    scratch = None if chunk_rows is None else chunk_rows * K * triton_head_blocks(heads) * D
+    assert all(torch.equal(a, b) for a, b in zip((dq16, dkv16), grads("bf16", scratch)))
+    assert torch.equal(dq16, dq32) and not torch.equal(dkv16, dkv32)
+    # The float64 pieces: the gradient of each row's gathered key copy (one head block, block_h = 16 >= heads).
+    rows, valid = selected_rows(idx, T_k, length)
+    keys = kv.detach().double()[:, 0][rows].requires_grad_(True)  # [T, K, D]
+    ref, _ = sparse_mla_on_keys(q.detach().double(), keys, valid, 0.3, d_v=d_v)
+    pieces = torch.autograd.grad(ref, keys, dout.double())[0]  # [T, K, D]
+    want = torch.zeros(T_k, D, dtype=torch.float64).index_add_(0, rows[valid], pieces[valid])
+    abs_sum = torch.zeros(T_k, D, dtype=torch.float64).index_add_(0, rows[valid], pieces[valid].abs())
+    # One bf16 step (2**-7 relative) per piece: a GPU rounds to nearest (half a step); the interpreter converts fp32
+    # to bf16 by truncation (up to a whole step). Plus fp32's tolerance for the rest of the arithmetic.
+    bound = 2**-7 * abs_sum + 1e-5 + 1e-4 * want.abs()
+    err = (dkv16[:, 0].double() - want).abs()
+    assert (err <= bound).all(), (err - bound).max()
+    torch.testing.assert_close(dkv32[:, 0].double(), want, rtol=1e-4, atol=1e-5)
+    monkeypatch.setattr(smb, "DET_PIECES", "fp16")
+    with pytest.raises(ValueError, match=r"DET_PIECES must be one of \('fp32', 'bf16'\), got 'fp16'"):
+        grads("fp16")
+
+
+def triton_head_blocks(heads: int) -> int:
+    """Head blocks of the interpreter tests' dkv kernel (block_h = 16)."""
+    return -(-heads // 16)
+
+
 @pytest.mark.parametrize(
     "num_hb,row0,with_len,num_keys",
     [(1, 0, False, 7), (2, 3, True, 7), (3, 1, True, 7), (1, 2, True, 40000)],

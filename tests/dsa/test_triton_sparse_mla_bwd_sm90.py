@@ -396,6 +396,32 @@ def test_warp_specialized_backward_compiles_for_hopper(H, d_qk, d_v, determinist
     assert set(ws.WS_BWD_NUM_REGS) <= set(stats["setmaxnreg"]), stats
 
 
+@pytest.mark.skipif(cuobjdump() is None, reason="needs triton with its bundled NVIDIA toolchain (ptxas, cuobjdump)")
+@pytest.mark.parametrize("staged", [True, False], ids=["staged-ds", "direct-ds"])
+def test_deterministic_bf16_pieces_compile_for_hopper(staged):
+    """``DET_PIECES = "bf16"``: the warp-specialized and the two-warpgroup fused kernels compiled with a bf16 piece
+    scratch (each fp32 piece converted as it is stored): within their shared-memory budgets, no spills."""
+    from longtrain.dsa.triton import sparse_mla_bwd_sm90_ws as ws
+    from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_ds_dkv_smem_bytes, sm90_ws_bwd_smem_bytes
+
+    types = _TYPES[:3] + ["*bf16"] + _TYPES[3:8] + ["*bf16"] + _TYPES[9:] + ["i32", "fp32", "fp32"]
+    consts = dict(H=64, D_V=512, D_R=64, HAS_LEN=True, DETERMINISTIC=True, PREFETCH_IDX=True, STAGED_DS=staged,
+                  REGS_PROB=ws.WS_BWD_NUM_REGS[0], REGS_PRODUCER=ws.WS_BWD_NUM_REGS[1], RUN=1)  # fmt: skip
+    stats = compile_sm90("longtrain.dsa.triton.sparse_mla_bwd_sm90_ws", "sparse_mla_bwd_sm90_ws_kernel", types, consts,
+                         num_warps=4, maxnreg=ws.WS_BWD_MAXNREG)  # fmt: skip
+    assert stats["cp_async"] and stats["wgmma"] and not stats["wgmma_serialized"], stats
+    assert stats["shared"] <= sm90_ws_bwd_smem_bytes(576, 512, 2), stats
+    assert stats["local"] == 0, stats
+    if staged:
+        return
+    types = _TYPES[:8] + ["*bf16"] + _TYPES[9:] + ["fp32", "fp32"]
+    consts = dict(H=64, D_V=512, D_R=64, HAS_LEN=True, DETERMINISTIC=True)
+    stats = compile_sm90("longtrain.dsa.triton.sparse_mla_bwd_sm90", "sparse_mla_bwd_sm90_kernel_ds_dkv", types, consts)
+    assert stats["cp_async"] and stats["wgmma"], stats
+    assert stats["shared"] == sm90_ds_dkv_smem_bytes(576, 512, 2), stats
+    assert stats["local"] == 0, stats
+
+
 @pytest.mark.parametrize(
     "run,head_blocks,deterministic,expected",
     [(None, 1, False, (500, 2)), (None, 2, False, (1000, 1)), (None, 1, True, (1000, 1)), (1, 1, False, (1000, 1)),

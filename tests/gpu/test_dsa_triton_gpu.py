@@ -310,6 +310,55 @@ def test_backward_dq_overlap_equals_one_stream(monkeypatch, T, H, K, determinist
         sparse_mla_triton(q, kv, idx, 192**-0.5, d_v=512, topk_length=length).sum().backward()
 
 
+@pytest.mark.parametrize(
+    "T,T_k,H,K,forced,overlap",
+    [pytest.param(192, 4096, 64, 2048, False, None, marks=_SM90), pytest.param(300, 2048, 64, 700, False, "high",
+     marks=_SM90), (96, 2048, 128, 512, True, None)],
+    ids=["glm-ws", "ws-reduce-overlap", "H128-triton"],
+)  # fmt: skip
+def test_sparse_mla_deterministic_bf16_pieces(monkeypatch, T, T_k, H, K, forced, overlap):
+    """``DET_PIECES = "bf16"``: the deterministic mode's per-slot dkv pieces stored in bf16 and summed in fp32 in the
+    same fixed order. dkv passes the flash-attention rule against float64, two runs are equal bit for bit, dq equals
+    the fp32 pieces' dq bit for bit (the pieces do not feed it), over ragged lengths and invalid and repeated indices;
+    on SM90 through the warp-specialized kernel (with the reduction on the second stream, ``DET_REDUCE_OVERLAP``),
+    elsewhere the portable dkv kernel with two head blocks. A bad mode is a ValueError."""
+    from longtrain.dsa.triton import sparse_mla_bwd as smb
+    from longtrain.dsa.triton import sparse_mla_triton
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(T + H + K + 53)
+    q = torch.randn((T, H, 576), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
+    kv = torch.randn((T_k, 1, 576), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
+    idx, length = _index_sets(T, T_k, K, gen, dev)
+    idx[5, :7] = torch.tensor([-1, T_k, 2**30, 3, 3, 3, -5], dtype=torch.int32, device=dev)
+    dout = torch.randn((T, H, 512), generator=gen, device=dev).to(torch.bfloat16)
+    scale = 192**-0.5
+    config = _configs() if forced else None
+    if overlap is not None:  # several row chunks, the reduction after each chunk's dq on the second stream
+        monkeypatch.setattr(smb, "PDS_SCRATCH_BYTES", 4 * H * K * 2)
+        monkeypatch.setattr(smb, "DQ_OVERLAP", overlap)
+        monkeypatch.setattr(smb, "DET_REDUCE_OVERLAP", True)
+    runs = {}
+    for pieces in ("fp32", "bf16", "bf16"):
+        monkeypatch.setattr(smb, "DET_PIECES", pieces)
+        out = sparse_mla_triton(q, kv, idx, scale, d_v=512, topk_length=length, deterministic=True, config=config)
+        runs.setdefault(pieces, []).append(torch.autograd.grad(out, (q, kv), dout))
+    (dq32, dkv32), (dq16, dkv16), (dq16b, dkv16b) = runs["fp32"][0], runs["bf16"][0], runs["bf16"][1]
+    assert torch.equal(dkv16, dkv16b) and torch.equal(dq16, dq16b)
+    assert torch.equal(dq16, dq32)
+    same = _torch_bf16(q, kv, idx, scale, 512, length, None)
+    same_dkv = torch.autograd.grad(same, (kv,), dout)[0]
+    leaves64 = [q.detach().double().requires_grad_(True), kv.detach().double().requires_grad_(True)]
+    ref, _ = sparse_mla_reference(leaves64[0], leaves64[1], idx, scale, d_v=512, topk_length=length)
+    ref_dkv = torch.autograd.grad(ref, leaves64, dout.double())[1]
+    _check_rule("dkv (bf16 pieces)", dkv16, same_dkv, ref_dkv)
+    _check_rule("dkv (fp32 pieces)", dkv32, same_dkv, ref_dkv)
+    monkeypatch.setattr(smb, "DET_PIECES", "fp16")
+    with pytest.raises(ValueError, match=r"DET_PIECES must be one of \('fp32', 'bf16'\), got 'fp16'"):
+        out = sparse_mla_triton(q, kv, idx, scale, d_v=512, topk_length=length, deterministic=True, config=config)
+        out.sum().backward()
+
+
 @_SM90
 @pytest.mark.parametrize(
     "T,H,K,ring,with_sink",

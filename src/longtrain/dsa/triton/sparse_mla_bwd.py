@@ -46,6 +46,8 @@ from longtrain.dsa.triton.sparse_mla_fwd import LOG2E, _row_col_mask, fwd_block_
 
 __all__ = [
     "DETERMINISTIC_SCRATCH_ELEMENTS",
+    "DET_PIECES",
+    "DET_PIECES_MODES",
     "DET_REDUCE_OVERLAP",
     "DKV_COL_GROUPS",
     "DQ_OVERLAP",
@@ -95,6 +97,13 @@ DQ_OVERLAP_MIN_CHUNKS = 4
 #: that reading the pieces back overlaps the next chunk's probabilities kernel writing its own. The chunks' reductions
 #: keep their order (one stream), so dkv is the same bit for bit. Read at each call.
 DET_REDUCE_OVERLAP = False
+#: The dtype of the deterministic mode's per-slot dkv pieces: ``"fp32"``, or ``"bf16"``, which halves the bytes the
+#: probabilities kernel writes and the reduction reads back (the traffic that bounds this mode; docs/dsa_triton.md).
+#: With ``"bf16"`` each piece (one slot's sum over a head block) is rounded to bf16 before the fixed-order fp32 sum, so
+#: dkv stays the same bit for bit on every run and schedule but differs from the fp32 pieces' by up to one bf16
+#: rounding per piece. Read at each call.
+DET_PIECES = "fp32"
+DET_PIECES_MODES = ("fp32", "bf16")
 
 
 @triton.jit
@@ -435,7 +444,8 @@ def sparse_mla_bwd_kernel_dkv_reduce(
                 for j in range(start, end):
                     src = tl.load(order_ptr + j).to(tl.int64) * NUM_HB  # scalar
                     for hb in tl.static_range(NUM_HB):
-                        acc += tl.load(contrib_ptr + (src + hb) * D_QK + offs, mask=cmask, other=0.0)  # [BLOCK_D]
+                        piece = tl.load(contrib_ptr + (src + hb) * D_QK + offs, mask=cmask, other=0.0)  # [BLOCK_D]
+                        acc += piece.to(tl.float32)
                 tl.store(dkv_ptr + row + offs, acc, mask=cmask)
 
 
@@ -559,7 +569,8 @@ def sparse_mla_bwd(
     contrib = None
     reduce_side = streams is not None and fused and compute_dkv and deterministic and DET_REDUCE_OVERLAP
     if compute_dkv and deterministic:
-        contribs = [torch.empty((rows_per_chunk * k_slots * n_hb[2], d_qk), dtype=torch.float32, device=dev)
+        piece_dtype = _piece_dtype()
+        contribs = [torch.empty((rows_per_chunk * k_slots * n_hb[2], d_qk), dtype=piece_dtype, device=dev)
                     for _ in range(2 if reduce_side else 1)]  # fmt: skip
         contrib = contribs[0]
         reduce_keys = _reduce_keys(idx, topk_length, num_keys)
@@ -666,6 +677,13 @@ def _dq_streams(applies: bool, device: torch.device) -> tuple[torch.cuda.Stream,
 
 
 _SIDE_STREAMS: dict[tuple[int, str], torch.cuda.Stream] = {}
+
+
+def _piece_dtype() -> torch.dtype:
+    """The deterministic mode's piece dtype from :data:`DET_PIECES` (checked at each call)."""
+    if DET_PIECES not in DET_PIECES_MODES:
+        raise ValueError(f"sparse_mla_bwd.DET_PIECES must be one of {DET_PIECES_MODES}, got {DET_PIECES!r}")
+    return torch.float32 if DET_PIECES == "fp32" else torch.bfloat16
 
 
 def _dq_sm90(plan, kv2d, common, ds_buf, dq, row0, rows, num_keys, k_slots, num_heads, d_v, d_r, has_len) -> None:
