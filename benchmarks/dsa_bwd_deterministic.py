@@ -28,13 +28,26 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
 
 
+BF16_PIECES = False  # --bf16-pieces: also the bf16 pieces' variants
+
+
 def _variants() -> dict[str, tuple[bool, dict]]:
     """name: (deterministic, module settings of ``sparse_mla_bwd`` for the run)."""
-    return {
+    variants = {
         "default (fp32 atomics)": (False, {}),
         "deterministic, per-slot scratch (default size)": (True, {}),
         "deterministic, per-slot scratch 2 GiB": (True, {"DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 29}),
     }
+    if BF16_PIECES:
+        bf16 = {"DET_PIECES": "bf16"}
+        variants.update({
+            "deterministic, bf16 pieces (default elements: half the bytes)": (True, bf16),
+            "deterministic, bf16 pieces, the default's bytes": (True, {**bf16, "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 28}),
+            "deterministic, bf16 pieces 2 GiB": (True, {**bf16, "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 30}),
+            "deterministic, bf16 pieces, reduction on the second stream": (
+                True, {**bf16, "DQ_OVERLAP": "high", "DET_REDUCE_OVERLAP": True}),
+        })  # fmt: skip
+    return variants
 
 
 def _case(rows: list[dict], total: int, heads: int, topk: int) -> None:
@@ -90,6 +103,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--case", action="append", default=None, help="T,H,K (repeatable); default: four shapes")
+    parser.add_argument("--bf16-pieces", action="store_true", help="also the bf16 pieces (DET_PIECES) variants")
     args = parser.parse_args()
+    BF16_PIECES = args.bf16_pieces
     chosen = [tuple(int(x) for x in c.split(",")) for c in args.case] if args.case else list(CASES)
     main(args.out_dir, chosen)
