@@ -40,12 +40,16 @@ def _variants() -> dict[str, tuple[bool, dict]]:
     }
     if BF16_PIECES:
         bf16 = {"DET_PIECES": "bf16"}
+        side = {"DQ_OVERLAP": "high", "DET_REDUCE_OVERLAP": True}
         variants.update({
             "deterministic, bf16 pieces (default elements: half the bytes)": (True, bf16),
             "deterministic, bf16 pieces, 512 MiB": (True, {**bf16, "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 28}),
             "deterministic, bf16 pieces 2 GiB": (True, {**bf16, "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 30}),
+            "deterministic, bf16 pieces 4 GiB": (True, {**bf16, "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 31}),
+            "deterministic, bf16 pieces 2 GiB, reduction on the second stream": (
+                True, {**bf16, "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 30, **side}),
             "deterministic, bf16 pieces, reduction on the second stream": (
-                True, {**bf16, "DQ_OVERLAP": "high", "DET_REDUCE_OVERLAP": True}),
+                True, {**bf16, **side}),
         })  # fmt: skip
     return variants
 
