@@ -6,8 +6,9 @@ defaults, deterministic backward), the kernels that ``torch.profiler`` saw over 
 time per call and share of the pass's kernel time, beside the pass's ``do_bench`` median (the gap is launch and host
 time). Kernel names are shortened to the Triton function's name. For the kernels that add or store dkv's fp32
 pieces (the probabilities + dkv kernel, the deterministic reduction) a column gives the rate of those bytes,
-``valid slots x head blocks x D_qk x 4``, to set beside the reduction probe's ceiling
-(``python benchmarks/dsa_bwd_ws.py --pattern-probe``).
+``valid slots x head blocks x D_qk x 4`` (x 2 for bf16 pieces), to set beside the reduction probe's ceiling
+(``python benchmarks/dsa_bwd_ws.py --pattern-probe``). ``--bf16-pieces`` adds the deterministic backward with bf16
+pieces (``sparse_mla_bwd.DET_PIECES``) and a 2 GiB scratch.
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import RESULTS_DIR, reproduce_args, write_report  # noqa: E402
 from longtrain.bench_suites.dsa import bench, causal_index_sets, mla_inputs, run_bwd, run_fwd  # noqa: E402
+from longtrain.dsa.triton import sparse_mla_bwd as smb  # noqa: E402
 
 ITERS = 10
 CASES = ["16384,64,2048", "4096,128,512", "4096,64,2048"]
 # Kernels whose traffic is dkv's fp32 pieces: each (valid slot, block of 64 heads) adds (or stores, or reads back)
 # one D_qk-wide row.
 PIECE_KERNELS = ("sparse_mla_bwd_sm90_ws_kernel", "sparse_mla_bwd_kernel_dkv_reduce")
+BF16_PASS = "backward, deterministic, bf16 pieces, 2 GiB"
 
 
 def kernel_times(fn) -> dict[str, float]:
@@ -47,10 +50,28 @@ def kernel_times(fn) -> dict[str, float]:
     return dict(totals)
 
 
+def _with_settings(fn, **settings):
+    """``fn`` run with ``sparse_mla_bwd``'s module settings changed for the call, restored after."""
+
+    def run():
+        saved = {k: getattr(smb, k) for k in settings}
+        try:
+            for k, v in settings.items():
+                setattr(smb, k, v)
+            return fn()
+        finally:
+            for k, v in saved.items():
+                setattr(smb, k, v)
+
+    return run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     ap.add_argument("--case", action="append", help=f"T,H,K (repeatable; default: {' '.join(CASES)})")
+    bf16_help = "also the deterministic backward with bf16 pieces (DET_PIECES) and a 2 GiB scratch"
+    ap.add_argument("--bf16-pieces", action="store_true", help=bf16_help)
     args = ap.parse_args()
     dev = torch.device("cuda")
     rows = []
@@ -66,6 +87,9 @@ def main() -> None:
             "backward": partial(run_bwd, q, kv, out, dout, lse, idx, length),
             "backward, deterministic": partial(run_bwd, q, kv, out, dout, lse, idx, length, deterministic=True),
         }
+        if args.bf16_pieces:
+            passes[BF16_PASS] = _with_settings(passes["backward, deterministic"], DET_PIECES="bf16",
+                                               DETERMINISTIC_SCRATCH_ELEMENTS=1 << 30)  # fmt: skip
         for name, fn in passes.items():
             fn()
             torch.cuda.synchronize()
@@ -77,7 +101,7 @@ def main() -> None:
             for kernel, us in sorted(times.items(), key=lambda kv: -kv[1]):
                 row = dict(shape=shape, op=name, kernel=kernel, us=us, share=us / whole)
                 if kernel in PIECE_KERNELS and name != "forward":
-                    row["piece_gbps"] = piece_bytes / us / 1e3
+                    row["piece_gbps"] = piece_bytes / (2 if name == BF16_PASS else 1) / us / 1e3
                 rows.append(row)
             print(shape, name, f"median {med:.3f} ms, kernels {whole / 1000:.3f} ms", flush=True)
     cols = [
@@ -93,7 +117,8 @@ def main() -> None:
         f"torch.profiler over {ITERS} calls after one warm call; `us per call`: the kernel's device time summed over "
         "its launches, per call; `do_bench ms`: the pass's median with the L2 flushed (the profiled calls run back to "
         "back, so their kernels see a warmer L2); `dkv pieces GB/s`: the fp32 dkv rows the kernel adds, stores or "
-        "reads back (valid slots x head blocks x D_qk x 4 bytes) per second of its device time. Reproduce: "
+        "reads back (valid slots x head blocks x D_qk x 4 bytes, x 2 with bf16 pieces) per second of its device "
+        "time. Reproduce: "
         f"`python benchmarks/dsa_breakdown.py {reproduce_args()}`."
     )
     md, _ = write_report("dsa_breakdown", rows, cols, notes, out_dir=args.out_dir,
