@@ -88,8 +88,10 @@ def main() -> None:
             "backward, deterministic": partial(run_bwd, q, kv, out, dout, lse, idx, length, deterministic=True),
         }
         if args.bf16_pieces:
-            passes[BF16_PASS] = _with_settings(passes["backward, deterministic"], DET_PIECES="bf16",
-                                               DETERMINISTIC_SCRATCH_ELEMENTS=1 << 30)  # fmt: skip
+            det = passes["backward, deterministic"]
+            bf16 = dict(DET_PIECES="bf16", DETERMINISTIC_SCRATCH_ELEMENTS=1 << 30)
+            passes[BF16_PASS] = _with_settings(det, **bf16)
+            passes[BF16_PASS + ", reduction 8 slots at a time"] = _with_settings(det, **bf16, DKV_REDUCE_BATCH=8)
         for name, fn in passes.items():
             fn()
             torch.cuda.synchronize()
@@ -101,7 +103,7 @@ def main() -> None:
             for kernel, us in sorted(times.items(), key=lambda kv: -kv[1]):
                 row = dict(shape=shape, op=name, kernel=kernel, us=us, share=us / whole)
                 if kernel in PIECE_KERNELS and name != "forward":
-                    row["piece_gbps"] = piece_bytes / (2 if name == BF16_PASS else 1) / us / 1e3
+                    row["piece_gbps"] = piece_bytes / (2 if name.startswith(BF16_PASS) else 1) / us / 1e3
                 rows.append(row)
             print(shape, name, f"median {med:.3f} ms, kernels {whole / 1000:.3f} ms", flush=True)
     cols = [

@@ -312,16 +312,24 @@ def triton_head_blocks(heads: int) -> int:
 
 
 @pytest.mark.parametrize(
-    "num_hb,row0,with_len,num_keys",
-    [(1, 0, False, 7), (2, 3, True, 7), (3, 1, True, 7), (1, 2, True, 40000)],
-    ids=["hb1", "hb2-row3-len", "hb3-row1-len", "hb1-int32-keys"],
-)
-def test_deterministic_reduce_sums_each_key_in_row_slot_order(triton_interpret, num_hb, row0, with_len, num_keys):
+    "num_hb,row0,with_len,num_keys,batch,pieces",
+    [(1, 0, False, 7, 1, torch.float32), (2, 3, True, 7, 1, torch.float32), (3, 1, True, 7, 1, torch.float32),
+     (1, 2, True, 40000, 1, torch.float32), (1, 0, False, 7, 8, torch.float32), (2, 3, True, 7, 4, torch.bfloat16),
+     (1, 1, True, 7, 1, torch.bfloat16)],
+    ids=["hb1", "hb2-row3-len", "hb3-row1-len", "hb1-int32-keys", "hb1-batch8", "hb2-batch4-bf16", "bf16"],
+)  # fmt: skip
+def test_deterministic_reduce_sums_each_key_in_row_slot_order(
+    triton_interpret, monkeypatch, num_hb, row0, with_len, num_keys, batch, pieces
+):
     """The deterministic mode's reduction of one row chunk equals, bit for bit, a sequential fp32 sum per key over
     the chunk's valid slots in ascending (row, slot) order, each slot's head-block pieces in order, onto the running
-    dkv, with int16 sort keys up to 32767 keys and int32 past them; slots past the length, negative or past the last
-    key add nothing, and unselected keys keep their value."""
+    dkv, with int16 sort keys up to 32767 keys and int32 past them, whatever the slots read at a time
+    (``DKV_REDUCE_BATCH``; runs longer and shorter than the batch) and with bf16 pieces (each added as its fp32
+    value); slots past the length, negative or past the last key add nothing, and unselected keys keep their value."""
+    from longtrain.dsa.triton import sparse_mla_bwd as smb
     from longtrain.dsa.triton.sparse_mla_bwd import _reduce_chunk, _reduce_keys
+
+    monkeypatch.setattr(smb, "DKV_REDUCE_BATCH", batch)
 
     g = torch.Generator().manual_seed(21)
     T, K, d_qk, rows = 9, 12, 40, 5
@@ -333,7 +341,7 @@ def test_deterministic_reduce_sums_each_key_in_row_slot_order(triton_interpret, 
     # Magnitudes over many binades, so a different order or grouping would change the fp32 bits.
     n_pieces = rows * K * num_hb
     scales = torch.exp2(torch.randint(-20, 20, (n_pieces, 1), generator=g).float())
-    contrib = torch.randn(n_pieces, d_qk, generator=g) * scales
+    contrib = (torch.randn(n_pieces, d_qk, generator=g) * scales).to(pieces)
     dkv = torch.randn(num_keys, d_qk, generator=g)
     expected = dkv.clone()
     for t in range(rows):
@@ -342,7 +350,7 @@ def test_deterministic_reduce_sums_each_key_in_row_slot_order(triton_interpret, 
             if not 0 <= key < num_keys or (length is not None and s >= int(length[row0 + t])):
                 continue
             for hb in range(num_hb):
-                expected[key] += contrib[(t * K + s) * num_hb + hb]
+                expected[key] += contrib[(t * K + s) * num_hb + hb].float()
     reduce_keys = _reduce_keys(idx, length, num_keys)
     assert reduce_keys[0].dtype == (torch.int16 if num_keys <= 32767 else torch.int32)
     _reduce_chunk(reduce_keys, K, contrib, dkv, row0, rows, d_qk, num_hb)

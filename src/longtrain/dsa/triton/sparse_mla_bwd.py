@@ -50,6 +50,7 @@ __all__ = [
     "DET_PIECES_MODES",
     "DET_REDUCE_OVERLAP",
     "DKV_COL_GROUPS",
+    "DKV_REDUCE_BATCH",
     "DQ_OVERLAP",
     "DQ_OVERLAP_MIN_CHUNKS",
     "DQ_OVERLAP_MODES",
@@ -104,6 +105,10 @@ DET_REDUCE_OVERLAP = False
 #: rounding per piece. Read at each call.
 DET_PIECES = "fp32"
 DET_PIECES_MODES = ("fp32", "bf16")
+#: Slots (a power of two) the deterministic reduction reads at a time per key row, their loads in flight together;
+#: the sum is the sequential one whatever the value. 1 and 8 ran equally fast with fp32 pieces on an H100
+#: (``dsa_bwd_deterministic_e86ec88_h100_2026-12-06.md``). Read at each call.
+DKV_REDUCE_BATCH = 1
 
 
 @triton.jit
@@ -427,11 +432,14 @@ def sparse_mla_bwd_kernel_dkv(
 @triton.jit(do_not_specialize=["num_keys"])
 def sparse_mla_bwd_kernel_dkv_reduce(
     contrib_ptr, order_ptr, run_start_ptr, dkv_ptr, num_keys,
-    D_QK: tl.constexpr, BLOCK_D: tl.constexpr, NUM_HB: tl.constexpr,
+    D_QK: tl.constexpr, BLOCK_D: tl.constexpr, NUM_HB: tl.constexpr, BATCH: tl.constexpr,
 ):  # fmt: skip
     """Key rows ``pid, pid + grid, ...``: each sums its run of the chunk's sorted slots, ``order[run_start[key] :
     run_start[key + 1]]``, in that order into ``dkv`` (each slot's ``NUM_HB`` head-block pieces in head-block order).
-    A key no slot of the chunk selected has an empty run and is skipped."""
+    A key no slot of the chunk selected has an empty run and is skipped. With ``BATCH > 1`` the run is read ``BATCH``
+    slots at a time: their indices in one load, then their pieces' loads issued together (they do not depend on the
+    sum), added one after the other, so the order, and every bit of the sum, is the sequential one."""
+    lanes = tl.arange(0, BATCH)
     for key in range(tl.program_id(0), num_keys, tl.num_programs(0)):
         start = tl.load(run_start_ptr + key)  # scalar
         end = tl.load(run_start_ptr + key + 1)  # scalar
@@ -441,11 +449,22 @@ def sparse_mla_bwd_kernel_dkv_reduce(
                 offs = c0 + tl.arange(0, BLOCK_D)
                 cmask = offs < D_QK
                 acc = tl.load(dkv_ptr + row + offs, mask=cmask, other=0.0)  # [BLOCK_D]
-                for j in range(start, end):
-                    src = tl.load(order_ptr + j).to(tl.int64) * NUM_HB  # scalar
-                    for hb in tl.static_range(NUM_HB):
-                        piece = tl.load(contrib_ptr + (src + hb) * D_QK + offs, mask=cmask, other=0.0)  # [BLOCK_D]
-                        acc += piece.to(tl.float32)
+                if BATCH == 1:
+                    for j in range(start, end):
+                        src = tl.load(order_ptr + j).to(tl.int64) * NUM_HB  # scalar
+                        for hb in tl.static_range(NUM_HB):
+                            piece = tl.load(contrib_ptr + (src + hb) * D_QK + offs, mask=cmask, other=0.0)  # [BLOCK_D]
+                            acc += piece.to(tl.float32)
+                else:
+                    for j0 in range(start, end, BATCH):
+                        srcs = tl.load(order_ptr + j0 + lanes, mask=j0 + lanes < end, other=0).to(tl.int64)  # [BATCH]
+                        for b in tl.static_range(BATCH):
+                            src = tl.sum(tl.where(lanes == b, srcs, 0)) * NUM_HB  # scalar
+                            # A slot past the run loads zeros: adding +0.0 leaves every sum but -0.0 unchanged.
+                            bmask = cmask & (offs * 0 + j0 + b < end)  # [BLOCK_D]
+                            for hb in tl.static_range(NUM_HB):
+                                piece = tl.load(contrib_ptr + (src + hb) * D_QK + offs, mask=bmask, other=0.0)
+                                acc += piece.to(tl.float32)  # [BLOCK_D]
                 tl.store(dkv_ptr + row + offs, acc, mask=cmask)
 
 
@@ -746,5 +765,5 @@ def _reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, num_
     grid = (max(1, min(num_keys, rows * k_slots)),)
     sparse_mla_bwd_kernel_dkv_reduce[grid](
         contrib, order, run_start, dkv_acc, num_keys, D_QK=d_qk, BLOCK_D=min(1024, next_pow2(d_qk)), NUM_HB=num_hb,
-        num_warps=4,
+        BATCH=DKV_REDUCE_BATCH, num_warps=4,
     )  # fmt: skip
