@@ -72,6 +72,20 @@ def _index_sets(T, T_k, K, gen, dev, ragged=True):
     return idx, length
 
 
+def _bwd_case(T, T_k, H, K, seed, bad_row=None):
+    """bf16 GLM-5.2 widths (D_qk 576, d_v 512), ragged index sets: ``(q, kv, idx, length, dout)``; ``bad_row`` gets
+    invalid and repeated indices in its first seven slots."""
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    q = torch.randn((T, H, 576), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
+    kv = torch.randn((T_k, 1, 576), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
+    idx, length = _index_sets(T, T_k, K, gen, dev)
+    if bad_row is not None:
+        idx[bad_row, :7] = torch.tensor([-1, T_k, 2**30, 3, 3, 3, -5], dtype=torch.int32, device=dev)
+    dout = torch.randn((T, H, 512), generator=gen, device=dev).to(torch.bfloat16)
+    return q, kv, idx, length, dout
+
+
 def _torch_bf16(q, kv, idx, scale, d_v, length, sink):
     """Same-dtype implementation: bf16 gathered matmuls (fp32 accumulation, bf16 results), fp32 softmax."""
     T_k = kv.shape[0]
@@ -282,13 +296,7 @@ def test_backward_dq_overlap_equals_one_stream(monkeypatch, T, H, K, determinist
     from longtrain.dsa.triton import sparse_mla_bwd as smb
     from longtrain.dsa.triton import sparse_mla_triton
 
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(T + H + K + 47)
-    q = torch.randn((T, H, 576), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
-    kv = torch.randn((2048, 1, 576), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
-    idx, length = _index_sets(T, 2048, K, gen, dev)
-    idx[min(3, T - 1), :7] = torch.tensor([-1, 2048, 2**30, 3, 3, 3, -5], dtype=torch.int32, device=dev)
-    dout = torch.randn((T, H, 512), generator=gen, device=dev).to(torch.bfloat16)
+    q, kv, idx, length, dout = _bwd_case(T, 2048, H, K, T + H + K + 47, bad_row=min(3, T - 1))
     # Chunks of a few SM waves' rows at most, so that several chunks run even at these sizes.
     monkeypatch.setattr(smb, "PDS_SCRATCH_BYTES", 4 * H * K * 2)
     grads = []
@@ -325,13 +333,7 @@ def test_sparse_mla_deterministic_bf16_pieces(monkeypatch, T, T_k, H, K, forced,
     from longtrain.dsa.triton import sparse_mla_bwd as smb
     from longtrain.dsa.triton import sparse_mla_triton
 
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(T + H + K + 53)
-    q = torch.randn((T, H, 576), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
-    kv = torch.randn((T_k, 1, 576), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
-    idx, length = _index_sets(T, T_k, K, gen, dev)
-    idx[5, :7] = torch.tensor([-1, T_k, 2**30, 3, 3, 3, -5], dtype=torch.int32, device=dev)
-    dout = torch.randn((T, H, 512), generator=gen, device=dev).to(torch.bfloat16)
+    q, kv, idx, length, dout = _bwd_case(T, T_k, H, K, T + H + K + 53, bad_row=5)
     scale = 192**-0.5
     config = _configs() if forced else None
     if overlap is not None:  # several row chunks, the reduction after each chunk's dq on the second stream
@@ -476,12 +478,7 @@ def test_sm90_dq_staged_store_equals_direct(monkeypatch, T, H, K, ring):
     from longtrain.dsa.triton import sparse_mla_bwd_plan as bwd_plan
     from longtrain.dsa.triton import sparse_mla_triton
 
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(T + H + K + 23)
-    q = torch.randn((T, H, 576), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
-    kv = torch.randn((2048, 1, 576), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
-    idx, length = _index_sets(T, 2048, K, gen, dev)
-    dout = torch.randn((T, H, 512), generator=gen, device=dev).to(torch.bfloat16)
+    q, kv, idx, length, dout = _bwd_case(T, 2048, H, K, T + H + K + 23)
     config = None if ring is None else _configs(("sm90", 64, 2), "ws", ring)
     grads = []
     for staged in (False, True):
@@ -504,12 +501,7 @@ def test_ws_backward_staged_ds_equals_direct(monkeypatch, T, H, K, deterministic
     from longtrain.dsa.triton import sparse_mla_bwd_sm90_ws as ws
     from longtrain.dsa.triton import sparse_mla_triton
 
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(T + H + K + 29)
-    q = torch.randn((T, H, 576), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
-    kv = torch.randn((2048, 1, 576), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
-    idx, length = _index_sets(T, 2048, K, gen, dev)
-    dout = torch.randn((T, H, 512), generator=gen, device=dev).to(torch.bfloat16)
+    q, kv, idx, length, dout = _bwd_case(T, 2048, H, K, T + H + K + 29)
     grads = []
     for staged in (False, True):
         monkeypatch.setattr(ws, "WS_BWD_STAGED_DS", staged)
@@ -539,13 +531,8 @@ def test_ws_backward_item_runs_equal_one_program_per_item(monkeypatch, T, H, K, 
     from longtrain.dsa.triton import sparse_mla_bwd_sm90_ws as ws
     from longtrain.dsa.triton import sparse_mla_triton
 
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(T + H + K + 31)
-    q = torch.randn((T, H, 576), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
-    kv = torch.randn((2048, 1, 576), generator=gen, device=dev).to(torch.bfloat16).requires_grad_(True)
-    idx, length = _index_sets(T, 2048, K, gen, dev)
-    idx[min(3, T - 1), :7] = torch.tensor([-1, 2048, 2**30, 3, 3, 3, -5], dtype=torch.int32, device=dev)
-    dout = torch.randn((T, H, 512), generator=gen, device=dev).to(torch.bfloat16)
+    q, kv, idx, length, dout = _bwd_case(T, 2048, H, K, T + H + K + 31, bad_row=min(3, T - 1))
+    dev = q.device
     items = T * -(-H // 64)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     grads = {}
