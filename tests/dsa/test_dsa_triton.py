@@ -304,6 +304,9 @@ def test_sparse_mla_deterministic_bf16_pieces(triton_interpret, monkeypatch, hea
     monkeypatch.setattr(smb, "DET_PIECES", "fp16")
     with pytest.raises(ValueError, match=r"DET_PIECES must be one of \('fp32', 'bf16'\), got 'fp16'"):
         grads("fp16")
+    monkeypatch.setattr(smb, "DKV_REDUCE_BATCH", 6)
+    with pytest.raises(ValueError, match="DKV_REDUCE_BATCH must be a power of two >= 1, got 6"):
+        grads("bf16")
 
 
 def triton_head_blocks(heads: int) -> int:

@@ -589,6 +589,8 @@ def sparse_mla_bwd(
     reduce_side = streams is not None and fused and compute_dkv and deterministic and DET_REDUCE_OVERLAP
     if compute_dkv and deterministic:
         piece_dtype = _piece_dtype()
+        if not isinstance(DKV_REDUCE_BATCH, int) or DKV_REDUCE_BATCH < 1 or DKV_REDUCE_BATCH & (DKV_REDUCE_BATCH - 1):
+            raise ValueError(f"sparse_mla_bwd.DKV_REDUCE_BATCH must be a power of two >= 1, got {DKV_REDUCE_BATCH!r}")
         contribs = [torch.empty((rows_per_chunk * k_slots * n_hb[2], d_qk), dtype=piece_dtype, device=dev)
                     for _ in range(2 if reduce_side else 1)]  # fmt: skip
         contrib = contribs[0]
