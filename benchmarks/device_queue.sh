@@ -2,7 +2,7 @@
 # H200 runs in one call of at most ~9 minutes, run from the repository root on the GPU machine. Logs and reports go
 # under $OUT/queue, tarred into $OUT/queue.tgz at the end (one file comes back).
 #
-#   LONGTRAIN_COMMIT=$(git log -1 --format=%h) bash benchmarks/device_queue.sh [indexer|mla|bars|det|overlap]
+#   LONGTRAIN_COMMIT=$(git log -1 --format=%h) bash benchmarks/device_queue.sh [indexer|mla|bars|det|overlap|partition]
 #
 # indexer (default): GPU tests of the indexer, compute-sanitizer memcheck, the SM90 scoring kernel's sweep of
 #   dsa_indexer_variants.py (INDEXER_SWEEP=defaults: the selection settings' sweep instead) and dsa.py's indexer
@@ -19,6 +19,8 @@
 # overlap: the backward's experiments beside one stream (about 8 minutes): their GPU tests (the dq kernel on a second
 #   stream, bf16 pieces), dsa_bwd_ws.py --dq-overlap at issue 17's four shapes (the deterministic mode at the first)
 #   and memcheck through dsa_bwd_ws.py --memcheck.
+# partition: the SM partition (sparse_mla_bwd.DQ_OVERLAP = "partition", about 8 minutes): the overlap GPU tests,
+#   dsa_bwd_ws.py --partition at issue 17's four shapes (the deterministic mode at the first) and memcheck.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -73,8 +75,13 @@ case "${1:-indexer}" in
     run dsa_bwd_dq_overlap 270 benchmarks/dsa_bwd_ws.py --dq-overlap --rounds 2 --det-shapes 1 \
       --shapes "16384,64,2048;4096,128,512;4096,64,2048;16384,128,2048" --out-dir "$Q"
     memcheck 80 benchmarks/dsa_bwd_ws.py ;;
+  partition)
+    run gpu_partition_tests 110 -m pytest -q -p no:cacheprovider tests/gpu/test_dsa_triton_gpu.py -k dq_overlap
+    run dsa_bwd_partition 300 benchmarks/dsa_bwd_ws.py --partition --rounds 2 --det-shapes 1 \
+      --shapes "16384,64,2048;4096,128,512;4096,64,2048;16384,128,2048" --out-dir "$Q"
+    memcheck 80 benchmarks/dsa_bwd_ws.py ;;
   *)
-    echo "usage: $0 [indexer|mla|bars|det|overlap]"; exit 2 ;;
+    echo "usage: $0 [indexer|mla|bars|det|overlap|partition]"; exit 2 ;;
 esac
 tar czf "$OUT/queue.tgz" -C "$OUT" queue && rm -rf "$Q"
 echo "done after $(since)"

@@ -48,6 +48,11 @@ def _variants() -> dict[str, tuple[bool, dict]]:
             "deterministic, bf16 pieces 4 GiB": (True, {**bf16, "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 31}),
             "deterministic, bf16 pieces 2 GiB, reduction 8 slots at a time": (
                 True, {**bf16, "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 30, "DKV_REDUCE_BATCH": 8}),
+            "deterministic, bf16 pieces 4 GiB, reduction 8 slots at a time": (
+                True, {**bf16, "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 31, "DKV_REDUCE_BATCH": 8}),
+            "deterministic, bf16 pieces 2 GiB, reduction 8 slots at a time, SM partition 32": (
+                True, {**bf16, "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 30, "DKV_REDUCE_BATCH": 8,
+                       "DQ_OVERLAP": "partition", "DQ_PARTITION_SMS": 32}),
             "deterministic, bf16 pieces 2 GiB, reduction on the second stream": (
                 True, {**bf16, "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 30, **side}),
             "deterministic, bf16 pieces, reduction on the second stream": (

@@ -12,8 +12,9 @@ program of the warp-specialized kernel (``WS_BWD_RUN``), alternating, at issue 1
 (``dsa_bwd_item_runs_<date>.md``); ``--dq-overlap`` times the default backward with each row chunk's dq kernel on
 a second stream beside the next chunk's probabilities + dkv kernel (``sparse_mla_bwd.DQ_OVERLAP``, its stream's
 priority and ``DQ_OVERLAP_MIN_CHUNKS``) against one stream, alternating, at the same shapes, atomic and deterministic
-(the deterministic mode also with bf16 pieces, ``DET_PIECES``; ``dsa_bwd_dq_overlap_<date>.md``); ``--memcheck``
-runs small backwards over item runs (and with the dq overlap and bf16 pieces) for
+(the deterministic mode also with bf16 pieces, ``DET_PIECES``; ``dsa_bwd_dq_overlap_<date>.md``); ``--partition``
+the SM partition instead (``DQ_OVERLAP = "partition"``, ``DQ_PARTITION_SMS``; ``dsa_bwd_partition_<date>.md``);
+``--memcheck`` runs small backwards over item runs (and with the dq overlap, the partition and bf16 pieces) for
 ``compute-sanitizer``.
 Correctness against float64 is the GPU test's
 (``tests/gpu/test_dsa_triton_gpu.py -k "bwd_ws or item_runs"``).
@@ -210,25 +211,50 @@ def item_runs(out_dir: Path, runs: tuple[int, ...], shapes: tuple[tuple[int, int
     )  # fmt: skip
 
 
-# (DQ_OVERLAP, DQ_OVERLAP_MIN_CHUNKS, DET_REDUCE_OVERLAP, DET_PIECES); the last two only where the mode is deterministic
-OVERLAP_VARIANTS = (
-    (None, 4, False, "fp32"),
-    ("high", 4, False, "fp32"),
-    ("high", 8, False, "fp32"),
-    ("same", 4, False, "fp32"),
-    ("high", 4, True, "fp32"),
-    (None, 4, False, "bf16"),
-    ("high", 4, True, "bf16"),
-)
+# label: (deterministic mode only, settings of ``sparse_mla_bwd``); every variant starts from the defaults below.
+_BF16_DET = {"DET_PIECES": "bf16", "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 30, "DKV_REDUCE_BATCH": 8}
+OVERLAP_VARIANTS = {
+    "off": (False, {}),
+    "high": (False, {"DQ_OVERLAP": "high"}),
+    "high, 8 chunks": (False, {"DQ_OVERLAP": "high", "DQ_OVERLAP_MIN_CHUNKS": 8}),
+    "same": (False, {"DQ_OVERLAP": "same"}),
+    "high + reduce": (True, {"DQ_OVERLAP": "high", "DET_REDUCE_OVERLAP": True}),
+    "off, bf16 pieces": (True, {"DET_PIECES": "bf16"}),
+    "high + reduce, bf16 pieces": (True, {"DQ_OVERLAP": "high", "DET_REDUCE_OVERLAP": True, "DET_PIECES": "bf16"}),
+}
+# --partition: the probabilities + dkv kernel on all SMs but DQ_PARTITION_SMS, dq (and the reductions) beside it.
+PARTITION_VARIANTS = {
+    "off": (False, {}),
+    **{f"partition {n}": (False, {"DQ_OVERLAP": "partition", "DQ_PARTITION_SMS": n}) for n in (16, 32, 48)},
+    "partition 32, 8 chunks": (False, {"DQ_OVERLAP": "partition", "DQ_PARTITION_SMS": 32, "DQ_OVERLAP_MIN_CHUNKS": 8}),
+    "off, bf16 pieces 2 GiB, 8-slot reduction": (True, _BF16_DET),
+    "high + reduce, bf16 pieces 2 GiB, 8-slot reduction": (
+        True, {**_BF16_DET, "DQ_OVERLAP": "high", "DET_REDUCE_OVERLAP": True}),
+    **{f"partition {n}, bf16 pieces 2 GiB, 8-slot reduction": (
+        True, {**_BF16_DET, "DQ_OVERLAP": "partition", "DQ_PARTITION_SMS": n}) for n in (16, 32, 48)},
+}  # fmt: skip
+_OVERLAP_DEFAULTS = {
+    "DQ_OVERLAP": None, "DQ_OVERLAP_MIN_CHUNKS": 4, "DQ_PARTITION_SMS": 32, "DET_REDUCE_OVERLAP": False,
+    "DET_PIECES": "fp32", "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 27, "DKV_REDUCE_BATCH": 1,
+}  # fmt: skip
 
 
-def dq_overlap(out_dir: Path, shapes: tuple[tuple[int, int, int], ...], rounds: int, det_shapes: int) -> None:
+def _settle(settings: dict) -> None:
+    for name, value in {**_OVERLAP_DEFAULTS, **settings}.items():
+        setattr(smb, name, value)
+
+
+def dq_overlap(
+    out_dir: Path, shapes: tuple[tuple[int, int, int], ...], rounds: int, det_shapes: int, partition: bool = False
+) -> None:
     """The default backward with the dq kernel on one stream and on a second one (``DQ_OVERLAP``, at least
     ``DQ_OVERLAP_MIN_CHUNKS`` row chunks), alternating over ``rounds`` rounds; the deterministic mode too at the first
-    ``det_shapes`` shapes. dq must equal the one-stream dq bit for bit (so must dkv in deterministic mode)."""
+    ``det_shapes`` shapes. ``partition``: the SM partition's variants instead (``DQ_OVERLAP = "partition"``). dq must
+    equal the one-stream dq bit for bit (so must dkv in deterministic mode with the same pieces)."""
     dev = torch.device("cuda")
     rows: list[dict] = []
-    saved = smb.DQ_OVERLAP, smb.DQ_OVERLAP_MIN_CHUNKS, smb.DET_REDUCE_OVERLAP, smb.DET_PIECES
+    variants = PARTITION_VARIANTS if partition else OVERLAP_VARIANTS
+    saved = {name: getattr(smb, name) for name in _OVERLAP_DEFAULTS}
     try:
         for n, (total, heads, topk) in enumerate(shapes):
             idx, length, _, _ = causal_index_sets([total], topk, dev)
@@ -237,18 +263,15 @@ def dq_overlap(out_dir: Path, shapes: tuple[tuple[int, int, int], ...], rounds: 
             out, lse = run_fwd(q, kv, idx, length, None)
             dout = torch.randn_like(out)
             for det in (False, True) if n < det_shapes else (False,):
-                smb.DQ_OVERLAP, smb.DET_PIECES = None, "fp32"
+                _settle({})
                 ref = run_bwd(q, kv, out, dout, lse, idx, length, deterministic=det)
                 for rnd in range(rounds):
-                    for mode, chunks, reduce, pieces in OVERLAP_VARIANTS:
-                        if (reduce or pieces != "fp32") and not det:
+                    for label, (det_only, settings) in variants.items():
+                        if det_only and not det:
                             continue
-                        smb.DQ_OVERLAP, smb.DQ_OVERLAP_MIN_CHUNKS, smb.DET_REDUCE_OVERLAP = mode, chunks, reduce
-                        smb.DET_PIECES = pieces
+                        _settle(settings)
                         row = dict(shape=f"T={total} H={heads} K={topk} 1doc", det="yes" if det else "no",
-                                   overlap=(mode or "off") + (" + reduce" if reduce else ""),
-                                   min_chunks=chunks if mode else "-", pieces=pieces if det else "-",
-                                   round=rnd)  # fmt: skip
+                                   variant=label, round=rnd)  # fmt: skip
                         _time_variant(row, q, kv, out, dout, lse, idx, length, (None, None, None), det, ref, flops)
                         dq, dkv, _ = run_bwd(q, kv, out, dout, lse, idx, length, deterministic=det)
                         row["dq_equal"] = bool(torch.equal(dq, ref[0]))
@@ -256,22 +279,29 @@ def dq_overlap(out_dir: Path, shapes: tuple[tuple[int, int, int], ...], rounds: 
                         print(row, flush=True)
                         rows.append(row)
     finally:
-        smb.DQ_OVERLAP, smb.DQ_OVERLAP_MIN_CHUNKS, smb.DET_REDUCE_OVERLAP, smb.DET_PIECES = saved
+        _settle(saved)
+    name = "dsa_bwd_partition" if partition else "dsa_bwd_dq_overlap"
     write_report(
-        "dsa_bwd_dq_overlap", rows, ["shape", "det", "overlap", "min_chunks", "pieces", "round", "ms", "p20", "p80",
-                                     "tflops", "dq_equal", "dkv_equal", "dkv_rel", "repeat_equal", "finite", "note"],
+        name, rows, ["shape", "det", "variant", "round", "ms", "p20", "p80", "tflops", "dq_equal", "dkv_equal",
+                     "dkv_rel", "repeat_equal", "finite", "note"],
         "Sparse MLA backward (bf16, one document, query t selects min(t+1, K) random causal keys, FLOPs over valid "
-        "slots: 2 * valid * H * (3 * 576 + 2 * 512)), the whole backward at the defaults but for where each row "
-        "chunk's dq kernel runs: overlap off, one stream; high / same, a second stream of a higher (-1) / the default "
-        "priority, beside the next chunk's probabilities + dkv kernel, with at least min_chunks row chunks "
-        "(`sparse_mla_bwd.DQ_OVERLAP`, `DQ_OVERLAP_MIN_CHUNKS`); + reduce: the deterministic reduction of each chunk's "
-        "pieces after its dq on the second stream, two piece buffers (`DET_REDUCE_OVERLAP`); pieces: the deterministic "
-        "mode's per-slot dkv pieces in fp32 or rounded to bf16 before the fixed-order sum (`DET_PIECES`; dkv then "
-        "differs from the fp32 pieces' by up to a bf16 rounding per piece: dkv_rel, not dkv_equal); alternating, "
-        "triton.testing.do_bench median with 20th/80th percentiles. dq_equal / dkv_equal: bit for bit against one "
-        "stream (dkv's fp32 atomics add in another order outside the deterministic mode: dkv_rel is the largest "
-        "difference relative to its largest element). Reproduce: `python benchmarks/dsa_bwd_ws.py --dq-overlap`.",
-        out_dir=out_dir, title="Sparse MLA backward: the dq kernel on a second stream",
+        "slots: 2 * valid * H * (3 * 576 + 2 * 512)), the whole backward at the defaults but for the variant's "
+        "settings of `sparse_mla_bwd` (benchmarks/dsa_bwd_ws.py, OVERLAP_VARIANTS / PARTITION_VARIANTS): off, one "
+        "stream; high / same, each row chunk's dq kernel on a second stream of a higher (-1) / the default priority, "
+        "beside the next chunk's probabilities + dkv kernel (`DQ_OVERLAP`), with at least 4 row chunks or the number "
+        "given (`DQ_OVERLAP_MIN_CHUNKS`); partition N: the probabilities + dkv kernel on a high-priority stream as "
+        "one program per SM on all SMs but N, dq and the deterministic reductions on the caller's stream "
+        "(`DQ_OVERLAP = \"partition\"`, `DQ_PARTITION_SMS`); + reduce: the deterministic reduction of each chunk's "
+        "pieces after its dq on the second stream (`DET_REDUCE_OVERLAP`); bf16 pieces: the deterministic mode's "
+        "per-slot dkv pieces rounded to bf16 before the fixed-order sum (`DET_PIECES`; dkv then differs from the fp32 "
+        "pieces' by up to a bf16 rounding per piece: dkv_rel, not dkv_equal), with 2 GiB of scratch "
+        "(`DETERMINISTIC_SCRATCH_ELEMENTS`) and the reduction reading 8 slots at a time (`DKV_REDUCE_BATCH`) where "
+        "named; alternating, triton.testing.do_bench median with 20th/80th percentiles. dq_equal / dkv_equal: bit for "
+        "bit against one stream (dkv's fp32 atomics add in another order outside the deterministic mode: dkv_rel is "
+        "the largest difference relative to its largest element). Reproduce: `python benchmarks/dsa_bwd_ws.py "
+        + ("--partition`." if partition else "--dq-overlap`."),
+        out_dir=out_dir, title="Sparse MLA backward: " + ("the SM partition" if partition else
+                                                          "the dq kernel on a second stream"),
     )  # fmt: skip
 
 
@@ -285,7 +315,7 @@ def memcheck_runs() -> None:
     try:
         for heads in (64, 96, 128):
             q, kv, idx, length, out, lse, dout = small_bwd_case(total, topk, heads, dev)
-            for run, overlap in ((3, None), (0, None), (3, "high")):
+            for run, overlap in ((3, None), (0, None), (3, "high"), (1, "partition")):
                 ws.WS_BWD_RUN, smb.DQ_OVERLAP, smb.DET_REDUCE_OVERLAP = run, overlap, overlap is not None
                 smb.DET_PIECES = "bf16" if overlap is not None else "fp32"
                 for with_len in (True, False):
@@ -331,14 +361,15 @@ if __name__ == "__main__":
                         help="--runs' shapes: T,H,K separated by ';'")  # fmt: skip
     parser.add_argument("--memcheck", action="store_true", help="small backwards over item runs, no report")
     parser.add_argument("--dq-overlap", action="store_true", help="the dq kernel on a second stream against one")
+    parser.add_argument("--partition", action="store_true", help="the SM partition (DQ_OVERLAP='partition')")
     parser.add_argument("--det-shapes", type=int, default=2, help="--dq-overlap: the deterministic mode's shapes")
     args = parser.parse_args()
     FUSED_TOO = args.fused
     shapes = tuple(tuple(int(x) for x in shape.split(",")) for shape in args.shapes.split(";"))
     if args.memcheck:
         memcheck_runs()
-    elif args.dq_overlap:
-        dq_overlap(args.out_dir, shapes, args.rounds, args.det_shapes)
+    elif args.dq_overlap or args.partition:
+        dq_overlap(args.out_dir, shapes, args.rounds, args.det_shapes, partition=args.partition)
     elif args.runs:
         item_runs(args.out_dir, tuple(int(r) for r in args.runs.split(",")), shapes, args.rounds)
     elif args.pattern_probe:

@@ -439,6 +439,31 @@ def test_ws_backward_schedule(monkeypatch, run, head_blocks, deterministic, expe
     assert ws.ws_bwd_schedule(1000, head_blocks, torch.device("cpu"), deterministic=deterministic) == expected
 
 
+@pytest.mark.parametrize("run", [None, 3])
+def test_ws_backward_schedule_leaves_the_partitions_sms(monkeypatch, run):
+    """With SMs reserved (``sparse_mla_bwd.DQ_PARTITION_SMS``), one program per SM on the others (``RUN = 0``), never
+    more programs than items, whatever ``WS_BWD_RUN`` says."""
+    from longtrain.dsa.triton import sparse_mla_bwd_sm90_ws as ws
+
+    monkeypatch.setattr(ws, "WS_BWD_RUN", run)
+    monkeypatch.setattr(ws, "sm_count", lambda device: 132)
+    assert ws.ws_bwd_schedule(1000, 1, torch.device("cpu"), reserve_sms=32) == (100, 0)
+    assert ws.ws_bwd_schedule(1000, 2, torch.device("cpu"), deterministic=True, reserve_sms=16) == (116, 0)
+    assert ws.ws_bwd_schedule(40, 1, torch.device("cpu"), reserve_sms=32) == (40, 0)
+
+
+@pytest.mark.parametrize("sms", [0, 132, -1, True, 8.0, "8"])
+def test_partition_refuses_a_bad_sm_count(monkeypatch, sms):
+    from longtrain.dsa.triton import sparse_mla_bwd as smb
+
+    monkeypatch.setattr(smb, "sm_count", lambda device: 132)
+    monkeypatch.setattr(smb, "DQ_PARTITION_SMS", sms)
+    with pytest.raises(ValueError, match=r"DQ_PARTITION_SMS must be an int from 1 to 131 \(this GPU has 132 SMs\)"):
+        smb._partition_sms(torch.device("cpu"))
+    monkeypatch.setattr(smb, "DQ_PARTITION_SMS", 131)
+    assert smb._partition_sms(torch.device("cpu")) == 131
+
+
 @pytest.mark.parametrize("run", [-1, True, 2.0, "2"])
 def test_ws_backward_schedule_refuses_a_bad_run(monkeypatch, run):
     from longtrain.dsa.triton import sparse_mla_bwd_sm90_ws as ws

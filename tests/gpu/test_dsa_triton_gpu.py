@@ -282,13 +282,18 @@ def _ws_forward_case(T, H, K, with_sink, seed):
     "T,H,K,deterministic,overlap,chunks,reduce",
     [(600, 64, 2048, False, "high", 4, False), (600, 64, 700, True, "high", 8, False),
      (600, 64, 700, True, "high", 8, True), (300, 128, 520, False, "same", 3, False),
-     (300, 128, 520, True, "high", 5, True), (5, 64, 64, False, "high", 4, False)],
-    ids=["64", "64-det", "64-det-reduce", "H128-same", "H128-det-reduce", "fewer-rows-than-chunks"],
+     (300, 128, 520, True, "high", 5, True), (5, 64, 64, False, "high", 4, False),
+     (600, 64, 2048, False, "partition", 4, False), (600, 64, 700, True, "partition", 8, False),
+     (300, 128, 520, True, "partition", 5, False)],
+    ids=["64", "64-det", "64-det-reduce", "H128-same", "H128-det-reduce", "fewer-rows-than-chunks", "64-partition",
+         "64-det-partition", "H128-det-partition"],
 )  # fmt: skip
 def test_backward_dq_overlap_equals_one_stream(monkeypatch, T, H, K, deterministic, overlap, chunks, reduce):
     """Each row chunk's dq kernel on a second stream beside the next chunk's probabilities + dkv kernel
     (``DQ_OVERLAP``, two dS buffers taking turns; with ``DET_REDUCE_OVERLAP`` the deterministic reduction after it
-    there, two piece buffers) gives dq equal bit for bit to one stream, and dkv equal up to its atomics' order (bit
+    there, two piece buffers; with ``"partition"`` the probabilities + dkv kernel on a stream of its own as one
+    program per SM on all SMs but ``DQ_PARTITION_SMS``, dq and the reductions on the caller's stream) gives dq equal
+    bit for bit to one stream, and dkv equal up to its atomics' order (bit
     for bit in deterministic mode), over rows without slots, ragged lengths and invalid and repeated indices; the
     result is ready on the caller's stream (read there at once), and more chunks than the two buffers are exercised
     (a buffer is written again only after the second stream's work of its earlier chunk has read it). A bad mode is

@@ -33,6 +33,7 @@ its matmuls are wgmma of N = 32.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -54,6 +55,7 @@ __all__ = [
     "DQ_OVERLAP",
     "DQ_OVERLAP_MIN_CHUNKS",
     "DQ_OVERLAP_MODES",
+    "DQ_PARTITION_SMS",
     "PDS_SCRATCH_BYTES",
     "sparse_mla_bwd",
     "sparse_mla_bwd_kernel_dkv",
@@ -87,12 +89,18 @@ DETERMINISTIC_SCRATCH_ELEMENTS = 1 << 27
 #: the next chunk's probabilities + dkv kernel (two dS buffers in the same scratch budget, chunks of at most
 #: ``1 / DQ_OVERLAP_MIN_CHUNKS`` of the rows), so that the dq kernel's gathers overlap the other kernel's fp32
 #: reductions instead of following them. ``"high"``: the second stream has the higher priority (its programs take
-#: the SMs freed first); ``"same"``: the default priority; ``None``: one stream. dq and the deterministic mode's dkv
+#: the SMs freed first); ``"same"``: the default priority; ``"partition"``: the probabilities + dkv kernel runs on a
+#: high-priority stream of its own as one program per SM on all SMs but :data:`DQ_PARTITION_SMS`, and the dq kernels
+#: (and with :data:`DET_REDUCE_OVERLAP` the deterministic reductions) run on the caller's stream, on the SMs it leaves
+#: free and on those the next chunk's kernel does not take; ``None``: one stream. dq and the deterministic mode's dkv
 #: are the same bit for bit either way (each dq row is one program's; the reduction keeps its order). Read at each
 #: call.
 DQ_OVERLAP: str | None = None
-DQ_OVERLAP_MODES = (None, "high", "same")
+DQ_OVERLAP_MODES = (None, "high", "same", "partition")
 DQ_OVERLAP_MIN_CHUNKS = 4
+#: With ``DQ_OVERLAP = "partition"``: the SMs the probabilities + dkv kernel leaves to the other stream's kernels (an
+#: int from 1 to the GPU's SM count - 1). Read at each call.
+DQ_PARTITION_SMS = 32
 #: With :data:`DQ_OVERLAP` on, in deterministic mode: whether each chunk's reduction of its dkv pieces follows its dq
 #: kernel on the second stream (two piece buffers, twice the scratch of :data:`DETERMINISTIC_SCRATCH_ELEMENTS`), so
 #: that reading the pieces back overlaps the next chunk's probabilities kernel writing its own. The chunks' reductions
@@ -580,13 +588,18 @@ def sparse_mla_bwd(
     rows_per_chunk = min(rows_per_chunk, num_tokens)
     if rows_per_chunk == num_tokens:
         streams = None
+    partition = streams is not None and DQ_OVERLAP == "partition"
+    reserve_sms = _partition_sms(dev) if partition else 0
+    if partition:  # the kernel's stream starts after everything the caller's stream has queued (the inputs)
+        streams[0].wait_stream(streams[1])
     ds_bufs = [torch.empty((rows_per_chunk, num_heads, k_slots), dtype=q.dtype, device=dev)
                for _ in range(1 if streams is None else 2)]  # fmt: skip
     ds_buf = ds_bufs[0]
     p_buf = torch.empty_like(ds_buf) if compute_dkv and not fused else ds_buf
     dq_done: list[torch.cuda.Event] = []
     contrib = None
-    reduce_side = streams is not None and fused and compute_dkv and deterministic and DET_REDUCE_OVERLAP
+    # With the partition the reductions always follow dq on the caller's stream: the kernel's own stream runs ahead.
+    reduce_side = streams is not None and fused and compute_dkv and deterministic and (DET_REDUCE_OVERLAP or partition)
     if compute_dkv and deterministic:
         piece_dtype = _piece_dtype()
         if not isinstance(DKV_REDUCE_BATCH, int) or DKV_REDUCE_BATCH < 1 or DKV_REDUCE_BATCH & (DKV_REDUCE_BATCH - 1):
@@ -610,14 +623,16 @@ def sparse_mla_bwd(
             from longtrain.dsa.triton import sparse_mla_bwd_sm90_ws as ws
 
             head_blocks = triton.cdiv(num_heads, 64)
-            programs, run = ws.ws_bwd_schedule(rows * head_blocks, head_blocks, dev, deterministic=deterministic)
-            ws.sparse_mla_bwd_sm90_ws_kernel[(programs,)](
-                q, kv2d, dout, out, *common, lse2, delta, ds_buf, contrib if deterministic else dkv_acc, row0, rows,
-                num_keys, k_slots, softmax_scale, softmax_scale * LOG2E, H=num_heads, D_V=d_v, D_R=d_r,
-                HAS_LEN=topk_length is not None, DETERMINISTIC=deterministic, REGS_PROB=ws.WS_BWD_NUM_REGS[0],
-                REGS_PRODUCER=ws.WS_BWD_NUM_REGS[1], PREFETCH_IDX=ws.WS_BWD_PREFETCH_IDX, STAGED_DS=ws.WS_BWD_STAGED_DS,
-                RUN=run, num_warps=4, maxnreg=ws.WS_BWD_MAXNREG,
-            )  # fmt: skip
+            programs, run = ws.ws_bwd_schedule(rows * head_blocks, head_blocks, dev, deterministic=deterministic,
+                                               reserve_sms=reserve_sms)  # fmt: skip
+            with torch.cuda.stream(streams[0]) if partition else contextlib.nullcontext():
+                ws.sparse_mla_bwd_sm90_ws_kernel[(programs,)](
+                    q, kv2d, dout, out, *common, lse2, delta, ds_buf, contrib if deterministic else dkv_acc, row0, rows,
+                    num_keys, k_slots, softmax_scale, softmax_scale * LOG2E, H=num_heads, D_V=d_v, D_R=d_r,
+                    HAS_LEN=topk_length is not None, DETERMINISTIC=deterministic, REGS_PROB=ws.WS_BWD_NUM_REGS[0],
+                    REGS_PRODUCER=ws.WS_BWD_NUM_REGS[1], PREFETCH_IDX=ws.WS_BWD_PREFETCH_IDX,
+                    STAGED_DS=ws.WS_BWD_STAGED_DS, RUN=run, num_warps=4, maxnreg=ws.WS_BWD_MAXNREG,
+                )  # fmt: skip
         elif fused:
             from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sparse_mla_bwd_sm90_kernel_ds_dkv
 
@@ -683,8 +698,10 @@ def sparse_mla_bwd(
 
 
 def _dq_streams(applies: bool, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream] | None:
-    """``(current, second)`` streams when :data:`DQ_OVERLAP` is on and ``applies`` (the SM90 fused probabilities
-    kernel and the SM90 dq kernel) on CUDA outside the interpreter, else None."""
+    """``(main, side)`` streams when :data:`DQ_OVERLAP` is on and ``applies`` (the SM90 fused probabilities kernel and
+    the SM90 dq kernel) on CUDA outside the interpreter, else None: ``main`` runs the probabilities kernels, ``side``
+    the dq kernels (the current stream and a second one; with ``"partition"`` a high-priority stream of the kernel's
+    own and the current stream)."""
     if DQ_OVERLAP not in DQ_OVERLAP_MODES:
         raise ValueError(f"sparse_mla_bwd.DQ_OVERLAP must be one of {DQ_OVERLAP_MODES}, got {DQ_OVERLAP!r}")
     if DQ_OVERLAP is None or not applies or device.type != "cuda" or interpreting():
@@ -692,9 +709,20 @@ def _dq_streams(applies: bool, device: torch.device) -> tuple[torch.cuda.Stream,
     key = (device.index if device.index is not None else torch.cuda.current_device(), DQ_OVERLAP)
     if key not in _SIDE_STREAMS:
         # Lower numbers are higher priorities; -1 is valid on every device and torch version this library supports.
-        priority = -1 if DQ_OVERLAP == "high" else 0
+        priority = -1 if DQ_OVERLAP in ("high", "partition") else 0
         _SIDE_STREAMS[key] = torch.cuda.Stream(device=key[0], priority=priority)
+    if DQ_OVERLAP == "partition":  # the kernel's own high-priority stream, then the caller's for everything else
+        return _SIDE_STREAMS[key], torch.cuda.current_stream(device)
     return torch.cuda.current_stream(device), _SIDE_STREAMS[key]
+
+
+def _partition_sms(device: torch.device) -> int:
+    """:data:`DQ_PARTITION_SMS`, checked against ``device``'s SM count."""
+    sms = sm_count(device)
+    if not isinstance(DQ_PARTITION_SMS, int) or isinstance(DQ_PARTITION_SMS, bool) or not 0 < DQ_PARTITION_SMS < sms:
+        raise ValueError(f"sparse_mla_bwd.DQ_PARTITION_SMS must be an int from 1 to {sms - 1} (this GPU has {sms} "
+                         f"SMs), got {DQ_PARTITION_SMS!r}")  # fmt: skip
+    return DQ_PARTITION_SMS
 
 
 _SIDE_STREAMS: dict[tuple[int, str], torch.cuda.Stream] = {}

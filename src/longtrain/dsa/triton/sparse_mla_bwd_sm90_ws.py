@@ -463,12 +463,16 @@ def sparse_mla_bwd_sm90_ws_kernel(
 
 
 def ws_bwd_schedule(
-    num_items: int, head_blocks: int, device: torch.device, deterministic: bool = False
+    num_items: int, head_blocks: int, device: torch.device, deterministic: bool = False, reserve_sms: int = 0
 ) -> tuple[int, int]:
     """``(programs, RUN)`` of a launch over ``num_items`` items, ``head_blocks`` per row (``WS_BWD_RUN``): one program
     per run of ``RUN`` consecutive items, or with ``RUN = 0`` one program per SM (never more than items) taking every
     G-th item. One program fits an SM. The default is one item per program in ``deterministic`` mode, whose row
-    chunks fill whole waves of one-item programs."""
+    chunks fill whole waves of one-item programs. ``reserve_sms > 0`` (the backward's SM partition): ``RUN = 0`` over
+    all SMs but ``reserve_sms``, which stay free for the kernels of another stream."""
+    if reserve_sms:
+        programs = sm_count(device) - reserve_sms
+        return max(min(num_items, programs), 1), 0
     run = WS_BWD_RUN
     if run is None:
         run = 2 if head_blocks == 1 and not deterministic else 1
