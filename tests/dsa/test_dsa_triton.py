@@ -250,12 +250,13 @@ def test_sparse_mla_dq_overlap_is_checked_and_leaves_other_routes_alone(triton_i
     q, kv, idx = _mla_inputs(T, 4, 48, 9, K, seed=17)
     monkeypatch.setattr(smb, "PDS_SCRATCH_BYTES", 4 * 4 * K * 2)  # two-row chunks
     _, one = _check_against_reference(q, kv, idx, 0.3, d_v=32, config=_CFG, det=True)
-    monkeypatch.setattr(smb, "DQ_OVERLAP", "high")
-    _, overlap = _check_against_reference(q, kv, idx, 0.3, d_v=32, config=_CFG, det=True)
-    for name, a, b in zip(("dq", "dkv"), one, overlap):
-        assert torch.equal(a, b), name
+    for mode in ("high", "partition"):
+        monkeypatch.setattr(smb, "DQ_OVERLAP", mode)
+        _, overlap = _check_against_reference(q, kv, idx, 0.3, d_v=32, config=_CFG, det=True)
+        for name, a, b in zip(("dq", "dkv"), one, overlap):
+            assert torch.equal(a, b), (mode, name)
     monkeypatch.setattr(smb, "DQ_OVERLAP", "fast")
-    with pytest.raises(ValueError, match=r"DQ_OVERLAP must be one of \(None, 'high', 'same'\), got 'fast'"):
+    with pytest.raises(ValueError, match=r"DQ_OVERLAP must be one of \(None, 'high', 'same', 'partition'\), got 'fast'"):
         _check_against_reference(q, kv, idx, 0.3, d_v=32, config=_CFG, det=True)
 
 
