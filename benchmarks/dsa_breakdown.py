@@ -8,7 +8,8 @@ time). Kernel names are shortened to the Triton function's name. For the kernels
 pieces (the probabilities + dkv kernel, the deterministic reduction) a column gives the rate of those bytes,
 ``valid slots x head blocks x D_qk x 4`` (x 2 for bf16 pieces), to set beside the reduction probe's ceiling
 (``python benchmarks/dsa_bwd_ws.py --pattern-probe``). ``--bf16-pieces`` adds the deterministic backward with bf16
-pieces (``sparse_mla_bwd.DET_PIECES``) and a 2 GiB scratch.
+pieces (``sparse_mla_bwd.DET_PIECES``) and a 2 GiB scratch, alone and with the SM partition (``DQ_OVERLAP =
+"partition"``).
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     ap.add_argument("--case", action="append", help=f"T,H,K (repeatable; default: {' '.join(CASES)})")
-    bf16_help = "also the deterministic backward with bf16 pieces (DET_PIECES) and a 2 GiB scratch"
+    bf16_help = "also the deterministic backward with bf16 pieces (DET_PIECES), 2 GiB scratch, with and without the "
+    bf16_help += "SM partition"
     ap.add_argument("--bf16-pieces", action="store_true", help=bf16_help)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -91,7 +93,7 @@ def main() -> None:
             det = passes["backward, deterministic"]
             bf16 = dict(DET_PIECES="bf16", DETERMINISTIC_SCRATCH_ELEMENTS=1 << 30)
             passes[BF16_PASS] = _with_settings(det, **bf16)
-            passes[BF16_PASS + ", reduction 8 slots at a time"] = _with_settings(det, **bf16, DKV_REDUCE_BATCH=8)
+            passes[BF16_PASS + ", SM partition 32"] = _with_settings(det, **bf16, DQ_OVERLAP="partition")
         for name, fn in passes.items():
             fn()
             torch.cuda.synchronize()

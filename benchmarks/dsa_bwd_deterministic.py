@@ -45,18 +45,14 @@ def _variants() -> dict[str, tuple[bool, dict]]:
             "deterministic, bf16 pieces (default elements: half the bytes)": (True, bf16),
             "deterministic, bf16 pieces, 512 MiB": (True, {**bf16, "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 28}),
             "deterministic, bf16 pieces 2 GiB": (True, {**bf16, "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 30}),
+            "deterministic, bf16 pieces 2 GiB, reduction one slot at a time": (
+                True, {**bf16, "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 30, "DKV_REDUCE_BATCH": 1}),
             "deterministic, bf16 pieces 4 GiB": (True, {**bf16, "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 31}),
-            "deterministic, bf16 pieces 2 GiB, reduction 8 slots at a time": (
-                True, {**bf16, "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 30, "DKV_REDUCE_BATCH": 8}),
-            "deterministic, bf16 pieces 4 GiB, reduction 8 slots at a time": (
-                True, {**bf16, "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 31, "DKV_REDUCE_BATCH": 8}),
-            "deterministic, bf16 pieces 2 GiB, reduction 8 slots at a time, SM partition 32": (
-                True, {**bf16, "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 30, "DKV_REDUCE_BATCH": 8,
-                       "DQ_OVERLAP": "partition", "DQ_PARTITION_SMS": 32}),
+            "deterministic, bf16 pieces 2 GiB, SM partition 32": (
+                True, {**bf16, "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 30, "DQ_OVERLAP": "partition",
+                       "DQ_PARTITION_SMS": 32}),
             "deterministic, bf16 pieces 2 GiB, reduction on the second stream": (
                 True, {**bf16, "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 30, **side}),
-            "deterministic, bf16 pieces, reduction on the second stream": (
-                True, {**bf16, **side}),
         })  # fmt: skip
     return variants
 

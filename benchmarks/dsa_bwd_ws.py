@@ -212,7 +212,7 @@ def item_runs(out_dir: Path, runs: tuple[int, ...], shapes: tuple[tuple[int, int
 
 
 # label: (deterministic mode only, settings of ``sparse_mla_bwd``); every variant starts from the defaults below.
-_BF16_DET = {"DET_PIECES": "bf16", "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 30, "DKV_REDUCE_BATCH": 8}
+_BF16_DET = {"DET_PIECES": "bf16", "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 30}  # the reduction: 8 slots at a time
 OVERLAP_VARIANTS = {
     "off": (False, {}),
     "high": (False, {"DQ_OVERLAP": "high"}),
@@ -235,7 +235,7 @@ PARTITION_VARIANTS = {
 }  # fmt: skip
 _OVERLAP_DEFAULTS = {
     "DQ_OVERLAP": None, "DQ_OVERLAP_MIN_CHUNKS": 4, "DQ_PARTITION_SMS": 32, "DET_REDUCE_OVERLAP": False,
-    "DET_PIECES": "fp32", "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 27, "DKV_REDUCE_BATCH": 1,
+    "DET_PIECES": "fp32", "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 27, "DKV_REDUCE_BATCH": None,
 }  # fmt: skip
 
 
@@ -295,9 +295,10 @@ def dq_overlap(
         "pieces after its dq on the second stream (`DET_REDUCE_OVERLAP`); bf16 pieces: the deterministic mode's "
         "per-slot dkv pieces rounded to bf16 before the fixed-order sum (`DET_PIECES`; dkv then differs from the fp32 "
         "pieces' by up to a bf16 rounding per piece: dkv_rel, not dkv_equal), with 2 GiB of scratch "
-        "(`DETERMINISTIC_SCRATCH_ELEMENTS`) and the reduction reading 8 slots at a time (`DKV_REDUCE_BATCH`) where "
-        "named; alternating, triton.testing.do_bench median with 20th/80th percentiles. dq_equal / dkv_equal: bit for "
-        "bit against one stream (dkv's fp32 atomics add in another order outside the deterministic mode: dkv_rel is "
+        "(`DETERMINISTIC_SCRATCH_ELEMENTS`) where named (the reduction reads 8 slots at a time with bf16 pieces, "
+        "`DKV_REDUCE_BATCH`'s default); alternating, triton.testing.do_bench median with 20th/80th percentiles. "
+        "dq_equal / dkv_equal: bit for bit against one stream (dkv's fp32 atomics add in another order outside the"
+        " deterministic mode: dkv_rel is "
         "the largest difference relative to its largest element). Reproduce: `python benchmarks/dsa_bwd_ws.py "
         + ("--partition`." if partition else "--dq-overlap`."),
         out_dir=out_dir, title="Sparse MLA backward: " + ("the SM partition" if partition else

@@ -256,7 +256,8 @@ def test_sparse_mla_dq_overlap_is_checked_and_leaves_other_routes_alone(triton_i
         for name, a, b in zip(("dq", "dkv"), one, overlap):
             assert torch.equal(a, b), (mode, name)
     monkeypatch.setattr(smb, "DQ_OVERLAP", "fast")
-    with pytest.raises(ValueError, match=r"DQ_OVERLAP must be one of \(None, 'high', 'same', 'partition'\), got 'fast'"):
+    modes = r"\(None, 'high', 'same', 'partition'\)"
+    with pytest.raises(ValueError, match=rf"DQ_OVERLAP must be one of {modes}, got 'fast'"):
         _check_against_reference(q, kv, idx, 0.3, d_v=32, config=_CFG, det=True)
 
 
@@ -305,9 +306,10 @@ def test_sparse_mla_deterministic_bf16_pieces(triton_interpret, monkeypatch, hea
     monkeypatch.setattr(smb, "DET_PIECES", "fp16")
     with pytest.raises(ValueError, match=r"DET_PIECES must be one of \('fp32', 'bf16'\), got 'fp16'"):
         grads("fp16")
-    monkeypatch.setattr(smb, "DKV_REDUCE_BATCH", 6)
-    with pytest.raises(ValueError, match="DKV_REDUCE_BATCH must be a power of two >= 1, got 6"):
-        grads("bf16")
+    for bad in (6, 0, True, 8.0):
+        monkeypatch.setattr(smb, "DKV_REDUCE_BATCH", bad)
+        with pytest.raises(ValueError, match=r"DKV_REDUCE_BATCH must be None \(the measured choice\) or a power"):
+            grads("bf16")
 
 
 def triton_head_blocks(heads: int) -> int:
@@ -331,9 +333,10 @@ def test_deterministic_reduce_sums_each_key_in_row_slot_order(
     (``DKV_REDUCE_BATCH``; runs longer and shorter than the batch) and with bf16 pieces (each added as its fp32
     value); slots past the length, negative or past the last key add nothing, and unselected keys keep their value."""
     from longtrain.dsa.triton import sparse_mla_bwd as smb
-    from longtrain.dsa.triton.sparse_mla_bwd import _reduce_chunk, _reduce_keys
+    from longtrain.dsa.triton.sparse_mla_bwd import _reduce_batch, _reduce_chunk, _reduce_keys
 
     monkeypatch.setattr(smb, "DKV_REDUCE_BATCH", batch)
+    assert _reduce_batch(pieces) == batch
 
     g = torch.Generator().manual_seed(21)
     T, K, d_qk, rows = 9, 12, 40, 5
@@ -357,8 +360,19 @@ def test_deterministic_reduce_sums_each_key_in_row_slot_order(
                 expected[key] += contrib[(t * K + s) * num_hb + hb].float()
     reduce_keys = _reduce_keys(idx, length, num_keys)
     assert reduce_keys[0].dtype == (torch.int16 if num_keys <= 32767 else torch.int32)
-    _reduce_chunk(reduce_keys, K, contrib, dkv, row0, rows, d_qk, num_hb)
+    _reduce_chunk(reduce_keys, K, contrib, dkv, row0, rows, d_qk, num_hb, _reduce_batch(pieces))
     assert torch.equal(dkv, expected)
+
+
+def test_deterministic_reduce_batch_default_follows_the_pieces(monkeypatch):
+    """``DKV_REDUCE_BATCH = None`` (the default) is the measured choice: 8 slots at a time with bf16 pieces, one with
+    fp32 pieces; a value given is used as it is."""
+    from longtrain.dsa.triton import sparse_mla_bwd as smb
+
+    assert smb.DKV_REDUCE_BATCH is None
+    assert smb._reduce_batch(torch.bfloat16) == 8 and smb._reduce_batch(torch.float32) == 1
+    monkeypatch.setattr(smb, "DKV_REDUCE_BATCH", 2)
+    assert smb._reduce_batch(torch.bfloat16) == 2 and smb._reduce_batch(torch.float32) == 2
 
 
 @pytest.mark.parametrize("num_keys,dtype", [(32767, torch.int16), (32768, torch.int32)], ids=["int16-max", "int32"])

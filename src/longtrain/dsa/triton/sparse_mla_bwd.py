@@ -114,9 +114,11 @@ DET_REDUCE_OVERLAP = False
 DET_PIECES = "fp32"
 DET_PIECES_MODES = ("fp32", "bf16")
 #: Slots (a power of two) the deterministic reduction reads at a time per key row, their loads in flight together;
-#: the sum is the sequential one whatever the value. 1 and 8 ran equally fast with fp32 pieces on an H100
-#: (``dsa_bwd_deterministic_e86ec88_h100_2026-12-06.md``). Read at each call.
-DKV_REDUCE_BATCH = 1
+#: the sum is the sequential one whatever the value. ``None``: the measured choice, 8 with bf16 pieces (4-6 % faster
+#: for the whole backward at issue 17's four shapes on an H100, ``dsa_bwd_deterministic_d2e2d91_h100_2026-12-07.md``),
+#: 1 with fp32 pieces (1 and 8 equally fast there, ``dsa_bwd_deterministic_e86ec88_h100_2026-12-06.md``). Read at each
+#: call.
+DKV_REDUCE_BATCH: int | None = None
 
 
 @triton.jit
@@ -602,8 +604,7 @@ def sparse_mla_bwd(
     reduce_side = streams is not None and fused and compute_dkv and deterministic and (DET_REDUCE_OVERLAP or partition)
     if compute_dkv and deterministic:
         piece_dtype = _piece_dtype()
-        if not isinstance(DKV_REDUCE_BATCH, int) or DKV_REDUCE_BATCH < 1 or DKV_REDUCE_BATCH & (DKV_REDUCE_BATCH - 1):
-            raise ValueError(f"sparse_mla_bwd.DKV_REDUCE_BATCH must be a power of two >= 1, got {DKV_REDUCE_BATCH!r}")
+        batch = _reduce_batch(piece_dtype)
         contribs = [torch.empty((rows_per_chunk * k_slots * n_hb[2], d_qk), dtype=piece_dtype, device=dev)
                     for _ in range(2 if reduce_side else 1)]  # fmt: skip
         contrib = contribs[0]
@@ -660,7 +661,7 @@ def sparse_mla_bwd(
                 _dq_sm90(dq_sm90, kv2d, common, ds_buf, dq, row0, rows, num_keys, k_slots, num_heads, d_v, d_r,
                          topk_length is not None)  # fmt: skip
                 if reduce_side:
-                    _reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2])
+                    _reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2], batch)
                 dq_done.append(torch.cuda.Event())
                 dq_done[-1].record(side)
         elif dq_sm90 is not None:
@@ -672,7 +673,7 @@ def sparse_mla_bwd(
                 (kv2d, *common, ds_buf, dq, row0, num_keys, k_slots), dict(dims, BLOCK_H=bh[1]), cfg_dq,
             )  # fmt: skip
         if fused and deterministic and compute_dkv and not reduce_side:
-            _reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2])
+            _reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2], batch)
         if not compute_dkv or fused:
             continue
         target = contrib if deterministic else dkv_acc
@@ -687,7 +688,7 @@ def sparse_mla_bwd(
             grid = (1, rows * n_hb[2])
             _launch("dkv", sparse_mla_bwd_kernel_dkv, _DKV_CANDIDATES, grid, dkv_args, meta, cfg_dkv, reset)
         if deterministic:
-            _reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2])
+            _reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2], batch)
     if streams is not None:  # dq is complete before anything after the backward reads it (or frees the buffers)
         streams[0].wait_stream(streams[1])
     dsink = None
@@ -782,7 +783,18 @@ def _reduce_keys(
     return keys, torch.arange(num_keys + 1, device=idx.device, dtype=dtype)
 
 
-def _reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, num_hb) -> None:
+def _reduce_batch(piece_dtype: torch.dtype) -> int:
+    """:data:`DKV_REDUCE_BATCH`, checked, or its measured choice for ``piece_dtype``'s pieces."""
+    batch = DKV_REDUCE_BATCH
+    if batch is None:
+        return 8 if piece_dtype == torch.bfloat16 else 1
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1 or batch & (batch - 1):
+        raise ValueError(f"sparse_mla_bwd.DKV_REDUCE_BATCH must be None (the measured choice) or a power of two >= 1, "
+                         f"got {batch!r}")  # fmt: skip
+    return batch
+
+
+def _reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, num_hb, batch) -> None:
     """Sum one row chunk's per-slot dkv pieces key by key, in a fixed order (no atomics): each key's slots in
     ascending ``(row, slot)`` order (a stable sort of the chunk's keys, ``reduce_keys`` from :func:`_reduce_keys`),
     each key row summed by one program."""
@@ -795,5 +807,5 @@ def _reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, num_
     grid = (max(1, min(num_keys, rows * k_slots)),)
     sparse_mla_bwd_kernel_dkv_reduce[grid](
         contrib, order, run_start, dkv_acc, num_keys, D_QK=d_qk, BLOCK_D=min(1024, next_pow2(d_qk)), NUM_HB=num_hb,
-        BATCH=DKV_REDUCE_BATCH, num_warps=4,
+        BATCH=batch, num_warps=4,
     )  # fmt: skip
