@@ -226,12 +226,9 @@ OVERLAP_VARIANTS = {
 PARTITION_VARIANTS = {
     "off": (False, {}),
     **{f"partition {n}": (False, {"DQ_OVERLAP": "partition", "DQ_PARTITION_SMS": n}) for n in (16, 32, 48)},
-    "partition 32, 8 chunks": (False, {"DQ_OVERLAP": "partition", "DQ_PARTITION_SMS": 32, "DQ_OVERLAP_MIN_CHUNKS": 8}),
-    "off, bf16 pieces 2 GiB, 8-slot reduction": (True, _BF16_DET),
-    "high + reduce, bf16 pieces 2 GiB, 8-slot reduction": (
-        True, {**_BF16_DET, "DQ_OVERLAP": "high", "DET_REDUCE_OVERLAP": True}),
-    **{f"partition {n}, bf16 pieces 2 GiB, 8-slot reduction": (
-        True, {**_BF16_DET, "DQ_OVERLAP": "partition", "DQ_PARTITION_SMS": n}) for n in (16, 32, 48)},
+    "off, bf16 pieces 2 GiB": (True, _BF16_DET),
+    **{f"partition {n}, bf16 pieces 2 GiB": (
+        True, {**_BF16_DET, "DQ_OVERLAP": "partition", "DQ_PARTITION_SMS": n}) for n in (16, 32)},
 }  # fmt: skip
 _OVERLAP_DEFAULTS = {
     "DQ_OVERLAP": None, "DQ_OVERLAP_MIN_CHUNKS": 4, "DQ_PARTITION_SMS": 32, "DET_REDUCE_OVERLAP": False,
