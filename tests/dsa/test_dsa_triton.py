@@ -333,7 +333,8 @@ def test_deterministic_reduce_sums_each_key_in_row_slot_order(
     (``DKV_REDUCE_BATCH``; runs longer and shorter than the batch) and with bf16 pieces (each added as its fp32
     value); slots past the length, negative or past the last key add nothing, and unselected keys keep their value."""
     from longtrain.dsa.triton import sparse_mla_bwd as smb
-    from longtrain.dsa.triton.sparse_mla_bwd import _reduce_batch, _reduce_chunk, _reduce_keys
+    from longtrain.dsa.triton.sparse_mla_bwd import _reduce_batch
+    from longtrain.dsa.triton.sparse_mla_bwd_reduce import dkv_reduce_chunk, dkv_reduce_keys
 
     monkeypatch.setattr(smb, "DKV_REDUCE_BATCH", batch)
     assert _reduce_batch(pieces) == batch
@@ -358,9 +359,9 @@ def test_deterministic_reduce_sums_each_key_in_row_slot_order(
                 continue
             for hb in range(num_hb):
                 expected[key] += contrib[(t * K + s) * num_hb + hb].float()
-    reduce_keys = _reduce_keys(idx, length, num_keys)
+    reduce_keys = dkv_reduce_keys(idx, length, num_keys)
     assert reduce_keys[0].dtype == (torch.int16 if num_keys <= 32767 else torch.int32)
-    _reduce_chunk(reduce_keys, K, contrib, dkv, row0, rows, d_qk, num_hb, _reduce_batch(pieces))
+    dkv_reduce_chunk(reduce_keys, K, contrib, dkv, row0, rows, d_qk, num_hb, _reduce_batch(pieces))
     assert torch.equal(dkv, expected)
 
 
@@ -379,11 +380,11 @@ def test_deterministic_reduce_batch_default_follows_the_pieces(monkeypatch):
 def test_deterministic_reduce_keys_dtype_boundary(num_keys, dtype):
     """The sort keys are int16 while the invalid marker (``num_keys``) still fits, int32 from 32768 keys; every valid
     key keeps its value and every invalid slot (negative, too large, past the length) becomes the marker."""
-    from longtrain.dsa.triton.sparse_mla_bwd import _reduce_keys
+    from longtrain.dsa.triton.sparse_mla_bwd_reduce import dkv_reduce_keys
 
     idx = torch.tensor([[num_keys - 1, 0, -1, num_keys], [5, 2**30, num_keys - 2, 7]], dtype=torch.int32)
     length = torch.tensor([4, 3], dtype=torch.int32)
-    keys, key_ids = _reduce_keys(idx, length, num_keys)
+    keys, key_ids = dkv_reduce_keys(idx, length, num_keys)
     assert keys.dtype == dtype and key_ids.dtype == dtype
     assert keys.tolist() == [num_keys - 1, 0, num_keys, num_keys, 5, num_keys, num_keys - 2, num_keys]
     assert key_ids[0] == 0 and key_ids[-1] == num_keys and key_ids.numel() == num_keys + 1

@@ -43,6 +43,11 @@ import triton.language as tl
 from longtrain.dsa.triton import sparse_mla_bwd_plan as bwd_plan
 from longtrain.dsa.triton._common import KernelConfig, dot_precision, interpreting, next_pow2, sm_count
 from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_backward_plan, sm90_dq_plan
+from longtrain.dsa.triton.sparse_mla_bwd_reduce import (
+    dkv_reduce_chunk,
+    dkv_reduce_keys,
+    sparse_mla_bwd_kernel_dkv_reduce,
+)
 from longtrain.dsa.triton.sparse_mla_fwd import LOG2E, _row_col_mask, fwd_block_h
 
 __all__ = [
@@ -439,45 +444,6 @@ def sparse_mla_bwd_kernel_dkv(
             _dkv_out(dkv_ptr + D_V, out_rows, valid, piece, 0, BLOCK_DR, D_R, D_QK, BLOCK_DR == D_R, DETERMINISTIC)
 
 
-@triton.jit(do_not_specialize=["num_keys"])
-def sparse_mla_bwd_kernel_dkv_reduce(
-    contrib_ptr, order_ptr, run_start_ptr, dkv_ptr, num_keys,
-    D_QK: tl.constexpr, BLOCK_D: tl.constexpr, NUM_HB: tl.constexpr, BATCH: tl.constexpr,
-):  # fmt: skip
-    """Key rows ``pid, pid + grid, ...``: each sums its run of the chunk's sorted slots, ``order[run_start[key] :
-    run_start[key + 1]]``, in that order into ``dkv`` (each slot's ``NUM_HB`` head-block pieces in head-block order).
-    A key no slot of the chunk selected has an empty run and is skipped. With ``BATCH > 1`` the run is read ``BATCH``
-    slots at a time: their indices in one load, then their pieces' loads issued together (they do not depend on the
-    sum), added one after the other, so the order, and every bit of the sum, is the sequential one."""
-    lanes = tl.arange(0, BATCH)
-    for key in range(tl.program_id(0), num_keys, tl.num_programs(0)):
-        start = tl.load(run_start_ptr + key)  # scalar
-        end = tl.load(run_start_ptr + key + 1)  # scalar
-        if start < end:
-            row = tl.cast(key, tl.int64) * D_QK
-            for c0 in tl.static_range(0, D_QK, BLOCK_D):
-                offs = c0 + tl.arange(0, BLOCK_D)
-                cmask = offs < D_QK
-                acc = tl.load(dkv_ptr + row + offs, mask=cmask, other=0.0)  # [BLOCK_D]
-                if BATCH == 1:
-                    for j in range(start, end):
-                        src = tl.load(order_ptr + j).to(tl.int64) * NUM_HB  # scalar
-                        for hb in tl.static_range(NUM_HB):
-                            piece = tl.load(contrib_ptr + (src + hb) * D_QK + offs, mask=cmask, other=0.0)  # [BLOCK_D]
-                            acc += piece.to(tl.float32)
-                else:
-                    for j0 in range(start, end, BATCH):
-                        srcs = tl.load(order_ptr + j0 + lanes, mask=j0 + lanes < end, other=0).to(tl.int64)  # [BATCH]
-                        for b in tl.static_range(BATCH):
-                            src = tl.sum(tl.where(lanes == b, srcs, 0)) * NUM_HB  # scalar
-                            # A slot past the run loads zeros: adding +0.0 leaves every sum but -0.0 unchanged.
-                            bmask = cmask & (offs * 0 + j0 + b < end)  # [BLOCK_D]
-                            for hb in tl.static_range(NUM_HB):
-                                piece = tl.load(contrib_ptr + (src + hb) * D_QK + offs, mask=bmask, other=0.0)
-                                acc += piece.to(tl.float32)  # [BLOCK_D]
-                tl.store(dkv_ptr + row + offs, acc, mask=cmask)
-
-
 _AUTOTUNED: dict[str, object] = {}
 
 
@@ -608,7 +574,7 @@ def sparse_mla_bwd(
         contribs = [torch.empty((rows_per_chunk * k_slots * n_hb[2], d_qk), dtype=piece_dtype, device=dev)
                     for _ in range(2 if reduce_side else 1)]  # fmt: skip
         contrib = contribs[0]
-        reduce_keys = _reduce_keys(idx, topk_length, num_keys)
+        reduce_keys = dkv_reduce_keys(idx, topk_length, num_keys)
     for chunk, row0 in enumerate(range(0, num_tokens, rows_per_chunk)):
         rows = min(rows_per_chunk, num_tokens - row0)
         if streams is not None:
@@ -661,7 +627,7 @@ def sparse_mla_bwd(
                 _dq_sm90(dq_sm90, kv2d, common, ds_buf, dq, row0, rows, num_keys, k_slots, num_heads, d_v, d_r,
                          topk_length is not None)  # fmt: skip
                 if reduce_side:
-                    _reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2], batch)
+                    dkv_reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2], batch)
                 dq_done.append(torch.cuda.Event())
                 dq_done[-1].record(side)
         elif dq_sm90 is not None:
@@ -673,7 +639,7 @@ def sparse_mla_bwd(
                 (kv2d, *common, ds_buf, dq, row0, num_keys, k_slots), dict(dims, BLOCK_H=bh[1]), cfg_dq,
             )  # fmt: skip
         if fused and deterministic and compute_dkv and not reduce_side:
-            _reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2], batch)
+            dkv_reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2], batch)
         if not compute_dkv or fused:
             continue
         target = contrib if deterministic else dkv_acc
@@ -688,7 +654,7 @@ def sparse_mla_bwd(
             grid = (1, rows * n_hb[2])
             _launch("dkv", sparse_mla_bwd_kernel_dkv, _DKV_CANDIDATES, grid, dkv_args, meta, cfg_dkv, reset)
         if deterministic:
-            _reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2], batch)
+            dkv_reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2], batch)
     if streams is not None:  # dq is complete before anything after the backward reads it (or frees the buffers)
         streams[0].wait_stream(streams[1])
     dsink = None
@@ -766,23 +732,6 @@ def _whole_waves(num_tokens: int, rows: int, programs_per_row: int, device: torc
     return triton.cdiv(per_chunk, step) * step
 
 
-def _reduce_keys(
-    idx: torch.Tensor, topk_length: torch.Tensor | None, num_keys: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(keys [T * K], key_ids [num_keys + 1])`` for the deterministic reduction, int16 up to 32767 keys (else
-    int32): each slot's key, ``num_keys`` for an invalid slot (negative, past the last key or past the row's length),
-    so that invalid slots sort last, outside every key's run; and the key ids each chunk's sorted keys are searched
-    for. Formed once per backward, so each row chunk's reduction is a sort, a search and one launch."""
-    valid = (idx >= 0) & (idx < num_keys)
-    if topk_length is not None:
-        slots = torch.arange(idx.shape[1], device=idx.device)
-        valid &= slots[None, :] < topk_length.to(torch.int64)[:, None]
-    # int16 where every key and the invalid marker fit: the per-chunk radix sort then runs 2 passes, not 4.
-    dtype = torch.int16 if num_keys <= torch.iinfo(torch.int16).max else torch.int32
-    keys = torch.where(valid, idx, num_keys).to(dtype).reshape(-1)
-    return keys, torch.arange(num_keys + 1, device=idx.device, dtype=dtype)
-
-
 def _reduce_batch(piece_dtype: torch.dtype) -> int:
     """:data:`DKV_REDUCE_BATCH`, checked, or its measured choice for ``piece_dtype``'s pieces."""
     batch = DKV_REDUCE_BATCH
@@ -792,20 +741,3 @@ def _reduce_batch(piece_dtype: torch.dtype) -> int:
         raise ValueError(f"sparse_mla_bwd.DKV_REDUCE_BATCH must be None (the measured choice) or a power of two >= 1, "
                          f"got {batch!r}")  # fmt: skip
     return batch
-
-
-def _reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, num_hb, batch) -> None:
-    """Sum one row chunk's per-slot dkv pieces key by key, in a fixed order (no atomics): each key's slots in
-    ascending ``(row, slot)`` order (a stable sort of the chunk's keys, ``reduce_keys`` from :func:`_reduce_keys`),
-    each key row summed by one program."""
-    keys, key_ids = reduce_keys
-    num_keys = dkv_acc.shape[0]
-    sorted_keys, order = torch.sort(keys[row0 * k_slots : (row0 + rows) * k_slots], stable=True)
-    # Key j's run is [run_start[j], run_start[j + 1]): the first sorted position of each key 0..num_keys.
-    run_start = torch.searchsorted(sorted_keys, key_ids)
-    # At most one program per key and per slot: a chunk selects at most rows * K distinct keys.
-    grid = (max(1, min(num_keys, rows * k_slots)),)
-    sparse_mla_bwd_kernel_dkv_reduce[grid](
-        contrib, order, run_start, dkv_acc, num_keys, D_QK=d_qk, BLOCK_D=min(1024, next_pow2(d_qk)), NUM_HB=num_hb,
-        BATCH=batch, num_warps=4,
-    )  # fmt: skip
