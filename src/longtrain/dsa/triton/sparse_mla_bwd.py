@@ -96,10 +96,10 @@ DETERMINISTIC_SCRATCH_ELEMENTS = 1 << 27
 #: reductions instead of following them. ``"high"``: the second stream has the higher priority (its programs take
 #: the SMs freed first); ``"same"``: the default priority; ``"partition"``: the probabilities + dkv kernel runs on a
 #: high-priority stream of its own as one program per SM on all SMs but :data:`DQ_PARTITION_SMS`, and the dq kernels
-#: (and with :data:`DET_REDUCE_OVERLAP` the deterministic reductions) run on the caller's stream, on the SMs it leaves
-#: free and on those the next chunk's kernel does not take; ``None``: one stream. dq and the deterministic mode's dkv
-#: are the same bit for bit either way (each dq row is one program's; the reduction keeps its order). Read at each
-#: call.
+#: (and in deterministic mode the reductions, whatever :data:`DET_REDUCE_OVERLAP` says: two piece buffers) run on the
+#: caller's stream, on the SMs it leaves free and on those the next chunk's kernel does not take; ``None``: one
+#: stream. dq and the deterministic mode's dkv are the same bit for bit either way (each dq row is one program's; the
+#: reduction keeps its order). Read at each call.
 DQ_OVERLAP: str | None = None
 DQ_OVERLAP_MODES = (None, "high", "same", "partition")
 DQ_OVERLAP_MIN_CHUNKS = 4
@@ -107,9 +107,10 @@ DQ_OVERLAP_MIN_CHUNKS = 4
 #: int from 1 to the GPU's SM count - 1). Read at each call.
 DQ_PARTITION_SMS = 32
 #: With :data:`DQ_OVERLAP` on, in deterministic mode: whether each chunk's reduction of its dkv pieces follows its dq
-#: kernel on the second stream (two piece buffers, twice the scratch of :data:`DETERMINISTIC_SCRATCH_ELEMENTS`), so
-#: that reading the pieces back overlaps the next chunk's probabilities kernel writing its own. The chunks' reductions
-#: keep their order (one stream), so dkv is the same bit for bit. Read at each call.
+#: kernel on the second stream (always with ``"partition"``) (two piece buffers, twice the scratch of
+#: :data:`DETERMINISTIC_SCRATCH_ELEMENTS`), so that reading the pieces back overlaps the next chunk's probabilities
+#: kernel writing its own. The chunks' reductions keep their order (one stream), so dkv is the same bit for bit. Read at
+#: each call.
 DET_REDUCE_OVERLAP = False
 #: The dtype of the deterministic mode's per-slot dkv pieces: ``"fp32"``, or ``"bf16"``, which halves the bytes the
 #: probabilities kernel writes and the reduction reads back (the traffic that bounds this mode; docs/dsa_triton.md).
