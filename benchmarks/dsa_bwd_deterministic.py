@@ -29,7 +29,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 BF16_PIECES = False  # --bf16-pieces: also the bf16 pieces' variants
-FIXED = False  # --fixed: also the fixed-point variants (DET_DKV = "fixed")
 
 
 def _variants() -> dict[str, tuple[bool, dict]]:
@@ -39,11 +38,6 @@ def _variants() -> dict[str, tuple[bool, dict]]:
         "deterministic, per-slot scratch (default size)": (True, {}),
         "deterministic, per-slot scratch 2 GiB": (True, {"DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 29}),
     }
-    if FIXED:
-        variants.update({
-            "deterministic, fixed point (int64 atomics)": (True, {"DET_DKV": "fixed"}),
-            "deterministic, fixed point, dq on a second stream": (True, {"DET_DKV": "fixed", "DQ_OVERLAP": "high"}),
-        })  # fmt: skip
     if BF16_PIECES:
         bf16 = {"DET_PIECES": "bf16"}
         side = {"DQ_OVERLAP": "high", "DET_REDUCE_OVERLAP": True}
@@ -117,9 +111,7 @@ if __name__ == "__main__":
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--case", action="append", default=None, help="T,H,K (repeatable); default: four shapes")
     parser.add_argument("--bf16-pieces", action="store_true", help="also the bf16 pieces (DET_PIECES) variants")
-    parser.add_argument("--fixed", action="store_true", help='also the fixed-point variants (DET_DKV = "fixed")')
     args = parser.parse_args()
     BF16_PIECES = args.bf16_pieces
-    FIXED = args.fixed
     chosen = [tuple(int(x) for x in c.split(",")) for c in args.case] if args.case else list(CASES)
     main(args.out_dir, chosen)

@@ -306,7 +306,7 @@ def dq_overlap(
 def memcheck_runs() -> None:
     """Small backwards for compute-sanitizer through the warp-specialized kernel over runs of items (3: the last run
     shorter) and one program per SM: H = 64, 96, 128, with and without lengths, invalid and out-of-range slots,
-    deterministic mode (per-slot pieces and fixed point)."""
+    deterministic mode."""
     dev = torch.device("cuda")
     total, topk = 300, 256
     saved = ws.WS_BWD_RUN
@@ -317,16 +317,14 @@ def memcheck_runs() -> None:
                 ws.WS_BWD_RUN, smb.DQ_OVERLAP, smb.DET_REDUCE_OVERLAP = run, overlap, overlap is not None
                 smb.DET_PIECES = "bf16" if overlap is not None else "fp32"
                 for with_len in (True, False):
-                    for det in (False, True, "fixed"):
-                        smb.DET_DKV = "fixed" if det == "fixed" else "pieces"
+                    for det in (False, True):
                         dq, dkv, _ = run_bwd(q, kv, out, dout, lse, idx, length if with_len else None,
-                                             deterministic=bool(det))  # fmt: skip
+                                             deterministic=det)  # fmt: skip
                         torch.cuda.synchronize()
                         print("memcheck case", heads, run, overlap, with_len, det,
                               bool(dq.isfinite().all() and dkv.isfinite().all()), flush=True)  # fmt: skip
     finally:
         ws.WS_BWD_RUN, smb.DQ_OVERLAP, smb.DET_REDUCE_OVERLAP, smb.DET_PIECES = saved, None, False, "fp32"
-        smb.DET_DKV = "pieces"
 
 
 def main(out_dir: Path, total: int, heads_list: tuple[int, ...]) -> None:

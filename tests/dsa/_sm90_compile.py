@@ -51,9 +51,7 @@ if os.environ.get("LONGTRAIN_PTX_DUMP"):
 serialized = [line for line in info.splitlines() if "wgmma.mma_async instructions are serialized" in line]
 print(json.dumps(dict(shared=compiled.metadata.shared, regs=int(m[1]), stack=int(m[2]), local=int(m[3]),
                       cp_async="cp.async.cg.shared.global" in ptx, wgmma="wgmma.mma_async" in ptx,
-                      wgmma_serialized=serialized, setmaxnreg=setmaxnreg,
-                      add_u64=bool(re.search(r"(?:red|atom)\\.global\\.[\\w.]*add\\.u64", ptx)),
-                      add_f32=bool(re.search(r"(?:red|atom)\\.global\\.[\\w.]*add[\\w.]*\\.f32", ptx)))))
+                      wgmma_serialized=serialized, setmaxnreg=setmaxnreg)))
 """
 
 

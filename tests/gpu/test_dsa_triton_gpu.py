@@ -700,63 +700,12 @@ def test_sparse_mla_bwd_ws_deterministic_bitwise(H):
     torch.testing.assert_close(runs[0][1].float(), runs[2][1].float(), rtol=2**-7, atol=2**-7)
 
 
-@pytest.mark.parametrize(
-    "H,route", [(64, None), (128, None), (64, "fused"), (64, "portable")], ids=["ws", "ws-H128", "fused", "portable"]
-)
-def test_sparse_mla_deterministic_fixed_point(monkeypatch, H, route):
-    """``DET_DKV = "fixed"`` (int64 atomics of fixed-point pieces) on the warp-specialized default route (on SM90),
-    the two-warpgroup fused kernel and the portable dkv kernel: two runs, a run with the query rows permuted (every
-    key's contributions in another order) and runs over several row chunks (with dq on a second stream where it
-    applies) all equal bit for bit; dq equal to the per-slot pieces' bit for bit; dkv within a bf16 rounding of the
-    pieces' fp32 sum and of float64."""
-    import longtrain.dsa.triton.sparse_mla_bwd as smb
-    from longtrain.dsa.triton import sparse_mla_triton
-
-    if route == "fused" and torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the fused kernel needs an SM90 GPU")
-    config = {None: None, "fused": _configs(ds="fused"), "portable": _configs()}[route]
-    q, kv, idx, length, dout = _deterministic_case(300, H, seed=21)
-
-    def grads(perm=None, mode="fixed"):
-        monkeypatch.setattr(smb, "DET_DKV", mode)
-        qi, ii, li, di = (q, idx, length, dout) if perm is None else (q[perm], idx[perm], length[perm], dout[perm])
-        qi = qi.detach().requires_grad_(True)
-        out = sparse_mla_triton(qi, kv, ii, 0.07, d_v=512, topk_length=li, deterministic=True, config=config)
-        return torch.autograd.grad(out, (qi, kv), di)
-
-    dq, dkv = grads()
-    again = grads()
-    assert torch.equal(dq, again[0]) and torch.equal(dkv, again[1])
-    perm = torch.randperm(q.shape[0], generator=torch.Generator().manual_seed(3)).to(q.device)
-    dq_p, dkv_p = grads(perm)
-    assert torch.equal(dkv_p, dkv) and torch.equal(dq_p, dq[perm])
-    monkeypatch.setattr(smb, "PDS_SCRATCH_BYTES", 4 * H * 256 * 16)  # row chunks of 16 (on SM90 whole waves: 132)
-    for overlap in (None, "high"):
-        monkeypatch.setattr(smb, "DQ_OVERLAP", overlap)
-        chunked = grads()
-        assert torch.equal(chunked[0], dq) and torch.equal(chunked[1], dkv), overlap
-    monkeypatch.setattr(smb, "DQ_OVERLAP", None)
-    dq_pieces, dkv_pieces = grads(mode="pieces")
-    assert torch.equal(dq_pieces, dq)
-    torch.testing.assert_close(dkv.float(), dkv_pieces.float(), rtol=2**-7, atol=2**-7)
-    q64, kv64 = q.detach().double().requires_grad_(True), kv.detach().double().requires_grad_(True)
-    ref, _ = sparse_mla_reference(q64, kv64, idx, 0.07, d_v=512, topk_length=length)
-    dkv64 = torch.autograd.grad(ref, kv64, dout.double())[0]
-    torch.testing.assert_close(dkv.double(), dkv64, rtol=2**-7, atol=2**-7)
-
-
-@pytest.mark.parametrize("deterministic", [False, True, "fixed"], ids=["atomic", "deterministic", "fixed"])
-def test_sparse_mla_nan_in_one_document_stays_there(monkeypatch, deterministic):
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_sparse_mla_nan_in_one_document_stays_there(deterministic):
     """Two packed documents, each row selecting keys of its own document only; a NaN in one key row of document A.
     At the defaults (on SM90: the fused probabilities + dkv kernel and the SM90 dq kernel) document B's output and
-    gradients are finite and equal to a run without the NaN (bit for bit in deterministic mode, per-slot pieces or
-    fixed point: the fixed point's scale comes from the finite entries' maxima, which the NaN does not move here)."""
-    import longtrain.dsa.triton.sparse_mla_bwd as smb
+    gradients are finite and equal to a run without the NaN (bit for bit in deterministic mode)."""
     from longtrain.dsa.triton import sparse_mla_triton
-
-    if deterministic == "fixed":
-        monkeypatch.setattr(smb, "DET_DKV", "fixed")
-        deterministic = True
 
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(11)

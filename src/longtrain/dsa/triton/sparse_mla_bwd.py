@@ -42,7 +42,6 @@ import triton.language as tl
 
 from longtrain.dsa.triton import sparse_mla_bwd_plan as bwd_plan
 from longtrain.dsa.triton._common import KernelConfig, dot_precision, interpreting, next_pow2, sm_count
-from longtrain.dsa.triton.sparse_mla_bwd_fixed import fixed_point_dkv, fixed_point_setup
 from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_backward_plan, sm90_dq_plan
 from longtrain.dsa.triton.sparse_mla_bwd_reduce import (
     dkv_reduce_chunk,
@@ -53,8 +52,6 @@ from longtrain.dsa.triton.sparse_mla_fwd import LOG2E, _row_col_mask, fwd_block_
 
 __all__ = [
     "DETERMINISTIC_SCRATCH_ELEMENTS",
-    "DET_DKV",
-    "DET_DKV_MODES",
     "DET_PIECES",
     "DET_PIECES_MODES",
     "DET_REDUCE_OVERLAP",
@@ -122,13 +119,6 @@ DET_REDUCE_OVERLAP = False
 #: rounding per piece. Read at each call.
 DET_PIECES = "fp32"
 DET_PIECES_MODES = ("fp32", "bf16")
-#: How the deterministic mode sums dkv: ``"pieces"``, each slot's piece stored in a scratch (:data:`DET_PIECES`,
-#: :data:`DETERMINISTIC_SCRATCH_ELEMENTS`) and summed per key in a fixed order by a reduction pass; ``"fixed"``, each
-#: piece rounded to a multiple of one power of two fixed from the inputs' maxima and added with int64 atomics, which
-#: give the same bits in any order (:mod:`longtrain.dsa.triton.sparse_mla_bwd_fixed`: its error bound, and a key row
-#: that receives a non-finite piece comes out NaN). Read at each call.
-DET_DKV = "pieces"
-DET_DKV_MODES = ("pieces", "fixed")
 #: Slots (a power of two) the deterministic reduction reads at a time per key row, their loads in flight together;
 #: the sum is the sequential one whatever the value. ``None``: the measured choice, 8 with bf16 pieces (4-6 % faster
 #: for the whole backward at issue 17's four shapes on an H100, ``dsa_bwd_deterministic_d2e2d91_h100_2026-12-07.md``),
@@ -181,33 +171,16 @@ def _load_cols(base, row_mask, col0, W: tl.constexpr, D: tl.constexpr, FULL: tl.
 
 
 @triton.jit
-def _fixed_point_add(ptrs, value, mask, scale, flag_ptrs):
-    """The fixed-point mode's add (``sparse_mla_bwd_fixed``): ``value * scale`` rounded to the nearest int64 and added
-    with integer atomics; a row with a non-finite or out-of-range element sets its flag (``flag_ptrs``, per row)."""
-    x = value * scale
-    ok = tl.abs(x) < 4.611686018427388e18  # 2^62; false for NaN and inf
-    i = tl.where(ok, x, 0.0).to(tl.int64)  # toward zero; exact back in fp32 (|x| >= 2^24 is an integer already)
-    f = x - i.to(tl.float32)
-    i = i + (f >= 0.5).to(tl.int64) - (f <= -0.5).to(tl.int64)
-    tl.atomic_add(ptrs, i, mask=mask & ok, sem="relaxed")
-    bad = tl.max((mask & ~ok).to(tl.int32), 1)
-    tl.atomic_or(flag_ptrs, bad, mask=bad > 0, sem="relaxed")
-
-
-@triton.jit
 def _dkv_out(dkv_ptr, rows, valid, value, col0, W: tl.constexpr, D: tl.constexpr, D_QK: tl.constexpr,
-             FULL: tl.constexpr, DETERMINISTIC: tl.constexpr, fix_ptr):  # fmt: skip
-    """Add (atomics: ``DETERMINISTIC`` 0, fp32; 2, fixed point into int64 with ``fix_ptr``'s scale and flags) or
-    store (1: the deterministic per-slot scratch) a ``[BLOCK_K, W]`` dkv piece at columns ``col0 + [0, W)``."""
+             FULL: tl.constexpr, DETERMINISTIC: tl.constexpr):  # fmt: skip
+    """Add (atomics) or store (deterministic scratch) a ``[BLOCK_K, W]`` dkv piece at columns ``col0 + [0, W)``."""
     offs = col0 + tl.arange(0, W)
     ptrs = dkv_ptr + rows[:, None] * D_QK + offs[None, :]
     if FULL:
         mask = valid[:, None]
     else:
         mask = valid[:, None] & (offs < D)[None, :]
-    if DETERMINISTIC == 2:
-        _fixed_point_add(ptrs, value, mask, tl.load(fix_ptr).to(tl.float32, bitcast=True), fix_ptr + 1 + rows)
-    elif DETERMINISTIC == 1:
+    if DETERMINISTIC:
         tl.store(ptrs, value, mask=mask)
     else:
         tl.atomic_add(ptrs, value, mask=mask, sem="relaxed")
@@ -396,7 +369,7 @@ def sparse_mla_bwd_kernel_dq(
 
 @triton.jit(do_not_specialize=["row_offset", "T_k", "K_slots"])
 def sparse_mla_bwd_kernel_dkv(
-    q_ptr, dout_ptr, idx_ptr, len_ptr, p_ptr, ds_ptr, dkv_ptr, fix_ptr,
+    q_ptr, dout_ptr, idx_ptr, len_ptr, p_ptr, ds_ptr, dkv_ptr,
     row_offset, T_k, K_slots,
     H: tl.constexpr, D_V: tl.constexpr, D_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr, NUM_VC: tl.constexpr,
@@ -447,7 +420,7 @@ def sparse_mla_bwd_kernel_dkv(
         tile_mask = mask_h[:, None] & in_len[None, :]
         ds_t = tl.trans(tl.load(ds_ptr + tile, mask=tile_mask, other=0.0))  # [BLOCK_K, BLOCK_H]
         # dkv rows: the shared atomic target, or this row's slots in the deterministic scratch.
-        if DETERMINISTIC == 1:  # one scratch row per (row, slot, head block): head blocks never overwrite each other
+        if DETERMINISTIC:  # one scratch row per (row, slot, head block): head blocks never overwrite each other
             out_rows = (t_local * K_slots + offs_k.to(tl.int64)) * NUM_HB + pid % NUM_HB
         else:
             out_rows = keys
@@ -455,22 +428,21 @@ def sparse_mla_bwd_kernel_dkv(
             p_t = tl.trans(tl.load(p_ptr + tile, mask=tile_mask, other=0.0))  # [BLOCK_K, BLOCK_H]
             piece = tl.dot(p_t, do0, input_precision=DOT_PREC)  # [BLOCK_K, VC]
             piece = tl.dot(ds_t, q0, piece, input_precision=DOT_PREC)
-            _dkv_out(dkv_ptr, out_rows, valid, piece, c0, VC, D_V, D_QK, FULL, DETERMINISTIC, fix_ptr)
+            _dkv_out(dkv_ptr, out_rows, valid, piece, c0, VC, D_V, D_QK, FULL, DETERMINISTIC)
             if NUM_VC >= 2:
                 piece = tl.dot(p_t, do1, input_precision=DOT_PREC)
                 piece = tl.dot(ds_t, q1, piece, input_precision=DOT_PREC)
-                _dkv_out(dkv_ptr, out_rows, valid, piece, c0 + VC, VC, D_V, D_QK, FULL, DETERMINISTIC, fix_ptr)
+                _dkv_out(dkv_ptr, out_rows, valid, piece, c0 + VC, VC, D_V, D_QK, FULL, DETERMINISTIC)
             if NUM_VC >= 4:
                 piece = tl.dot(p_t, do2, input_precision=DOT_PREC)
                 piece = tl.dot(ds_t, q2, piece, input_precision=DOT_PREC)
-                _dkv_out(dkv_ptr, out_rows, valid, piece, c0 + 2 * VC, VC, D_V, D_QK, FULL, DETERMINISTIC, fix_ptr)
+                _dkv_out(dkv_ptr, out_rows, valid, piece, c0 + 2 * VC, VC, D_V, D_QK, FULL, DETERMINISTIC)
                 piece = tl.dot(p_t, do3, input_precision=DOT_PREC)
                 piece = tl.dot(ds_t, q3, piece, input_precision=DOT_PREC)
-                _dkv_out(dkv_ptr, out_rows, valid, piece, c0 + 3 * VC, VC, D_V, D_QK, FULL, DETERMINISTIC, fix_ptr)
+                _dkv_out(dkv_ptr, out_rows, valid, piece, c0 + 3 * VC, VC, D_V, D_QK, FULL, DETERMINISTIC)
         if DO_R:
             piece = tl.dot(ds_t, q_r, input_precision=DOT_PREC)  # [BLOCK_K, BLOCK_DR]
-            _dkv_out(dkv_ptr + D_V, out_rows, valid, piece, 0, BLOCK_DR, D_R, D_QK, BLOCK_DR == D_R, DETERMINISTIC,
-                     fix_ptr)  # fmt: skip
+            _dkv_out(dkv_ptr + D_V, out_rows, valid, piece, 0, BLOCK_DR, D_R, D_QK, BLOCK_DR == D_R, DETERMINISTIC)
 
 
 _AUTOTUNED: dict[str, object] = {}
@@ -532,11 +504,9 @@ def sparse_mla_bwd(
     d_r = d_qk - d_v
     dev = q.device
     dq = torch.empty_like(q)
-    fixed = compute_dkv and deterministic and _det_dkv() == "fixed"
-    acc_dtype = torch.int64 if fixed else torch.float32
-    dkv_acc = torch.zeros((num_keys, d_qk), dtype=acc_dtype, device=dev) if compute_dkv else None
+    dkv_acc = torch.zeros((num_keys, d_qk), dtype=torch.float32, device=dev) if compute_dkv else None
     if num_tokens == 0:
-        dkv = torch.zeros((num_keys, d_qk), dtype=kv2d.dtype, device=dev) if compute_dkv else None
+        dkv = dkv_acc.to(kv2d.dtype) if compute_dkv else None
         return dq, dkv, (torch.zeros_like(attn_sink) if attn_sink is not None else None)
 
     dout = dout.contiguous()
@@ -576,13 +546,8 @@ def sparse_mla_bwd(
     len_arg = topk_length if topk_length is not None else idx
     col_groups = _dkv_col_groups(cfg_dkv, block_dv)
 
-    # The kernels' dkv mode: 0 fp32 atomics, 1 the deterministic per-slot pieces, 2 fixed-point int64 atomics.
-    pieces = compute_dkv and deterministic and not fixed
-    mode = 2 if fixed else int(deterministic)
-    fix = fixed_point_setup(q, kv2d, out, dout, softmax_scale) if fixed else None
-    fix_arg = fix if fixed else delta  # read only in mode 2
     rows_per_chunk = max(1, PDS_SCRATCH_BYTES // (2 * 2 * num_heads * k_slots))
-    if pieces:
+    if compute_dkv and deterministic:
         rows_per_chunk = min(rows_per_chunk, max(1, DETERMINISTIC_SCRATCH_ELEMENTS // (k_slots * d_qk * n_hb[2])))
     streams = _dq_streams(fused and dq_sm90 is not None, dev)
     if streams is not None:  # two dS buffers (the fused kernels keep no P) in the budget of dS and P
@@ -603,8 +568,8 @@ def sparse_mla_bwd(
     dq_done: list[torch.cuda.Event] = []
     contrib = None
     # With the partition the reductions always follow dq on the caller's stream: the kernel's own stream runs ahead.
-    reduce_side = streams is not None and fused and pieces and (DET_REDUCE_OVERLAP or partition)
-    if pieces:
+    reduce_side = streams is not None and fused and compute_dkv and deterministic and (DET_REDUCE_OVERLAP or partition)
+    if compute_dkv and deterministic:
         piece_dtype = _piece_dtype()
         batch = _reduce_batch(piece_dtype)
         contribs = [torch.empty((rows_per_chunk * k_slots * n_hb[2], d_qk), dtype=piece_dtype, device=dev)
@@ -626,13 +591,13 @@ def sparse_mla_bwd(
             from longtrain.dsa.triton import sparse_mla_bwd_sm90_ws as ws
 
             head_blocks = triton.cdiv(num_heads, 64)
-            programs, run = ws.ws_bwd_schedule(rows * head_blocks, head_blocks, dev, deterministic=pieces,
+            programs, run = ws.ws_bwd_schedule(rows * head_blocks, head_blocks, dev, deterministic=deterministic,
                                                reserve_sms=reserve_sms)  # fmt: skip
             with torch.cuda.stream(streams[0]) if partition else contextlib.nullcontext():
                 ws.sparse_mla_bwd_sm90_ws_kernel[(programs,)](
-                    q, kv2d, dout, out, *common, lse2, delta, ds_buf, contrib if pieces else dkv_acc, fix_arg, row0,
-                    rows, num_keys, k_slots, softmax_scale, softmax_scale * LOG2E, H=num_heads, D_V=d_v, D_R=d_r,
-                    HAS_LEN=topk_length is not None, DETERMINISTIC=mode, REGS_PROB=ws.WS_BWD_NUM_REGS[0],
+                    q, kv2d, dout, out, *common, lse2, delta, ds_buf, contrib if deterministic else dkv_acc, row0, rows,
+                    num_keys, k_slots, softmax_scale, softmax_scale * LOG2E, H=num_heads, D_V=d_v, D_R=d_r,
+                    HAS_LEN=topk_length is not None, DETERMINISTIC=deterministic, REGS_PROB=ws.WS_BWD_NUM_REGS[0],
                     REGS_PRODUCER=ws.WS_BWD_NUM_REGS[1], PREFETCH_IDX=ws.WS_BWD_PREFETCH_IDX,
                     STAGED_DS=ws.WS_BWD_STAGED_DS, RUN=run, num_warps=4, maxnreg=ws.WS_BWD_MAXNREG,
                 )  # fmt: skip
@@ -640,9 +605,9 @@ def sparse_mla_bwd(
             from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sparse_mla_bwd_sm90_kernel_ds_dkv
 
             sparse_mla_bwd_sm90_kernel_ds_dkv[(rows * triton.cdiv(num_heads, 64),)](
-                q, kv2d, dout, *common, lse2, delta, ds_buf, contrib if pieces else dkv_acc, fix_arg, row0,
-                num_keys, k_slots, softmax_scale, softmax_scale * LOG2E, H=num_heads, D_V=d_v, D_R=d_r,
-                HAS_LEN=topk_length is not None, DETERMINISTIC=mode, num_warps=8,
+                q, kv2d, dout, *common, lse2, delta, ds_buf, contrib if deterministic else dkv_acc, row0, num_keys,
+                k_slots, softmax_scale, softmax_scale * LOG2E, H=num_heads, D_V=d_v, D_R=d_r,
+                HAS_LEN=topk_length is not None, DETERMINISTIC=deterministic, num_warps=8,
             )  # fmt: skip
         elif ds_sm90 is not None:
             from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sparse_mla_bwd_sm90_kernel_ds
@@ -674,30 +639,28 @@ def sparse_mla_bwd(
                 "dq", sparse_mla_bwd_kernel_dq, _DQ_CANDIDATES, (rows * n_hb[1],),
                 (kv2d, *common, ds_buf, dq, row0, num_keys, k_slots), dict(dims, BLOCK_H=bh[1]), cfg_dq,
             )  # fmt: skip
-        if fused and pieces and not reduce_side:
+        if fused and deterministic and compute_dkv and not reduce_side:
             dkv_reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2], batch)
         if not compute_dkv or fused:
             continue
-        target = contrib if pieces else dkv_acc
-        dkv_args = (q, dout, *common, p_buf, ds_buf, target, fix_arg, row0, num_keys, k_slots)
-        reset = None if pieces else ["dkv_ptr"]  # the atomics' target (the autotuner's trials add into it)
+        target = contrib if deterministic else dkv_acc
+        dkv_args = (q, dout, *common, p_buf, ds_buf, target, row0, num_keys, k_slots)
+        reset = None if deterministic else ["dkv_ptr"]
         meta = dict(dims, BLOCK_H=bh[2], NUM_VC=_num_value_chunks(block_dv // col_groups), COL_GROUPS=col_groups,
-                    PART=0 if col_groups == 1 else 1, DETERMINISTIC=mode)  # fmt: skip
+                    PART=0 if col_groups == 1 else 1, DETERMINISTIC=deterministic)  # fmt: skip
         grid = (col_groups, rows * n_hb[2])
         _launch("dkv", sparse_mla_bwd_kernel_dkv, _DKV_CANDIDATES, grid, dkv_args, meta, cfg_dkv, reset)
         if col_groups > 1 and d_r > 0:  # the rope tail: its own launch (the same tuned config)
             meta = dict(meta, NUM_VC=1, COL_GROUPS=1, PART=2)
             grid = (1, rows * n_hb[2])
             _launch("dkv", sparse_mla_bwd_kernel_dkv, _DKV_CANDIDATES, grid, dkv_args, meta, cfg_dkv, reset)
-        if pieces:
+        if deterministic:
             dkv_reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2], batch)
     if streams is not None:  # dq is complete before anything after the backward reads it (or frees the buffers)
         streams[0].wait_stream(streams[1])
     dsink = None
     if attn_sink is not None:
         dsink = sink_grad(attn_sink, lse2, delta) if ws_delta else dsink_rows.sum(0)
-    if fixed:
-        dkv_acc = fixed_point_dkv(dkv_acc, fix)
     dkv = dkv_acc.to(kv2d.dtype) if compute_dkv else None
     return dq, dkv, dsink
 
@@ -731,13 +694,6 @@ def _partition_sms(device: torch.device) -> int:
 
 
 _SIDE_STREAMS: dict[tuple[int, str], torch.cuda.Stream] = {}
-
-
-def _det_dkv() -> str:
-    """:data:`DET_DKV`, checked at each call."""
-    if DET_DKV not in DET_DKV_MODES:
-        raise ValueError(f"sparse_mla_bwd.DET_DKV must be one of {DET_DKV_MODES}, got {DET_DKV!r}")
-    return DET_DKV
 
 
 def _piece_dtype() -> torch.dtype:

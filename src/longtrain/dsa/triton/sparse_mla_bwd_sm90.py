@@ -218,21 +218,9 @@ def _interleaved_rows(m, hb):
 
 
 @gluon.jit
-def _dkv_out(ptrs, value, mask, DETERMINISTIC: gl.constexpr, fix_ptr, keys):
-    """Add a dkv piece (``DETERMINISTIC`` 0: fp32 atomics; 2: fixed point, int64 atomics with ``fix_ptr``'s scale,
-    flagging the rows of ``keys`` (the piece's row layout) with a non-finite element), or store it (1: the
-    deterministic mode's per-slot scratch). The fixed point's rounding is the portable kernel's
-    (``sparse_mla_bwd._fixed_point_add``)."""
-    if DETERMINISTIC == 2:
-        x = value * gl.load(fix_ptr).to(gl.float32, bitcast=True)
-        ok = gl.abs(x) < 4.611686018427388e18  # 2^62; false for NaN and inf
-        i = gl.where(ok, x, 0.0).to(gl.int64)
-        f = x - i.to(gl.float32)
-        i = i + (f >= 0.5).to(gl.int64) - (f <= -0.5).to(gl.int64)
-        gl.atomic_add(ptrs, i, mask=mask & ok, sem="relaxed")
-        bad = gl.max((mask & ~ok).to(gl.int32), axis=1)
-        gl.atomic_or(fix_ptr + 1 + keys, bad, mask=bad > 0, sem="relaxed")
-    elif DETERMINISTIC == 1:
+def _dkv_out(ptrs, value, mask, DETERMINISTIC: gl.constexpr):
+    """Add a dkv piece (fp32 atomics), or store it (the deterministic mode's per-slot scratch)."""
+    if DETERMINISTIC:
         gl.store(ptrs, value, mask=mask)
     else:
         gl.atomic_add(ptrs, value, mask=mask, sem="relaxed")
@@ -240,7 +228,7 @@ def _dkv_out(ptrs, value, mask, DETERMINISTIC: gl.constexpr, fix_ptr, keys):
 
 @gluon.jit(do_not_specialize=["row_offset", "T_k", "K_slots"])
 def sparse_mla_bwd_sm90_kernel_ds_dkv(
-    q_ptr, kv_ptr, dout_ptr, idx_ptr, len_ptr, lse2_ptr, delta_ptr, ds_ptr, dkv_ptr, fix_ptr,
+    q_ptr, kv_ptr, dout_ptr, idx_ptr, len_ptr, lse2_ptr, delta_ptr, ds_ptr, dkv_ptr,
     row_offset, T_k, K_slots, sm_scale, qk_scale,
     H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr, DETERMINISTIC: gl.constexpr,
     num_warps: gl.constexpr,
@@ -257,10 +245,9 @@ def sparse_mla_bwd_sm90_kernel_ds_dkv(
        rope columns.
 
     The next tile's gather is issued into the freed buffer before step 3, so it runs under the dkv matmuls and
-    atomics. ``DETERMINISTIC`` 1: each slot's dkv piece is stored instead, at scratch row
+    atomics. ``DETERMINISTIC``: each slot's dkv piece is stored instead, at scratch row
     ``(t_local * K_slots + slot) * NUM_HB + hb`` of ``dkv_ptr`` (the dkv kernel's deterministic layout, summed per key
-    in a fixed order by ``sparse_mla_bwd_kernel_dkv_reduce``); 2: added in fixed point (int64 ``dkv_ptr``, ``fix_ptr``:
-    ``sparse_mla_bwd_fixed``).
+    in a fixed order by ``sparse_mla_bwd_kernel_dkv_reduce``).
     """
     BLOCK_K: gl.constexpr = 64
     D_QK: gl.constexpr = D_V + D_R
@@ -373,28 +360,24 @@ def sparse_mla_bwd_sm90_kernel_ds_dkv(
         if i + 1 < n_tiles:
             _issue_tile(kv_ptr, 0, D_V, nv, nmv, nr, nmr, v_buf, r_buf, D_QK, D_V, D_R, LV, LR)
 
-        keys = gl.where(valid_d, keys, 0)  # [BLOCK_K]
-        if DETERMINISTIC == 1:  # this row's slots in the per-slot scratch (one row per slot and head block)
+        if DETERMINISTIC:  # this row's slots in the per-slot scratch (one row per slot and head block)
             slots = k0 + gl.arange(0, BLOCK_K, layout=row_d)
             rows = ((t_local * K_slots + slots.to(gl.int64)) * NUM_HB + hb) * D_QK  # [BLOCK_K]
         else:
-            rows = keys.to(gl.int64) * D_QK  # [BLOCK_K]
+            rows = gl.where(valid_d, keys, 0).to(gl.int64) * D_QK  # [BLOCK_K]
         acc = warpgroup_mma(a2, a_v.slice(0, HALF, dim=1), dv_zero, use_acc=False, is_async=True)  # [BLOCK_K, HALF]
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         acc2 = warpgroup_mma(a2, a_v.slice(HALF, HALF, dim=1), dv_zero, use_acc=False, is_async=True)
-        _dkv_out(dkv_ptr + rows[:, None] + cols_d[None, :], acc, valid_d[:, None], DETERMINISTIC, fix_ptr, keys)
+        _dkv_out(dkv_ptr + rows[:, None] + cols_d[None, :], acc, valid_d[:, None], DETERMINISTIC)
         acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc2,))
         if D_R > 0:
             accr = warpgroup_mma(a2r, a_r, dr_zero, use_acc=False, is_async=True)  # [BLOCK_K, D_R]
-        _dkv_out(dkv_ptr + rows[:, None] + HALF + cols_d[None, :], acc2, valid_d[:, None], DETERMINISTIC, fix_ptr,
-                 keys)  # fmt: skip
+        _dkv_out(dkv_ptr + rows[:, None] + HALF + cols_d[None, :], acc2, valid_d[:, None], DETERMINISTIC)
         if D_R > 0:
             accr = warpgroup_mma_wait(num_outstanding=0, deps=(accr,))
             rows_r = gl.convert_layout(rows, gl.SliceLayout(1, dr_layout))
             valid_r = gl.convert_layout(valid_d, gl.SliceLayout(1, dr_layout))
-            keys_r = gl.convert_layout(keys, gl.SliceLayout(1, dr_layout))
-            _dkv_out(dkv_ptr + rows_r[:, None] + D_V + cols_r[None, :], accr, valid_r[:, None], DETERMINISTIC, fix_ptr,
-                     keys_r)  # fmt: skip
+            _dkv_out(dkv_ptr + rows_r[:, None] + D_V + cols_r[None, :], accr, valid_r[:, None], DETERMINISTIC)
     cp.wait_group(0)
 
 

@@ -124,7 +124,7 @@ def _producer(ptrs, sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexp
               HAS_LEN: gl.constexpr, RUN: gl.constexpr, PREFETCH_IDX: gl.constexpr):  # fmt: skip
     """Worker partition: per item, its first tile, delta, then ``[Q_v; dO]`` and ``Q_r`` column chunk by column chunk
     as the previous item's last tile releases them, then the item's other tiles."""
-    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr, fix_ptr = ptrs
+    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr = ptrs
     row_offset, n_rows, T_k, K_slots, sm_scale, qk_scale = sc
     s_v, q_r, v_buf, r_buf, y_smem, delta_smem, ready, free, y_ready, y_free, q_ready, col_free, delta_bar = sm
     s_v, q_r, v_buf, r_buf = s_v.index(0), q_r.index(0), v_buf.index(0), r_buf.index(0)
@@ -217,7 +217,7 @@ def _row_delta(o_row, do_row, hb, H: gl.constexpr, D_V: gl.constexpr):
 def _probabilities(ptrs, sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr,
                    HAS_LEN: gl.constexpr, RUN: gl.constexpr, STAGED_DS: gl.constexpr):  # fmt: skip
     """Worker partition: per tile, ``S`` and ``dP``, then ``P`` and ``dS``; ``dS`` stored, ``[dS; P]`` handed over."""
-    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr, fix_ptr = ptrs
+    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr = ptrs
     row_offset, n_rows, T_k, K_slots, sm_scale, qk_scale = sc
     s_v, q_r, v_buf, r_buf, y_smem, delta_smem, ready, free, y_ready, y_free, q_ready, col_free, delta_bar = sm
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -294,7 +294,7 @@ def _probabilities(ptrs, sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.con
 
 
 @gluon.jit
-def _staged_out(dkv_ptr, acc, stage, rows, valid, col0, DETERMINISTIC: gl.constexpr, fix_ptr, keys):
+def _staged_out(dkv_ptr, acc, stage, rows, valid, col0, DETERMINISTIC: gl.constexpr):
     """Add (or store) a ``[BLOCK_K, W]`` dkv piece through shared memory: the wgmma accumulator's threads hold 8
     rows x 32 bytes per warp-wide access, a blocked layout one whole row segment, which the L2 reduces faster."""
     W: gl.constexpr = acc.type.shape[1]
@@ -310,8 +310,7 @@ def _staged_out(dkv_ptr, acc, stage, rows, valid, col0, DETERMINISTIC: gl.conste
     r = gl.convert_layout(rows, gl.SliceLayout(1, L))
     ok = gl.convert_layout(valid, gl.SliceLayout(1, L))
     cols = col0 + gl.arange(0, W, layout=gl.SliceLayout(0, L))
-    k = gl.convert_layout(keys, gl.SliceLayout(1, L))
-    _dkv_out(dkv_ptr + r[:, None] + cols[None, :], piece, ok[:, None], DETERMINISTIC, fix_ptr, k)
+    _dkv_out(dkv_ptr + r[:, None] + cols[None, :], piece, ok[:, None], DETERMINISTIC)
 
 
 @gluon.jit
@@ -322,7 +321,7 @@ def _dkv(ptrs, sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BL
     row segments through the ``[dS; P]`` buffer (read into registers first, released at the end of the tile) and
     added. On an item's last tile each column chunk of ``[Q_v; dO]`` (and ``Q_r``) goes back to the producer as soon
     as its wgmma has read it."""
-    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr, fix_ptr = ptrs
+    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr = ptrs
     row_offset, n_rows, T_k, K_slots, sm_scale, qk_scale = sc
     s_v, q_r, v_buf, r_buf, y_smem, delta_smem, ready, free, y_ready, y_free, q_ready, col_free, delta_bar = sm
     s_v, q_r = s_v.index(0), q_r.index(0)
@@ -351,12 +350,11 @@ def _dkv(ptrs, sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BL
             last = i == n_tiles - 1  # its column chunks go back to the producer as they are read
             k0 = i * BLOCK_K
             keys, valid = _load_idx(idx_row, k0, n_slots, T_k, BLOCK_K, row_c)  # [BLOCK_K] x 2
-            keys = gl.where(valid, keys, 0)  # [BLOCK_K]
-            if DETERMINISTIC == 1:  # this row's slots in the per-slot scratch (one row per slot and head block)
+            if DETERMINISTIC:  # this row's slots in the per-slot scratch (one row per slot and head block)
                 slots = k0 + gl.arange(0, BLOCK_K, layout=row_c)
                 rows = ((t_local * K_slots + slots.to(gl.int64)) * NUM_HB + hb) * D_QK  # [BLOCK_K]
             else:
-                rows = keys.to(gl.int64) * D_QK  # [BLOCK_K]
+                rows = gl.where(valid, keys, 0).to(gl.int64) * D_QK  # [BLOCK_K]
             mbarrier.wait(y_ready, r & 1)
             if i == 0:  # the item's [Q_v; dO] and Q_r
                 mbarrier.wait(q_ready, k & 1)
@@ -371,7 +369,7 @@ def _dkv(ptrs, sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BL
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 if last:
                     mbarrier.arrive(col_free.index(c - 1))
-                _staged_out(dkv_ptr, acc, y_smem, rows, valid, (c - 1) * _CHUNK, DETERMINISTIC, fix_ptr, keys)
+                _staged_out(dkv_ptr, acc, y_smem, rows, valid, (c - 1) * _CHUNK, DETERMINISTIC)
                 acc = nxt
             if D_R > 0:
                 acc_r = zero_r
@@ -381,23 +379,20 @@ def _dkv(ptrs, sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BL
                         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                         if last:
                             mbarrier.arrive(col_free.index(NUM_C - 1))
-                        _staged_out(dkv_ptr, acc, y_smem, rows, valid, (NUM_C - 1) * _CHUNK, DETERMINISTIC, fix_ptr,
-                                    keys)  # fmt: skip
+                        _staged_out(dkv_ptr, acc, y_smem, rows, valid, (NUM_C - 1) * _CHUNK, DETERMINISTIC)
                     else:
                         acc_r = warpgroup_mma_wait(num_outstanding=1, deps=(acc_r,))
-                        _staged_out(dkv_ptr, acc_r, y_smem, rows, valid, D_V + (c - 1) * RW, DETERMINISTIC, fix_ptr,
-                                    keys)  # fmt: skip
+                        _staged_out(dkv_ptr, acc_r, y_smem, rows, valid, D_V + (c - 1) * RW, DETERMINISTIC)
                     acc_r = nxt_r
                 acc_r = warpgroup_mma_wait(num_outstanding=0, deps=(acc_r,))
                 if last:
                     mbarrier.arrive(col_free.index(NUM_C))
-                _staged_out(dkv_ptr, acc_r, y_smem, rows, valid, D_V + (NUM_R - 1) * RW, DETERMINISTIC, fix_ptr, keys)
+                _staged_out(dkv_ptr, acc_r, y_smem, rows, valid, D_V + (NUM_R - 1) * RW, DETERMINISTIC)
             else:
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 if last:
                     mbarrier.arrive(col_free.index(NUM_C - 1))
-                _staged_out(dkv_ptr, acc, y_smem, rows, valid, (NUM_C - 1) * _CHUNK, DETERMINISTIC, fix_ptr,
-                                    keys)  # fmt: skip
+                _staged_out(dkv_ptr, acc, y_smem, rows, valid, (NUM_C - 1) * _CHUNK, DETERMINISTIC)
             _cta_barrier()  # every warp has read back its last piece
             mbarrier.arrive(y_free)
         g += n_tiles
@@ -406,7 +401,7 @@ def _dkv(ptrs, sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BL
 
 @gluon.jit(do_not_specialize=["row_offset", "n_rows", "T_k", "K_slots"])
 def sparse_mla_bwd_sm90_ws_kernel(
-    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, lse2_ptr, delta_ptr, ds_ptr, dkv_ptr, fix_ptr,
+    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, lse2_ptr, delta_ptr, ds_ptr, dkv_ptr,
     row_offset, n_rows, T_k, K_slots, sm_scale, qk_scale,
     H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr, DETERMINISTIC: gl.constexpr,
     REGS_PROB: gl.constexpr, REGS_PRODUCER: gl.constexpr, num_warps: gl.constexpr, PREFETCH_IDX: gl.constexpr = False,
@@ -453,7 +448,7 @@ def sparse_mla_bwd_sm90_ws_kernel(
         mbarrier.init(col_free.index(c), count=1)  # the dkv warpgroup, once the item's last tile has read the chunk
     mbarrier.init(delta_bar, count=1)  # the producer, once delta is in shared memory
 
-    ptrs = (q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr, fix_ptr)
+    ptrs = (q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr)
     sc = (row_offset, n_rows, T_k, K_slots, sm_scale, qk_scale)
     sm = (s_v, q_r, v_buf, r_buf, y_smem, delta_smem, ready, free, y_ready, y_free, q_ready, col_free, delta_bar)
     gl.warp_specialize(
