@@ -2,7 +2,7 @@
 # H200 runs in one call of at most ~9 minutes, run from the repository root on the GPU machine. Logs and reports go
 # under $OUT/queue, tarred into $OUT/queue.tgz at the end (one file comes back).
 #
-#   LONGTRAIN_COMMIT=$(git log -1 --format=%h) bash benchmarks/device_queue.sh [indexer|mla|bars|det|overlap|partition|order]
+#   LONGTRAIN_COMMIT=$(git log -1 --format=%h) bash benchmarks/device_queue.sh [indexer|mla|bars|det|overlap|partition]
 #
 # indexer (default): GPU tests of the indexer, compute-sanitizer memcheck, the SM90 scoring kernel's sweep of
 #   dsa_indexer_variants.py (INDEXER_SWEEP=defaults: the selection settings' sweep instead) and dsa.py's indexer
@@ -22,9 +22,6 @@
 # partition: the SM partition (sparse_mla_bwd.DQ_OVERLAP = "partition", about 6 minutes): the overlap GPU tests,
 #   dsa_bwd_ws.py --partition at three of issue 17's shapes (the deterministic mode at the first), and memcheck
 #   with PARTITION_MEMCHECK=1.
-# order: the deterministic mode's pieces stored in key order (sparse_mla_bwd.DET_PIECE_ORDER = "keys", about 8
-#   minutes): its GPU tests with the other deterministic ones, dsa_bwd_deterministic.py --piece-order at issue 17's
-#   four shapes, dsa_breakdown.py --piece-order at the first, and memcheck (dsa_bwd_ws.py) with ORDER_MEMCHECK=1.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -84,14 +81,8 @@ case "${1:-indexer}" in
     run dsa_bwd_partition 280 benchmarks/dsa_bwd_ws.py --partition --rounds 2 --det-shapes 1 \
       --shapes "16384,64,2048;4096,128,512;4096,64,2048" --out-dir "$Q"
     [ -n "${PARTITION_MEMCHECK:-}" ] && memcheck 80 benchmarks/dsa_bwd_ws.py ;;
-  order)
-    run gpu_order_tests 150 -m pytest -q -p no:cacheprovider tests/gpu/test_dsa_triton_gpu.py \
-      -k "piece_order or deterministic_bitwise or bf16_pieces"
-    run dsa_bwd_det_order 200 benchmarks/dsa_bwd_deterministic.py --piece-order --out-dir "$Q"
-    run dsa_breakdown_order 120 benchmarks/dsa_breakdown.py --piece-order --case 16384,64,2048 --out-dir "$Q"
-    [ -n "${ORDER_MEMCHECK:-}" ] && memcheck 90 benchmarks/dsa_bwd_ws.py ;;
   *)
-    echo "usage: $0 [indexer|mla|bars|det|overlap|partition|order]"; exit 2 ;;
+    echo "usage: $0 [indexer|mla|bars|det|overlap|partition]"; exit 2 ;;
 esac
 tar czf "$OUT/queue.tgz" -C "$OUT" queue && rm -rf "$Q"
 echo "done after $(since)"

@@ -9,9 +9,7 @@ pieces (the probabilities + dkv kernel, the deterministic reduction) a column gi
 ``valid slots x head blocks x D_qk x 4`` (x 2 for bf16 pieces), to set beside the reduction probe's ceiling
 (``python benchmarks/dsa_bwd_ws.py --pattern-probe``). ``--bf16-pieces`` adds the deterministic backward with bf16
 pieces (``sparse_mla_bwd.DET_PIECES``) and a 2 GiB scratch, alone and with the SM partition (``DQ_OVERLAP =
-"partition"``). ``--piece-order`` adds the deterministic backward with its pieces stored in key order
-(``DET_PIECE_ORDER = "keys"``), with fp32 pieces and with bf16 pieces and a 2 GiB scratch (beside the latter in row
-order).
+"partition"``).
 """
 
 from __future__ import annotations
@@ -76,8 +74,6 @@ def main() -> None:
     bf16_help = "also the deterministic backward with bf16 pieces (DET_PIECES), 2 GiB scratch, with and without the "
     bf16_help += "SM partition"
     ap.add_argument("--bf16-pieces", action="store_true", help=bf16_help)
-    order_help = "the deterministic backward with its pieces stored in key order (DET_PIECE_ORDER), fp32 and bf16"
-    ap.add_argument("--piece-order", action="store_true", help=order_help)
     args = ap.parse_args()
     dev = torch.device("cuda")
     rows = []
@@ -98,12 +94,6 @@ def main() -> None:
             bf16 = dict(DET_PIECES="bf16", DETERMINISTIC_SCRATCH_ELEMENTS=1 << 30)
             passes[BF16_PASS] = _with_settings(det, **bf16)
             passes[BF16_PASS + ", SM partition 32"] = _with_settings(det, **bf16, DQ_OVERLAP="partition")
-        if args.piece_order:
-            det = passes["backward, deterministic"]
-            bf16 = dict(DET_PIECES="bf16", DETERMINISTIC_SCRATCH_ELEMENTS=1 << 30)
-            passes["backward, deterministic, pieces by key"] = _with_settings(det, DET_PIECE_ORDER="keys")
-            passes[BF16_PASS] = _with_settings(det, **bf16)
-            passes[BF16_PASS + ", pieces by key"] = _with_settings(det, **bf16, DET_PIECE_ORDER="keys")
         for name, fn in passes.items():
             fn()
             torch.cuda.synchronize()

@@ -29,7 +29,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 BF16_PIECES = False  # --bf16-pieces: also the bf16 pieces' variants
-PIECE_ORDER = False  # --piece-order: also the pieces stored in key order (DET_PIECE_ORDER = "keys")
 
 
 def _variants() -> dict[str, tuple[bool, dict]]:
@@ -39,16 +38,6 @@ def _variants() -> dict[str, tuple[bool, dict]]:
         "deterministic, per-slot scratch (default size)": (True, {}),
         "deterministic, per-slot scratch 2 GiB": (True, {"DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 29}),
     }
-    if PIECE_ORDER:
-        keys = {"DET_PIECE_ORDER": "keys"}
-        bf16 = {"DET_PIECES": "bf16", "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 30}
-        variants.update({
-            "deterministic, pieces by key (default size)": (True, keys),
-            "deterministic, per-slot scratch 2 GiB, pieces by key": (
-                True, {**keys, "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 29}),
-            "deterministic, bf16 pieces 2 GiB": (True, bf16),
-            "deterministic, bf16 pieces 2 GiB, pieces by key": (True, {**bf16, **keys}),
-        })  # fmt: skip
     if BF16_PIECES:
         bf16 = {"DET_PIECES": "bf16"}
         side = {"DQ_OVERLAP": "high", "DET_REDUCE_OVERLAP": True}
@@ -122,10 +111,7 @@ if __name__ == "__main__":
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--case", action="append", default=None, help="T,H,K (repeatable); default: four shapes")
     parser.add_argument("--bf16-pieces", action="store_true", help="also the bf16 pieces (DET_PIECES) variants")
-    order_help = 'also the pieces stored in key order (DET_PIECE_ORDER = "keys"), fp32 and bf16'
-    parser.add_argument("--piece-order", action="store_true", help=order_help)
     args = parser.parse_args()
     BF16_PIECES = args.bf16_pieces
-    PIECE_ORDER = args.piece_order
     chosen = [tuple(int(x) for x in c.split(",")) for c in args.case] if args.case else list(CASES)
     main(args.out_dir, chosen)

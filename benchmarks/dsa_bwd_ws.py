@@ -306,7 +306,7 @@ def dq_overlap(
 def memcheck_runs() -> None:
     """Small backwards for compute-sanitizer through the warp-specialized kernel over runs of items (3: the last run
     shorter) and one program per SM: H = 64, 96, 128, with and without lengths, invalid and out-of-range slots,
-    deterministic mode (its pieces in row order, and in key order with one stream and with the partition)."""
+    deterministic mode."""
     dev = torch.device("cuda")
     total, topk = 300, 256
     saved = ws.WS_BWD_RUN
@@ -316,7 +316,6 @@ def memcheck_runs() -> None:
             for run, overlap in ((3, None), (0, None), (3, "high"), (1, "partition")):
                 ws.WS_BWD_RUN, smb.DQ_OVERLAP, smb.DET_REDUCE_OVERLAP = run, overlap, overlap is not None
                 smb.DET_PIECES = "bf16" if overlap is not None else "fp32"
-                smb.DET_PIECE_ORDER = "keys" if run in (0, 1) else "rows"
                 for with_len in (True, False):
                     for det in (False, True):
                         dq, dkv, _ = run_bwd(q, kv, out, dout, lse, idx, length if with_len else None,
@@ -326,7 +325,6 @@ def memcheck_runs() -> None:
                               bool(dq.isfinite().all() and dkv.isfinite().all()), flush=True)  # fmt: skip
     finally:
         ws.WS_BWD_RUN, smb.DQ_OVERLAP, smb.DET_REDUCE_OVERLAP, smb.DET_PIECES = saved, None, False, "fp32"
-        smb.DET_PIECE_ORDER = "rows"
 
 
 def main(out_dir: Path, total: int, heads_list: tuple[int, ...]) -> None:

@@ -240,40 +240,6 @@ def test_sparse_mla_deterministic_does_not_depend_on_the_scratch_size(triton_int
         assert torch.equal(a, b), name
 
 
-@pytest.mark.parametrize("heads,scratch_rows", [(4, None), (40, 2)], ids=["one-chunk", "H40-row-chunks"])
-def test_sparse_mla_deterministic_piece_order_keeps_every_bit(triton_interpret, monkeypatch, heads, scratch_rows):
-    """``DET_PIECE_ORDER = "keys"`` (the kernel stores each slot's pieces at its place in the chunk's sort by key, the
-    reduction reads each key's run contiguously) gives the gradients of ``"rows"`` bit for bit, over ragged rows,
-    invalid slots, several head blocks and row chunks, with fp32 and bf16 pieces; a bad value lists the valid ones."""
-    import longtrain.dsa.triton.sparse_mla_bwd as smb
-    from longtrain.dsa.triton import KernelConfig, SparseMLAConfig, sparse_mla_triton
-
-    T, D, d_v, T_k, K = 6, 48, 32, 9, 24
-    bwd = KernelConfig(block_k=16, block_h=16, num_warps=4, num_stages=1)
-    config = SparseMLAConfig(fwd=_CFG, bwd=bwd)
-    q, kv, idx = _mla_inputs(T, heads, D, T_k, K, seed=23)
-    idx[:, 3:9] = 4  # many contributions to one key, from every row
-    idx[2, :3] = torch.tensor([-1, T_k, 2**30], dtype=torch.int32)
-    length = torch.tensor([24, 7, 0, 20, 24, 1])
-    dout = torch.randn(T, heads, d_v, generator=torch.Generator().manual_seed(7))
-    if scratch_rows is not None:
-        monkeypatch.setattr(smb, "DETERMINISTIC_SCRATCH_ELEMENTS", scratch_rows * K * triton_head_blocks(heads) * D)
-
-    def grads(order, pieces):
-        monkeypatch.setattr(smb, "DET_PIECE_ORDER", order)
-        monkeypatch.setattr(smb, "DET_PIECES", pieces)
-        out = sparse_mla_triton(q, kv, idx, 0.3, d_v=d_v, topk_length=length, config=config, deterministic=True)
-        return torch.autograd.grad(out, (q, kv), dout)
-
-    for pieces in ("fp32", "bf16"):
-        rows, keys = grads("rows", pieces), grads("keys", pieces)
-        assert torch.equal(rows[0], keys[0]) and torch.equal(rows[1], keys[1]), pieces
-    monkeypatch.setattr(smb, "DET_PIECE_ORDER", "sorted")
-    with pytest.raises(ValueError, match=r"DET_PIECE_ORDER must be one of \('rows', 'keys'\), got 'sorted'"):
-        out = sparse_mla_triton(q, kv, idx, 0.3, d_v=d_v, topk_length=length, config=config, deterministic=True)
-        out.sum().backward()
-
-
 def test_sparse_mla_dq_overlap_is_checked_and_leaves_other_routes_alone(triton_interpret, monkeypatch):
     """``DQ_OVERLAP`` (the SM90 route's dq on a second stream) is validated at every backward, listing its modes, and
     where it does not apply (here the interpreter's portable kernels, several row chunks) the gradients are those of
@@ -351,7 +317,6 @@ def triton_head_blocks(heads: int) -> int:
     return -(-heads // 16)
 
 
-@pytest.mark.parametrize("by_key", [False, True], ids=["row-order", "key-order"])
 @pytest.mark.parametrize(
     "num_hb,row0,with_len,num_keys,batch,pieces",
     [(1, 0, False, 7, 1, torch.float32), (2, 3, True, 7, 1, torch.float32), (3, 1, True, 7, 1, torch.float32),
@@ -360,18 +325,16 @@ def triton_head_blocks(heads: int) -> int:
     ids=["hb1", "hb2-row3-len", "hb3-row1-len", "hb1-int32-keys", "hb1-batch8", "hb2-batch4-bf16", "bf16"],
 )  # fmt: skip
 def test_deterministic_reduce_sums_each_key_in_row_slot_order(
-    triton_interpret, monkeypatch, num_hb, row0, with_len, num_keys, batch, pieces, by_key
+    triton_interpret, monkeypatch, num_hb, row0, with_len, num_keys, batch, pieces
 ):
     """The deterministic mode's reduction of one row chunk equals, bit for bit, a sequential fp32 sum per key over
     the chunk's valid slots in ascending (row, slot) order, each slot's head-block pieces in order, onto the running
     dkv, with int16 sort keys up to 32767 keys and int32 past them, whatever the slots read at a time
     (``DKV_REDUCE_BATCH``; runs longer and shorter than the batch) and with bf16 pieces (each added as its fp32
-    value); slots past the length, negative or past the last key add nothing, and unselected keys keep their value.
-    Either layout of the pieces (``by_key``: stored at their sorted places, each key's run contiguous; else in
-    (row, slot) order), each piece where the plan's ``pos`` puts it."""
+    value); slots past the length, negative or past the last key add nothing, and unselected keys keep their value."""
     from longtrain.dsa.triton import sparse_mla_bwd as smb
     from longtrain.dsa.triton.sparse_mla_bwd import _reduce_batch
-    from longtrain.dsa.triton.sparse_mla_bwd_reduce import dkv_reduce_chunk, dkv_reduce_keys, dkv_reduce_plan
+    from longtrain.dsa.triton.sparse_mla_bwd_reduce import dkv_reduce_chunk, dkv_reduce_keys
 
     monkeypatch.setattr(smb, "DKV_REDUCE_BATCH", batch)
     assert _reduce_batch(pieces) == batch
@@ -386,7 +349,7 @@ def test_deterministic_reduce_sums_each_key_in_row_slot_order(
     # Magnitudes over many binades, so a different order or grouping would change the fp32 bits.
     n_pieces = rows * K * num_hb
     scales = torch.exp2(torch.randint(-20, 20, (n_pieces, 1), generator=g).float())
-    raw = (torch.randn(n_pieces, d_qk, generator=g) * scales).to(pieces)  # slot i's head block hb: i * num_hb + hb
+    contrib = (torch.randn(n_pieces, d_qk, generator=g) * scales).to(pieces)
     dkv = torch.randn(num_keys, d_qk, generator=g)
     expected = dkv.clone()
     for t in range(rows):
@@ -395,22 +358,11 @@ def test_deterministic_reduce_sums_each_key_in_row_slot_order(
             if not 0 <= key < num_keys or (length is not None and s >= int(length[row0 + t])):
                 continue
             for hb in range(num_hb):
-                expected[key] += raw[(t * K + s) * num_hb + hb].float()
+                expected[key] += contrib[(t * K + s) * num_hb + hb].float()
     reduce_keys = dkv_reduce_keys(idx, length, num_keys)
     assert reduce_keys[0].dtype == (torch.int16 if num_keys <= 32767 else torch.int32)
-    plan = dkv_reduce_plan(reduce_keys, K, row0, rows, by_key)
-    assert sorted(plan.pos.tolist()) == list(range(rows * K))  # a permutation: every slot its own place
-    if not by_key:
-        assert plan.pos.tolist() == list(range(rows * K))
-    contrib = torch.empty_like(raw)
-    for hb in range(num_hb):
-        contrib[plan.pos.long() * num_hb + hb] = raw[hb::num_hb]
-    dkv_reduce_chunk(plan, contrib, dkv, rows, K, d_qk, num_hb, _reduce_batch(pieces))
+    dkv_reduce_chunk(reduce_keys, K, contrib, dkv, row0, rows, d_qk, num_hb, _reduce_batch(pieces))
     assert torch.equal(dkv, expected)
-    if by_key:  # each key's run is one contiguous block of the sorted places
-        for key in range(min(num_keys, 8)):
-            start, end = int(plan.run_start[key]), int(plan.run_start[key + 1])
-            assert plan.order[start:end].tolist() == list(range(start, end))
 
 
 def test_deterministic_reduce_batch_default_follows_the_pieces(monkeypatch):

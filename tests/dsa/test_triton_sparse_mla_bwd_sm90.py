@@ -166,7 +166,7 @@ def test_sm90_fused_kernel_compiles_for_hopper(H, d_qk, deterministic):
     reuses the gathered tile's buffer, no compiler scratch), no register spills."""
     from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_ds_dkv_smem_bytes
 
-    types = _TYPES[:8] + ["*fp32", "*i32"] + _TYPES[9:] + ["fp32", "fp32"]
+    types = _TYPES[:8] + ["*fp32"] + _TYPES[9:] + ["fp32", "fp32"]
     consts = dict(H=H, D_V=512, D_R=d_qk - 512, HAS_LEN=True, DETERMINISTIC=deterministic)
     stats = compile_sm90("longtrain.dsa.triton.sparse_mla_bwd_sm90", "sparse_mla_bwd_sm90_kernel_ds_dkv", types, consts)
     assert stats["cp_async"] and stats["wgmma"], stats
@@ -383,8 +383,8 @@ def test_warp_specialized_backward_compiles_for_hopper(H, d_qk, d_v, determinist
     from longtrain.dsa.triton import sparse_mla_bwd_sm90_ws as ws
     from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_ws_bwd_smem_bytes
 
-    # q kv dO O idx len lse2 delta dS dkv pos, row_offset n_rows T_k K_slots, the two scales
-    types = _TYPES[:3] + ["*bf16"] + _TYPES[3:8] + ["*fp32", "*i32"] + _TYPES[9:] + ["i32", "fp32", "fp32"]
+    # q kv dO O idx len lse2 delta dS dkv, row_offset n_rows T_k K_slots, the two scales
+    types = _TYPES[:3] + ["*bf16"] + _TYPES[3:8] + ["*fp32"] + _TYPES[9:] + ["i32", "fp32", "fp32"]
     consts = dict(H=H, D_V=d_v, D_R=d_qk - d_v, HAS_LEN=True, DETERMINISTIC=deterministic, PREFETCH_IDX=prefetch,
                   REGS_PROB=ws.WS_BWD_NUM_REGS[0], REGS_PRODUCER=ws.WS_BWD_NUM_REGS[1], STAGED_DS=staged,
                   RUN=run)  # fmt: skip
@@ -404,7 +404,7 @@ def test_deterministic_bf16_pieces_compile_for_hopper(staged):
     from longtrain.dsa.triton import sparse_mla_bwd_sm90_ws as ws
     from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_ds_dkv_smem_bytes, sm90_ws_bwd_smem_bytes
 
-    types = _TYPES[:3] + ["*bf16"] + _TYPES[3:8] + ["*bf16", "*i32"] + _TYPES[9:] + ["i32", "fp32", "fp32"]
+    types = _TYPES[:3] + ["*bf16"] + _TYPES[3:8] + ["*bf16"] + _TYPES[9:] + ["i32", "fp32", "fp32"]
     consts = dict(H=64, D_V=512, D_R=64, HAS_LEN=True, DETERMINISTIC=True, PREFETCH_IDX=True, STAGED_DS=staged,
                   REGS_PROB=ws.WS_BWD_NUM_REGS[0], REGS_PRODUCER=ws.WS_BWD_NUM_REGS[1], RUN=1)  # fmt: skip
     stats = compile_sm90("longtrain.dsa.triton.sparse_mla_bwd_sm90_ws", "sparse_mla_bwd_sm90_ws_kernel", types, consts,
@@ -414,7 +414,7 @@ def test_deterministic_bf16_pieces_compile_for_hopper(staged):
     assert stats["local"] == 0, stats
     if staged:
         return
-    types = _TYPES[:8] + ["*bf16", "*i32"] + _TYPES[9:] + ["fp32", "fp32"]
+    types = _TYPES[:8] + ["*bf16"] + _TYPES[9:] + ["fp32", "fp32"]
     consts = dict(H=64, D_V=512, D_R=64, HAS_LEN=True, DETERMINISTIC=True)
     stats = compile_sm90("longtrain.dsa.triton.sparse_mla_bwd_sm90", "sparse_mla_bwd_sm90_kernel_ds_dkv", types, consts)
     assert stats["cp_async"] and stats["wgmma"], stats
@@ -484,7 +484,7 @@ def test_warp_specialized_backward_does_not_spill_with_the_gpus_triton(H, determ
     item loop had 80 bytes of stack there."""
     from longtrain.dsa.triton import sparse_mla_bwd_sm90_ws as ws
 
-    types = _TYPES[:3] + ["*bf16"] + _TYPES[3:8] + ["*fp32", "*i32"] + _TYPES[9:] + ["i32", "fp32", "fp32"]
+    types = _TYPES[:3] + ["*bf16"] + _TYPES[3:8] + ["*fp32"] + _TYPES[9:] + ["i32", "fp32", "fp32"]
     consts = dict(H=H, D_V=512, D_R=64, HAS_LEN=True, DETERMINISTIC=deterministic, PREFETCH_IDX=False,
                   REGS_PROB=ws.WS_BWD_NUM_REGS[0], REGS_PRODUCER=ws.WS_BWD_NUM_REGS[1], STAGED_DS=True,
                   RUN=run)  # fmt: skip

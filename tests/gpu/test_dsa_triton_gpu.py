@@ -700,41 +700,6 @@ def test_sparse_mla_bwd_ws_deterministic_bitwise(H):
     torch.testing.assert_close(runs[0][1].float(), runs[2][1].float(), rtol=2**-7, atol=2**-7)
 
 
-@pytest.mark.parametrize(
-    "H,route,streams",
-    [(64, None, None), (128, None, None), (64, None, "reduce"), (96, None, "partition"), (64, "fused", None),
-     (64, "portable", None)],
-    ids=["ws", "ws-H128", "ws-reduce-side", "ws-H96-partition", "fused", "portable"],
-)  # fmt: skip
-def test_sparse_mla_deterministic_piece_order_keeps_every_bit(monkeypatch, H, route, streams):
-    """``DET_PIECE_ORDER = "keys"`` (each slot's pieces stored at its place in the chunk's sort by key, each key's run
-    read contiguously) against ``"rows"``: dq and dkv equal bit for bit, with fp32 and bf16 pieces, on the
-    warp-specialized default route (also with the reductions on the second stream and with the SM partition, over
-    several row chunks), the two-warpgroup fused kernel and the portable dkv kernel."""
-    import longtrain.dsa.triton.sparse_mla_bwd as smb
-    from longtrain.dsa.triton import sparse_mla_triton
-
-    if route == "fused" and torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the fused kernel needs an SM90 GPU")
-    config = {None: None, "fused": _configs(ds="fused"), "portable": _configs()}[route]
-    q, kv, idx, length, dout = _deterministic_case(300, H, seed=23)
-    if streams is not None:
-        monkeypatch.setattr(smb, "DETERMINISTIC_SCRATCH_ELEMENTS", 140 * 256 * 2 * 576)  # about 132 rows a chunk
-        monkeypatch.setattr(smb, "DQ_OVERLAP", "high" if streams == "reduce" else "partition")
-        monkeypatch.setattr(smb, "DET_REDUCE_OVERLAP", streams == "reduce")
-
-    def grads(order, pieces):
-        monkeypatch.setattr(smb, "DET_PIECE_ORDER", order)
-        monkeypatch.setattr(smb, "DET_PIECES", pieces)
-        out = sparse_mla_triton(q, kv, idx, 0.07, d_v=512, topk_length=length, deterministic=True, config=config)
-        return torch.autograd.grad(out, (q, kv), dout)
-
-    for pieces in ("fp32", "bf16"):
-        rows, keys = grads("rows", pieces), grads("keys", pieces)
-        assert torch.equal(rows[0], keys[0]) and torch.equal(rows[1], keys[1]), pieces
-        assert torch.isfinite(keys[1]).all()
-
-
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 def test_sparse_mla_nan_in_one_document_stays_there(deterministic):
     """Two packed documents, each row selecting keys of its own document only; a NaN in one key row of document A.

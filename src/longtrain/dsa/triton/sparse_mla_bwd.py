@@ -46,7 +46,6 @@ from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_backward_plan, sm90_dq
 from longtrain.dsa.triton.sparse_mla_bwd_reduce import (
     dkv_reduce_chunk,
     dkv_reduce_keys,
-    dkv_reduce_plan,
     sparse_mla_bwd_kernel_dkv_reduce,
 )
 from longtrain.dsa.triton.sparse_mla_fwd import LOG2E, _row_col_mask, fwd_block_h
@@ -55,8 +54,6 @@ __all__ = [
     "DETERMINISTIC_SCRATCH_ELEMENTS",
     "DET_PIECES",
     "DET_PIECES_MODES",
-    "DET_PIECE_ORDER",
-    "DET_PIECE_ORDERS",
     "DET_REDUCE_OVERLAP",
     "DKV_COL_GROUPS",
     "DKV_REDUCE_BATCH",
@@ -122,12 +119,6 @@ DET_REDUCE_OVERLAP = False
 #: rounding per piece. Read at each call.
 DET_PIECES = "fp32"
 DET_PIECES_MODES = ("fp32", "bf16")
-#: Where the deterministic mode's kernel stores each slot's pieces: ``"rows"``, in ``(row, slot)`` order, the reduction
-#: then reading each key's pieces from scattered places; ``"keys"``, at the slot's place in the chunk's stable sort by
-#: key, so the reduction reads each key's pieces as one contiguous block (and the kernel's stores scatter instead).
-#: The sums, and dkv, are the same bit for bit (``sparse_mla_bwd_reduce``). Read at each call.
-DET_PIECE_ORDER = "rows"
-DET_PIECE_ORDERS = ("rows", "keys")
 #: Slots (a power of two) the deterministic reduction reads at a time per key row, their loads in flight together;
 #: the sum is the sequential one whatever the value. ``None``: the measured choice, 8 with bf16 pieces (4-6 % faster
 #: for the whole backward at issue 17's four shapes on an H100, ``dsa_bwd_deterministic_d2e2d91_h100_2026-12-07.md``),
@@ -378,7 +369,7 @@ def sparse_mla_bwd_kernel_dq(
 
 @triton.jit(do_not_specialize=["row_offset", "T_k", "K_slots"])
 def sparse_mla_bwd_kernel_dkv(
-    q_ptr, dout_ptr, idx_ptr, len_ptr, p_ptr, ds_ptr, dkv_ptr, pos_ptr,
+    q_ptr, dout_ptr, idx_ptr, len_ptr, p_ptr, ds_ptr, dkv_ptr,
     row_offset, T_k, K_slots,
     H: tl.constexpr, D_V: tl.constexpr, D_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr, NUM_VC: tl.constexpr,
@@ -429,9 +420,8 @@ def sparse_mla_bwd_kernel_dkv(
         tile_mask = mask_h[:, None] & in_len[None, :]
         ds_t = tl.trans(tl.load(ds_ptr + tile, mask=tile_mask, other=0.0))  # [BLOCK_K, BLOCK_H]
         # dkv rows: the shared atomic target, or this row's slots in the deterministic scratch.
-        if DETERMINISTIC:  # one scratch row per (row, slot, head block) at the slot's place: ``pos``
-            slot_pos = tl.load(pos_ptr + t_local * K_slots + offs_k, mask=in_len, other=0).to(tl.int64)
-            out_rows = slot_pos * NUM_HB + pid % NUM_HB
+        if DETERMINISTIC:  # one scratch row per (row, slot, head block): head blocks never overwrite each other
+            out_rows = (t_local * K_slots + offs_k.to(tl.int64)) * NUM_HB + pid % NUM_HB
         else:
             out_rows = keys
         if DO_V:
@@ -586,8 +576,6 @@ def sparse_mla_bwd(
                     for _ in range(2 if reduce_side else 1)]  # fmt: skip
         contrib = contribs[0]
         reduce_keys = dkv_reduce_keys(idx, topk_length, num_keys)
-        by_key = _piece_order() == "keys"
-    plan = None
     for chunk, row0 in enumerate(range(0, num_tokens, rows_per_chunk)):
         rows = min(rows_per_chunk, num_tokens - row0)
         if streams is not None:
@@ -597,13 +585,6 @@ def sparse_mla_bwd(
             if chunk >= 2:  # the second stream's work of two chunks ago has read these buffers
                 streams[0].wait_event(dq_done[chunk - 2])
         common = (idx, len_arg)
-        if compute_dkv and deterministic:  # where the kernel stores this chunk's pieces, in the kernel's stream
-            with torch.cuda.stream(streams[0]) if partition else contextlib.nullcontext():
-                plan = dkv_reduce_plan(reduce_keys, k_slots, row0, rows, by_key)
-            if reduce_side:  # read by the reduction on the other stream
-                for t in plan:
-                    t.record_stream(streams[1])
-        pos_arg = plan.pos if plan is not None else idx  # read in deterministic mode only
         ds_args = (q, kv2d, dout, *common, lse2, delta, p_buf, ds_buf, row0, num_keys, k_slots, softmax_scale,
                    softmax_scale * LOG2E)  # fmt: skip
         if fused and ds_sm90[0] == "fused_ws":
@@ -614,8 +595,8 @@ def sparse_mla_bwd(
                                                reserve_sms=reserve_sms)  # fmt: skip
             with torch.cuda.stream(streams[0]) if partition else contextlib.nullcontext():
                 ws.sparse_mla_bwd_sm90_ws_kernel[(programs,)](
-                    q, kv2d, dout, out, *common, lse2, delta, ds_buf, contrib if deterministic else dkv_acc, pos_arg,
-                    row0, rows, num_keys, k_slots, softmax_scale, softmax_scale * LOG2E, H=num_heads, D_V=d_v, D_R=d_r,
+                    q, kv2d, dout, out, *common, lse2, delta, ds_buf, contrib if deterministic else dkv_acc, row0, rows,
+                    num_keys, k_slots, softmax_scale, softmax_scale * LOG2E, H=num_heads, D_V=d_v, D_R=d_r,
                     HAS_LEN=topk_length is not None, DETERMINISTIC=deterministic, REGS_PROB=ws.WS_BWD_NUM_REGS[0],
                     REGS_PRODUCER=ws.WS_BWD_NUM_REGS[1], PREFETCH_IDX=ws.WS_BWD_PREFETCH_IDX,
                     STAGED_DS=ws.WS_BWD_STAGED_DS, RUN=run, num_warps=4, maxnreg=ws.WS_BWD_MAXNREG,
@@ -624,8 +605,8 @@ def sparse_mla_bwd(
             from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sparse_mla_bwd_sm90_kernel_ds_dkv
 
             sparse_mla_bwd_sm90_kernel_ds_dkv[(rows * triton.cdiv(num_heads, 64),)](
-                q, kv2d, dout, *common, lse2, delta, ds_buf, contrib if deterministic else dkv_acc, pos_arg, row0,
-                num_keys, k_slots, softmax_scale, softmax_scale * LOG2E, H=num_heads, D_V=d_v, D_R=d_r,
+                q, kv2d, dout, *common, lse2, delta, ds_buf, contrib if deterministic else dkv_acc, row0, num_keys,
+                k_slots, softmax_scale, softmax_scale * LOG2E, H=num_heads, D_V=d_v, D_R=d_r,
                 HAS_LEN=topk_length is not None, DETERMINISTIC=deterministic, num_warps=8,
             )  # fmt: skip
         elif ds_sm90 is not None:
@@ -647,7 +628,7 @@ def sparse_mla_bwd(
                 _dq_sm90(dq_sm90, kv2d, common, ds_buf, dq, row0, rows, num_keys, k_slots, num_heads, d_v, d_r,
                          topk_length is not None)  # fmt: skip
                 if reduce_side:
-                    dkv_reduce_chunk(plan, contrib, dkv_acc, rows, k_slots, d_qk, n_hb[2], batch)
+                    dkv_reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2], batch)
                 dq_done.append(torch.cuda.Event())
                 dq_done[-1].record(side)
         elif dq_sm90 is not None:
@@ -659,11 +640,11 @@ def sparse_mla_bwd(
                 (kv2d, *common, ds_buf, dq, row0, num_keys, k_slots), dict(dims, BLOCK_H=bh[1]), cfg_dq,
             )  # fmt: skip
         if fused and deterministic and compute_dkv and not reduce_side:
-            dkv_reduce_chunk(plan, contrib, dkv_acc, rows, k_slots, d_qk, n_hb[2], batch)
+            dkv_reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2], batch)
         if not compute_dkv or fused:
             continue
         target = contrib if deterministic else dkv_acc
-        dkv_args = (q, dout, *common, p_buf, ds_buf, target, pos_arg, row0, num_keys, k_slots)
+        dkv_args = (q, dout, *common, p_buf, ds_buf, target, row0, num_keys, k_slots)
         reset = None if deterministic else ["dkv_ptr"]
         meta = dict(dims, BLOCK_H=bh[2], NUM_VC=_num_value_chunks(block_dv // col_groups), COL_GROUPS=col_groups,
                     PART=0 if col_groups == 1 else 1, DETERMINISTIC=deterministic)  # fmt: skip
@@ -674,7 +655,7 @@ def sparse_mla_bwd(
             grid = (1, rows * n_hb[2])
             _launch("dkv", sparse_mla_bwd_kernel_dkv, _DKV_CANDIDATES, grid, dkv_args, meta, cfg_dkv, reset)
         if deterministic:
-            dkv_reduce_chunk(plan, contrib, dkv_acc, rows, k_slots, d_qk, n_hb[2], batch)
+            dkv_reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2], batch)
     if streams is not None:  # dq is complete before anything after the backward reads it (or frees the buffers)
         streams[0].wait_stream(streams[1])
     dsink = None
@@ -713,13 +694,6 @@ def _partition_sms(device: torch.device) -> int:
 
 
 _SIDE_STREAMS: dict[tuple[int, str], torch.cuda.Stream] = {}
-
-
-def _piece_order() -> str:
-    """:data:`DET_PIECE_ORDER`, checked at each call."""
-    if DET_PIECE_ORDER not in DET_PIECE_ORDERS:
-        raise ValueError(f"sparse_mla_bwd.DET_PIECE_ORDER must be one of {DET_PIECE_ORDERS}, got {DET_PIECE_ORDER!r}")
-    return DET_PIECE_ORDER
 
 
 def _piece_dtype() -> torch.dtype:

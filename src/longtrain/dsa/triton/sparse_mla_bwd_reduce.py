@@ -1,20 +1,12 @@
-"""The deterministic sparse MLA backward's reduction of dkv: each row chunk's per-slot pieces (fp32 or bf16, stored
-by the probabilities + dkv kernel) summed key by key in a fixed order, without atomics, onto the running dkv, so the
-result is the same bit for bit on every run, row chunk and schedule.
-
-:func:`dkv_reduce_keys` forms the sort keys once per backward. Per row chunk, :func:`dkv_reduce_plan` (before the
-kernel: a stable sort of the chunk's keys and a search) says where the kernel stores each slot's pieces (``pos``) and
-in which order the reduction reads them (``order``), and :func:`dkv_reduce_chunk` (after it) launches
-``sparse_mla_bwd_kernel_dkv_reduce``. Two layouts, the same sums bit for bit: ``by_key=False`` stores the pieces in
-``(row, slot)`` order and reads each key's run through the sort's permutation (scattered reads); ``by_key=True``
-stores them at their sorted positions, so each key's run is read as one contiguous block. The knobs stay in
-:mod:`longtrain.dsa.triton.sparse_mla_bwd` (``DKV_REDUCE_BATCH`` arrives here as ``batch``, ``DET_PIECE_ORDER`` as
-``by_key``).
+"""The deterministic sparse MLA backward's reduction of dkv: each row chunk's per-slot pieces (stored by the
+probabilities + dkv kernel in ``(row, slot, head block)`` order, fp32 or bf16) summed key by key in a fixed order,
+without atomics, onto the running dkv, so the result is the same bit for bit on every run, row chunk and schedule.
+:func:`dkv_reduce_keys` forms the sort keys once per backward, :func:`dkv_reduce_chunk` reduces one chunk (a stable
+sort, a search, one launch of ``sparse_mla_bwd_kernel_dkv_reduce``). The knobs stay in
+:mod:`longtrain.dsa.triton.sparse_mla_bwd` (``DKV_REDUCE_BATCH`` arrives here as ``batch``).
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import triton
@@ -22,7 +14,7 @@ import triton.language as tl
 
 from longtrain.dsa.triton._common import next_pow2
 
-__all__ = ["ReducePlan", "dkv_reduce_chunk", "dkv_reduce_keys", "dkv_reduce_plan", "sparse_mla_bwd_kernel_dkv_reduce"]
+__all__ = ["dkv_reduce_chunk", "dkv_reduce_keys", "sparse_mla_bwd_kernel_dkv_reduce"]
 
 
 @triton.jit(do_not_specialize=["num_keys"])
@@ -81,39 +73,18 @@ def dkv_reduce_keys(
     return keys, torch.arange(num_keys + 1, device=idx.device, dtype=dtype)
 
 
-class ReducePlan(NamedTuple):
-    """One row chunk's layout of pieces: slot ``i`` of the chunk (``row_local * K + slot``) stores its head blocks'
-    pieces at rows ``pos[i] * NUM_HB + hb``; key ``j``'s pieces are read from ``order[run_start[j] : run_start[j +
-    1]]`` (each times ``NUM_HB`` plus its head blocks), in ascending ``(row, slot)`` order."""
-
-    pos: torch.Tensor  # [rows * K] int32
-    order: torch.Tensor  # [rows * K] int64
-    run_start: torch.Tensor  # [num_keys + 1]
-
-
-def dkv_reduce_plan(reduce_keys, k_slots: int, row0: int, rows: int, by_key: bool) -> ReducePlan:
-    """The layout of rows ``[row0, row0 + rows)``'s pieces (:class:`ReducePlan`): a stable sort of their keys (from
-    :func:`dkv_reduce_keys`), so each key's slots keep ``(row, slot)`` order. ``by_key``: pieces stored at their
-    sorted positions (``pos`` the sort's inverse, ``order`` the identity), else at their slots (``pos`` the identity,
-    ``order`` the sort's permutation)."""
+def dkv_reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, num_hb, batch) -> None:
+    """Sum one row chunk's per-slot dkv pieces key by key, in a fixed order (no atomics): each key's slots in
+    ascending ``(row, slot)`` order (a stable sort of the chunk's keys, ``reduce_keys`` from :func:`dkv_reduce_keys`),
+    each key row summed by one program."""
     keys, key_ids = reduce_keys
-    sorted_keys, perm = torch.sort(keys[row0 * k_slots : (row0 + rows) * k_slots], stable=True)
+    num_keys = dkv_acc.shape[0]
+    sorted_keys, order = torch.sort(keys[row0 * k_slots : (row0 + rows) * k_slots], stable=True)
     # Key j's run is [run_start[j], run_start[j + 1]): the first sorted position of each key 0..num_keys.
     run_start = torch.searchsorted(sorted_keys, key_ids)
-    ident = torch.arange(perm.numel(), device=perm.device)
-    if by_key:
-        pos = torch.empty(perm.numel(), dtype=torch.int32, device=perm.device).index_put_((perm,), ident.int())
-        return ReducePlan(pos, ident, run_start)
-    return ReducePlan(ident.int(), perm, run_start)
-
-
-def dkv_reduce_chunk(plan: ReducePlan, contrib, dkv_acc, rows, k_slots, d_qk, num_hb, batch) -> None:
-    """Sum one row chunk's per-slot dkv pieces (laid out by ``plan``) key by key, in a fixed order (no atomics): each
-    key's slots in ascending ``(row, slot)`` order, each key row summed by one program."""
-    num_keys = dkv_acc.shape[0]
     # At most one program per key and per slot: a chunk selects at most rows * K distinct keys.
     grid = (max(1, min(num_keys, rows * k_slots)),)
     sparse_mla_bwd_kernel_dkv_reduce[grid](
-        contrib, plan.order, plan.run_start, dkv_acc, num_keys, D_QK=d_qk, BLOCK_D=min(1024, next_pow2(d_qk)),
-        NUM_HB=num_hb, BATCH=batch, num_warps=4,
+        contrib, order, run_start, dkv_acc, num_keys, D_QK=d_qk, BLOCK_D=min(1024, next_pow2(d_qk)), NUM_HB=num_hb,
+        BATCH=batch, num_warps=4,
     )  # fmt: skip

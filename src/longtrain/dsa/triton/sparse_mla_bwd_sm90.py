@@ -228,7 +228,7 @@ def _dkv_out(ptrs, value, mask, DETERMINISTIC: gl.constexpr):
 
 @gluon.jit(do_not_specialize=["row_offset", "T_k", "K_slots"])
 def sparse_mla_bwd_sm90_kernel_ds_dkv(
-    q_ptr, kv_ptr, dout_ptr, idx_ptr, len_ptr, lse2_ptr, delta_ptr, ds_ptr, dkv_ptr, pos_ptr,
+    q_ptr, kv_ptr, dout_ptr, idx_ptr, len_ptr, lse2_ptr, delta_ptr, ds_ptr, dkv_ptr,
     row_offset, T_k, K_slots, sm_scale, qk_scale,
     H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr, DETERMINISTIC: gl.constexpr,
     num_warps: gl.constexpr,
@@ -246,8 +246,8 @@ def sparse_mla_bwd_sm90_kernel_ds_dkv(
 
     The next tile's gather is issued into the freed buffer before step 3, so it runs under the dkv matmuls and
     atomics. ``DETERMINISTIC``: each slot's dkv piece is stored instead, at scratch row
-    ``pos[t_local * K_slots + slot] * NUM_HB + hb`` of ``dkv_ptr`` (the dkv kernel's deterministic layout, summed per
-    key in a fixed order by ``sparse_mla_bwd_kernel_dkv_reduce``; ``pos``: ``sparse_mla_bwd_reduce.ReducePlan``).
+    ``(t_local * K_slots + slot) * NUM_HB + hb`` of ``dkv_ptr`` (the dkv kernel's deterministic layout, summed per key
+    in a fixed order by ``sparse_mla_bwd_kernel_dkv_reduce``).
     """
     BLOCK_K: gl.constexpr = 64
     D_QK: gl.constexpr = D_V + D_R
@@ -362,8 +362,7 @@ def sparse_mla_bwd_sm90_kernel_ds_dkv(
 
         if DETERMINISTIC:  # this row's slots in the per-slot scratch (one row per slot and head block)
             slots = k0 + gl.arange(0, BLOCK_K, layout=row_d)
-            slot_pos = gl.load(pos_ptr + t_local * K_slots + slots, mask=slots < n_slots, other=0).to(gl.int64)
-            rows = (slot_pos * NUM_HB + hb) * D_QK  # [BLOCK_K]
+            rows = ((t_local * K_slots + slots.to(gl.int64)) * NUM_HB + hb) * D_QK  # [BLOCK_K]
         else:
             rows = gl.where(valid_d, keys, 0).to(gl.int64) * D_QK  # [BLOCK_K]
         acc = warpgroup_mma(a2, a_v.slice(0, HALF, dim=1), dv_zero, use_acc=False, is_async=True)  # [BLOCK_K, HALF]

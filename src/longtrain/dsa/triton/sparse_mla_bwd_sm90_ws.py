@@ -3,7 +3,7 @@ producer warpgroup for the gathers, one warpgroup for the probabilities and one 
 
 Same contract as :func:`longtrain.dsa.triton.sparse_mla_bwd_sm90.sparse_mla_bwd_sm90_kernel_ds_dkv` (one item
 per (query row, block of 64 heads); ``dS`` stored for the dq kernel; ``dkv[idx] += [dS; P]^T [Q; dO 0]`` with fp32
-atomics, or each slot's piece stored in deterministic mode at scratch row ``pos[t_local * K_slots + slot] * NUM_HB +
+atomics, or each slot's piece stored in deterministic mode at scratch row ``(t_local * K_slots + slot) * NUM_HB +
 hb``). The two-warpgroup kernel runs each step in lockstep (wgmma, softmax, transpose, wgmma, atomics), so the
 tensor cores wait while the atomics drain and the atomics wait while the tensor cores work. Here the roles run on
 different warps:
@@ -124,7 +124,7 @@ def _producer(ptrs, sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexp
               HAS_LEN: gl.constexpr, RUN: gl.constexpr, PREFETCH_IDX: gl.constexpr):  # fmt: skip
     """Worker partition: per item, its first tile, delta, then ``[Q_v; dO]`` and ``Q_r`` column chunk by column chunk
     as the previous item's last tile releases them, then the item's other tiles."""
-    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr, pos_ptr = ptrs
+    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr = ptrs
     row_offset, n_rows, T_k, K_slots, sm_scale, qk_scale = sc
     s_v, q_r, v_buf, r_buf, y_smem, delta_smem, ready, free, y_ready, y_free, q_ready, col_free, delta_bar = sm
     s_v, q_r, v_buf, r_buf = s_v.index(0), q_r.index(0), v_buf.index(0), r_buf.index(0)
@@ -217,7 +217,7 @@ def _row_delta(o_row, do_row, hb, H: gl.constexpr, D_V: gl.constexpr):
 def _probabilities(ptrs, sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr,
                    HAS_LEN: gl.constexpr, RUN: gl.constexpr, STAGED_DS: gl.constexpr):  # fmt: skip
     """Worker partition: per tile, ``S`` and ``dP``, then ``P`` and ``dS``; ``dS`` stored, ``[dS; P]`` handed over."""
-    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr, pos_ptr = ptrs
+    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr = ptrs
     row_offset, n_rows, T_k, K_slots, sm_scale, qk_scale = sc
     s_v, q_r, v_buf, r_buf, y_smem, delta_smem, ready, free, y_ready, y_free, q_ready, col_free, delta_bar = sm
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -321,7 +321,7 @@ def _dkv(ptrs, sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BL
     row segments through the ``[dS; P]`` buffer (read into registers first, released at the end of the tile) and
     added. On an item's last tile each column chunk of ``[Q_v; dO]`` (and ``Q_r``) goes back to the producer as soon
     as its wgmma has read it."""
-    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr, pos_ptr = ptrs
+    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr = ptrs
     row_offset, n_rows, T_k, K_slots, sm_scale, qk_scale = sc
     s_v, q_r, v_buf, r_buf, y_smem, delta_smem, ready, free, y_ready, y_free, q_ready, col_free, delta_bar = sm
     s_v, q_r = s_v.index(0), q_r.index(0)
@@ -352,8 +352,7 @@ def _dkv(ptrs, sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BL
             keys, valid = _load_idx(idx_row, k0, n_slots, T_k, BLOCK_K, row_c)  # [BLOCK_K] x 2
             if DETERMINISTIC:  # this row's slots in the per-slot scratch (one row per slot and head block)
                 slots = k0 + gl.arange(0, BLOCK_K, layout=row_c)
-                slot_pos = gl.load(pos_ptr + t_local * K_slots + slots, mask=slots < n_slots, other=0).to(gl.int64)
-                rows = (slot_pos * NUM_HB + hb) * D_QK  # [BLOCK_K]
+                rows = ((t_local * K_slots + slots.to(gl.int64)) * NUM_HB + hb) * D_QK  # [BLOCK_K]
             else:
                 rows = gl.where(valid, keys, 0).to(gl.int64) * D_QK  # [BLOCK_K]
             mbarrier.wait(y_ready, r & 1)
@@ -402,7 +401,7 @@ def _dkv(ptrs, sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BL
 
 @gluon.jit(do_not_specialize=["row_offset", "n_rows", "T_k", "K_slots"])
 def sparse_mla_bwd_sm90_ws_kernel(
-    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, lse2_ptr, delta_ptr, ds_ptr, dkv_ptr, pos_ptr,
+    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, lse2_ptr, delta_ptr, ds_ptr, dkv_ptr,
     row_offset, n_rows, T_k, K_slots, sm_scale, qk_scale,
     H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr, DETERMINISTIC: gl.constexpr,
     REGS_PROB: gl.constexpr, REGS_PRODUCER: gl.constexpr, num_warps: gl.constexpr, PREFETCH_IDX: gl.constexpr = False,
@@ -449,7 +448,7 @@ def sparse_mla_bwd_sm90_ws_kernel(
         mbarrier.init(col_free.index(c), count=1)  # the dkv warpgroup, once the item's last tile has read the chunk
     mbarrier.init(delta_bar, count=1)  # the producer, once delta is in shared memory
 
-    ptrs = (q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr, pos_ptr)
+    ptrs = (q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr)
     sc = (row_offset, n_rows, T_k, K_slots, sm_scale, qk_scale)
     sm = (s_v, q_r, v_buf, r_buf, y_smem, delta_smem, ready, free, y_ready, y_free, q_ready, col_free, delta_bar)
     gl.warp_specialize(
