@@ -29,7 +29,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 BF16_PIECES = False  # --bf16-pieces: also the bf16 pieces' variants
-REDUCE_PROGRAMS = False  # --reduce-programs: the dq kernel beside a reduction of fewer programs per SM
 
 
 def _variants() -> dict[str, tuple[bool, dict]]:
@@ -39,27 +38,6 @@ def _variants() -> dict[str, tuple[bool, dict]]:
         "deterministic, per-slot scratch (default size)": (True, {}),
         "deterministic, per-slot scratch 2 GiB": (True, {"DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 29}),
     }
-    if REDUCE_PROGRAMS:
-        bf16 = {"DET_PIECES": "bf16", "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 30}
-        beside = {"DQ_OVERLAP": "high"}
-        variants["deterministic, dq beside the reduction (2 programs per SM)"] = (
-            True,
-            {**beside, "DKV_REDUCE_PROGRAMS_PER_SM": 2},
-        )
-        variants["deterministic, bf16 pieces 2 GiB"] = (True, bf16)
-        variants["deterministic, bf16 pieces 2 GiB, reduction 2 programs per SM"] = (
-            True,
-            {**bf16, "DKV_REDUCE_PROGRAMS_PER_SM": 2},
-        )
-        variants["deterministic, bf16 pieces 2 GiB, dq beside the reduction (one program per key)"] = (
-            True,
-            {**bf16, **beside},
-        )
-        for n in (1, 2, 4):
-            variants[f"deterministic, bf16 pieces 2 GiB, dq beside the reduction ({n} programs per SM)"] = (
-                True,
-                {**bf16, **beside, "DKV_REDUCE_PROGRAMS_PER_SM": n},
-            )
     if BF16_PIECES:
         bf16 = {"DET_PIECES": "bf16"}
         side = {"DQ_OVERLAP": "high", "DET_REDUCE_OVERLAP": True}
@@ -133,11 +111,7 @@ if __name__ == "__main__":
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--case", action="append", default=None, help="T,H,K (repeatable); default: four shapes")
     parser.add_argument("--bf16-pieces", action="store_true", help="also the bf16 pieces (DET_PIECES) variants")
-    parser.add_argument("--reduce-programs", action="store_true",
-                        help="also the dq kernel on a second stream beside a reduction of fewer programs per SM "
-                             "(DQ_OVERLAP, DKV_REDUCE_PROGRAMS_PER_SM)")  # fmt: skip
     args = parser.parse_args()
     BF16_PIECES = args.bf16_pieces
-    REDUCE_PROGRAMS = args.reduce_programs
     chosen = [tuple(int(x) for x in c.split(",")) for c in args.case] if args.case else list(CASES)
     main(args.out_dir, chosen)

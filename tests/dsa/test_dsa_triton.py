@@ -318,23 +318,20 @@ def triton_head_blocks(heads: int) -> int:
 
 
 @pytest.mark.parametrize(
-    "num_hb,row0,with_len,num_keys,batch,pieces,programs",
-    [(1, 0, False, 7, 1, torch.float32, None), (2, 3, True, 7, 1, torch.float32, None),
-     (3, 1, True, 7, 1, torch.float32, 2), (1, 2, True, 40000, 1, torch.float32, None),
-     (1, 0, False, 7, 8, torch.float32, None), (2, 3, True, 7, 4, torch.bfloat16, 3),
-     (1, 1, True, 7, 1, torch.bfloat16, 1)],
-    ids=["hb1", "hb2-row3-len", "hb3-row1-len-2-programs", "hb1-int32-keys", "hb1-batch8", "hb2-batch4-bf16-3-programs",
-         "bf16-1-program"],
+    "num_hb,row0,with_len,num_keys,batch,pieces",
+    [(1, 0, False, 7, 1, torch.float32), (2, 3, True, 7, 1, torch.float32), (3, 1, True, 7, 1, torch.float32),
+     (1, 2, True, 40000, 1, torch.float32), (1, 0, False, 7, 8, torch.float32), (2, 3, True, 7, 4, torch.bfloat16),
+     (1, 1, True, 7, 1, torch.bfloat16)],
+    ids=["hb1", "hb2-row3-len", "hb3-row1-len", "hb1-int32-keys", "hb1-batch8", "hb2-batch4-bf16", "bf16"],
 )  # fmt: skip
 def test_deterministic_reduce_sums_each_key_in_row_slot_order(
-    triton_interpret, monkeypatch, num_hb, row0, with_len, num_keys, batch, pieces, programs
+    triton_interpret, monkeypatch, num_hb, row0, with_len, num_keys, batch, pieces
 ):
     """The deterministic mode's reduction of one row chunk equals, bit for bit, a sequential fp32 sum per key over
     the chunk's valid slots in ascending (row, slot) order, each slot's head-block pieces in order, onto the running
     dkv, with int16 sort keys up to 32767 keys and int32 past them, whatever the slots read at a time
     (``DKV_REDUCE_BATCH``; runs longer and shorter than the batch) and with bf16 pieces (each added as its fp32
-    value) and whatever the programs' count (each takes every G-th key; ``DKV_REDUCE_PROGRAMS_PER_SM``); slots past the
-    length, negative or past the last key add nothing, and unselected keys keep their value."""
+    value); slots past the length, negative or past the last key add nothing, and unselected keys keep their value."""
     from longtrain.dsa.triton import sparse_mla_bwd as smb
     from longtrain.dsa.triton.sparse_mla_bwd import _reduce_batch
     from longtrain.dsa.triton.sparse_mla_bwd_reduce import dkv_reduce_chunk, dkv_reduce_keys
@@ -364,32 +361,8 @@ def test_deterministic_reduce_sums_each_key_in_row_slot_order(
                 expected[key] += contrib[(t * K + s) * num_hb + hb].float()
     reduce_keys = dkv_reduce_keys(idx, length, num_keys)
     assert reduce_keys[0].dtype == (torch.int16 if num_keys <= 32767 else torch.int32)
-    dkv_reduce_chunk(reduce_keys, K, contrib, dkv, row0, rows, d_qk, num_hb, _reduce_batch(pieces), programs)
+    dkv_reduce_chunk(reduce_keys, K, contrib, dkv, row0, rows, d_qk, num_hb, _reduce_batch(pieces))
     assert torch.equal(dkv, expected)
-
-
-def test_deterministic_reduce_programs_knob(triton_interpret, monkeypatch):
-    """``DKV_REDUCE_PROGRAMS_PER_SM``: None (the default) launches one program per key row; an int gives that many per
-    SM (on CPU under the interpreter, that many in all) and the gradients stay the same bit for bit; anything else is
-    a ValueError naming the knob."""
-    import longtrain.dsa.triton.sparse_mla_bwd as smb
-
-    assert smb.DKV_REDUCE_PROGRAMS_PER_SM is None and smb._reduce_programs(torch.device("cpu")) is None
-    monkeypatch.setattr(smb, "sm_count", lambda device: 132)
-    monkeypatch.setattr(smb, "DKV_REDUCE_PROGRAMS_PER_SM", 4)
-    assert smb._reduce_programs(torch.device("cuda", 0)) == 528 and smb._reduce_programs(torch.device("cpu")) == 4
-    q, kv, idx = _mla_inputs(6, 4, 48, 9, 24, seed=29)
-    idx[:, 3:9] = 4  # many contributions to one key, from every row
-    length = torch.tensor([24, 7, 0, 20, 24, 1])
-    monkeypatch.setattr(smb, "DKV_REDUCE_PROGRAMS_PER_SM", None)
-    _, one_per_key = _check_against_reference(q, kv, idx, 0.3, d_v=32, topk_length=length, det=True)
-    monkeypatch.setattr(smb, "DKV_REDUCE_PROGRAMS_PER_SM", 2)
-    _, two = _check_against_reference(q, kv, idx, 0.3, d_v=32, topk_length=length, det=True)
-    assert torch.equal(one_per_key[0], two[0]) and torch.equal(one_per_key[1], two[1])
-    for bad in (0, -1, True, 2.0, "4"):
-        monkeypatch.setattr(smb, "DKV_REDUCE_PROGRAMS_PER_SM", bad)
-        with pytest.raises(ValueError, match=r"DKV_REDUCE_PROGRAMS_PER_SM must be None \(one program per key row\)"):
-            _check_against_reference(q, kv, idx, 0.3, d_v=32, topk_length=length, det=True)
 
 
 def test_deterministic_reduce_batch_default_follows_the_pieces(monkeypatch):

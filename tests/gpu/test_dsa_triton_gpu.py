@@ -284,10 +284,9 @@ def _ws_forward_case(T, H, K, with_sink, seed):
      (600, 64, 700, True, "high", 8, True), (300, 128, 520, False, "same", 3, False),
      (300, 128, 520, True, "high", 5, True), (5, 64, 64, False, "high", 4, False),
      (600, 64, 2048, False, "partition", 4, False), (600, 64, 700, True, "partition", 8, False),
-     (300, 128, 520, True, "partition", 5, False), (600, 64, 700, True, "high", 8, 2),
-     (300, 128, 520, True, "high", 5, 1)],
+     (300, 128, 520, True, "partition", 5, False)],
     ids=["64", "64-det", "64-det-reduce", "H128-same", "H128-det-reduce", "fewer-rows-than-chunks", "64-partition",
-         "64-det-partition", "H128-det-partition", "64-det-2-reduce-programs", "H128-det-1-reduce-program"],
+         "64-det-partition", "H128-det-partition"],
 )  # fmt: skip
 def test_backward_dq_overlap_equals_one_stream(monkeypatch, T, H, K, deterministic, overlap, chunks, reduce):
     """Each row chunk's dq kernel on a second stream beside the next chunk's probabilities + dkv kernel
@@ -298,14 +297,10 @@ def test_backward_dq_overlap_equals_one_stream(monkeypatch, T, H, K, determinist
     for bit in deterministic mode), over rows without slots, ragged lengths and invalid and repeated indices; the
     result is ready on the caller's stream (read there at once), and more chunks than the two buffers are exercised
     (a buffer is written again only after the second stream's work of its earlier chunk has read it). A bad mode is
-    a ValueError. An int ``reduce`` (not a bool) keeps the reduction on the caller's stream with that many programs per
-    SM (``DKV_REDUCE_PROGRAMS_PER_SM``), the dq kernel beside it."""
+    a ValueError."""
     from longtrain.dsa.triton import sparse_mla_bwd as smb
     from longtrain.dsa.triton import sparse_mla_triton
 
-    if not isinstance(reduce, bool):
-        monkeypatch.setattr(smb, "DKV_REDUCE_PROGRAMS_PER_SM", reduce)
-        reduce = False
     q, kv, idx, length, dout = _bwd_case(T, 2048, H, K, T + H + K + 47, bad_row=min(3, T - 1))
     # Chunks of a few SM waves' rows at most, so that several chunks run even at these sizes.
     monkeypatch.setattr(smb, "PDS_SCRATCH_BYTES", 4 * H * K * 2)

@@ -57,7 +57,6 @@ __all__ = [
     "DET_REDUCE_OVERLAP",
     "DKV_COL_GROUPS",
     "DKV_REDUCE_BATCH",
-    "DKV_REDUCE_PROGRAMS_PER_SM",
     "DQ_OVERLAP",
     "DQ_OVERLAP_MIN_CHUNKS",
     "DQ_OVERLAP_MODES",
@@ -126,11 +125,6 @@ DET_PIECES_MODES = ("fp32", "bf16")
 #: 1 with fp32 pieces (1 and 8 equally fast there, ``dsa_bwd_deterministic_e86ec88_h100_2026-12-06.md``). Read at each
 #: call.
 DKV_REDUCE_BATCH: int | None = None
-#: Programs per SM of the deterministic reduction (each takes every G-th key row), or ``None``: one program per key
-#: row the chunk can select (thousands per SM). Fewer programs leave room on each SM for another stream's kernels: with
-#: :data:`DQ_OVERLAP`, the dq kernel beside the reduction. The sums do not depend on it. Read at each call (on CPU,
-#: under the interpreter, this many programs in all).
-DKV_REDUCE_PROGRAMS_PER_SM: int | None = None
 
 
 @triton.jit
@@ -578,7 +572,6 @@ def sparse_mla_bwd(
     if compute_dkv and deterministic:
         piece_dtype = _piece_dtype()
         batch = _reduce_batch(piece_dtype)
-        reduce_programs = _reduce_programs(dev)
         contribs = [torch.empty((rows_per_chunk * k_slots * n_hb[2], d_qk), dtype=piece_dtype, device=dev)
                     for _ in range(2 if reduce_side else 1)]  # fmt: skip
         contrib = contribs[0]
@@ -635,8 +628,7 @@ def sparse_mla_bwd(
                 _dq_sm90(dq_sm90, kv2d, common, ds_buf, dq, row0, rows, num_keys, k_slots, num_heads, d_v, d_r,
                          topk_length is not None)  # fmt: skip
                 if reduce_side:
-                    dkv_reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2], batch,
-                                     reduce_programs)  # fmt: skip
+                    dkv_reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2], batch)
                 dq_done.append(torch.cuda.Event())
                 dq_done[-1].record(side)
         elif dq_sm90 is not None:
@@ -648,8 +640,7 @@ def sparse_mla_bwd(
                 (kv2d, *common, ds_buf, dq, row0, num_keys, k_slots), dict(dims, BLOCK_H=bh[1]), cfg_dq,
             )  # fmt: skip
         if fused and deterministic and compute_dkv and not reduce_side:
-            dkv_reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2], batch,
-                             reduce_programs)  # fmt: skip
+            dkv_reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2], batch)
         if not compute_dkv or fused:
             continue
         target = contrib if deterministic else dkv_acc
@@ -664,8 +655,7 @@ def sparse_mla_bwd(
             grid = (1, rows * n_hb[2])
             _launch("dkv", sparse_mla_bwd_kernel_dkv, _DKV_CANDIDATES, grid, dkv_args, meta, cfg_dkv, reset)
         if deterministic:
-            dkv_reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2], batch,
-                             reduce_programs)  # fmt: skip
+            dkv_reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2], batch)
     if streams is not None:  # dq is complete before anything after the backward reads it (or frees the buffers)
         streams[0].wait_stream(streams[1])
     dsink = None
@@ -741,17 +731,6 @@ def _whole_waves(num_tokens: int, rows: int, programs_per_row: int, device: torc
     step = sms // math.gcd(sms, programs_per_row)
     per_chunk = triton.cdiv(num_tokens, triton.cdiv(num_tokens, rows))
     return triton.cdiv(per_chunk, step) * step
-
-
-def _reduce_programs(device: torch.device) -> int | None:
-    """The deterministic reduction's program count from :data:`DKV_REDUCE_PROGRAMS_PER_SM` (checked), or None."""
-    per_sm = DKV_REDUCE_PROGRAMS_PER_SM
-    if per_sm is None:
-        return None
-    if not isinstance(per_sm, int) or isinstance(per_sm, bool) or per_sm < 1:
-        raise ValueError(f"sparse_mla_bwd.DKV_REDUCE_PROGRAMS_PER_SM must be None (one program per key row) or an "
-                         f"int >= 1, got {per_sm!r}")  # fmt: skip
-    return per_sm * (sm_count(device) if device.type == "cuda" else 1)  # the interpreter: per_sm programs
 
 
 def _reduce_batch(piece_dtype: torch.dtype) -> int:

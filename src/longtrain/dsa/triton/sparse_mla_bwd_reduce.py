@@ -73,23 +73,17 @@ def dkv_reduce_keys(
     return keys, torch.arange(num_keys + 1, device=idx.device, dtype=dtype)
 
 
-def dkv_reduce_chunk(
-    reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, num_hb, batch, max_programs: int | None = None
-) -> None:
+def dkv_reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, num_hb, batch) -> None:
     """Sum one row chunk's per-slot dkv pieces key by key, in a fixed order (no atomics): each key's slots in
     ascending ``(row, slot)`` order (a stable sort of the chunk's keys, ``reduce_keys`` from :func:`dkv_reduce_keys`),
-    each key row summed by one program, which takes every ``G``-th key for ``G`` programs: at most ``max_programs``
-    of them (None: one per key that the chunk can select). The sums do not depend on ``G``."""
+    each key row summed by one program."""
     keys, key_ids = reduce_keys
     num_keys = dkv_acc.shape[0]
     sorted_keys, order = torch.sort(keys[row0 * k_slots : (row0 + rows) * k_slots], stable=True)
     # Key j's run is [run_start[j], run_start[j + 1]): the first sorted position of each key 0..num_keys.
     run_start = torch.searchsorted(sorted_keys, key_ids)
     # At most one program per key and per slot: a chunk selects at most rows * K distinct keys.
-    programs = min(num_keys, rows * k_slots)
-    if max_programs is not None:
-        programs = min(programs, max_programs)
-    grid = (max(1, programs),)
+    grid = (max(1, min(num_keys, rows * k_slots)),)
     sparse_mla_bwd_kernel_dkv_reduce[grid](
         contrib, order, run_start, dkv_acc, num_keys, D_QK=d_qk, BLOCK_D=min(1024, next_pow2(d_qk)), NUM_HB=num_hb,
         BATCH=batch, num_warps=4,
