@@ -2,7 +2,7 @@
 # H200 runs in one call of at most ~9 minutes, run from the repository root on the GPU machine. Logs and reports go
 # under $OUT/queue, tarred into $OUT/queue.tgz at the end (one file comes back).
 #
-#   LONGTRAIN_COMMIT=$(git log -1 --format=%h) bash benchmarks/device_queue.sh [indexer|mla|bars|det|overlap|partition]
+#   LONGTRAIN_COMMIT=$(git log -1 --format=%h) bash benchmarks/device_queue.sh [indexer|mla|bars|det|overlap|partition|rsweep]
 #
 # indexer (default): GPU tests of the indexer, compute-sanitizer memcheck, the SM90 scoring kernel's sweep of
 #   dsa_indexer_variants.py (INDEXER_SWEEP=defaults: the selection settings' sweep instead) and dsa.py's indexer
@@ -22,6 +22,8 @@
 # partition: the SM partition (sparse_mla_bwd.DQ_OVERLAP = "partition", about 6 minutes): the overlap GPU tests,
 #   dsa_bwd_ws.py --partition at three of issue 17's shapes (the deterministic mode at the first), and memcheck
 #   with PARTITION_MEMCHECK=1.
+# rsweep: the deterministic reduction's slots at a time and warps per program with bf16 pieces and 2 GiB
+#   (dsa_bwd_deterministic.py --reduce-sweep at issue 17's four shapes, about 2 minutes).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -81,8 +83,10 @@ case "${1:-indexer}" in
     run dsa_bwd_partition 280 benchmarks/dsa_bwd_ws.py --partition --rounds 2 --det-shapes 1 \
       --shapes "16384,64,2048;4096,128,512;4096,64,2048" --out-dir "$Q"
     [ -n "${PARTITION_MEMCHECK:-}" ] && memcheck 80 benchmarks/dsa_bwd_ws.py ;;
+  rsweep)
+    run dsa_bwd_det_rsweep 300 benchmarks/dsa_bwd_deterministic.py --reduce-sweep --out-dir "$Q" ;;
   *)
-    echo "usage: $0 [indexer|mla|bars|det|overlap|partition]"; exit 2 ;;
+    echo "usage: $0 [indexer|mla|bars|det|overlap|partition|rsweep]"; exit 2 ;;
 esac
 tar czf "$OUT/queue.tgz" -C "$OUT" queue && rm -rf "$Q"
 echo "done after $(since)"

@@ -29,6 +29,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 BF16_PIECES = False  # --bf16-pieces: also the bf16 pieces' variants
+REDUCE_SWEEP = False  # --reduce-sweep: the reduction's slots at a time and warps, with bf16 pieces and 2 GiB
 
 
 def _variants() -> dict[str, tuple[bool, dict]]:
@@ -38,6 +39,11 @@ def _variants() -> dict[str, tuple[bool, dict]]:
         "deterministic, per-slot scratch (default size)": (True, {}),
         "deterministic, per-slot scratch 2 GiB": (True, {"DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 29}),
     }
+    if REDUCE_SWEEP:
+        bf16 = {"DET_PIECES": "bf16", "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 30}
+        for batch, warps in ((8, 4), (16, 4), (32, 4), (8, 8), (16, 8), (8, 2)):
+            name = f"deterministic, bf16 pieces 2 GiB, reduction {batch} slots at a time, {warps} warps"
+            variants[name] = (True, {**bf16, "DKV_REDUCE_BATCH": batch, "DKV_REDUCE_NUM_WARPS": warps})
     if BF16_PIECES:
         bf16 = {"DET_PIECES": "bf16"}
         side = {"DQ_OVERLAP": "high", "DET_REDUCE_OVERLAP": True}
@@ -111,7 +117,11 @@ if __name__ == "__main__":
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--case", action="append", default=None, help="T,H,K (repeatable); default: four shapes")
     parser.add_argument("--bf16-pieces", action="store_true", help="also the bf16 pieces (DET_PIECES) variants")
+    parser.add_argument("--reduce-sweep", action="store_true",
+                        help="also the reduction's slots at a time and warps (DKV_REDUCE_BATCH, DKV_REDUCE_NUM_WARPS), "
+                             "bf16 pieces, 2 GiB")  # fmt: skip
     args = parser.parse_args()
     BF16_PIECES = args.bf16_pieces
+    REDUCE_SWEEP = args.reduce_sweep
     chosen = [tuple(int(x) for x in c.split(",")) for c in args.case] if args.case else list(CASES)
     main(args.out_dir, chosen)

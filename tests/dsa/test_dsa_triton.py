@@ -365,6 +365,25 @@ def test_deterministic_reduce_sums_each_key_in_row_slot_order(
     assert torch.equal(dkv, expected)
 
 
+def test_deterministic_reduce_warps_keep_every_bit(triton_interpret, monkeypatch):
+    """``DKV_REDUCE_NUM_WARPS``: the reduction's warps per program (4 by default) leave the gradients the same bit for
+    bit; a value that is not a power of two from 1 to 16 is a ValueError naming the knob."""
+    import longtrain.dsa.triton.sparse_mla_bwd as smb
+
+    assert smb.DKV_REDUCE_NUM_WARPS == 4
+    q, kv, idx = _mla_inputs(6, 4, 48, 9, 24, seed=29)
+    idx[:, 3:9] = 4  # many contributions to one key, from every row
+    length = torch.tensor([24, 7, 0, 20, 24, 1])
+    _, four = _check_against_reference(q, kv, idx, 0.3, d_v=32, topk_length=length, det=True)
+    monkeypatch.setattr(smb, "DKV_REDUCE_NUM_WARPS", 8)
+    _, eight = _check_against_reference(q, kv, idx, 0.3, d_v=32, topk_length=length, det=True)
+    assert torch.equal(four[0], eight[0]) and torch.equal(four[1], eight[1])
+    for bad in (3, 0, 32, True, 4.0):
+        monkeypatch.setattr(smb, "DKV_REDUCE_NUM_WARPS", bad)
+        with pytest.raises(ValueError, match="DKV_REDUCE_NUM_WARPS must be a power of two from 1 to 16"):
+            _check_against_reference(q, kv, idx, 0.3, d_v=32, topk_length=length, det=True)
+
+
 def test_deterministic_reduce_batch_default_follows_the_pieces(monkeypatch):
     """``DKV_REDUCE_BATCH = None`` (the default) is the measured choice: 8 slots at a time with bf16 pieces, one with
     fp32 pieces; a value given is used as it is."""

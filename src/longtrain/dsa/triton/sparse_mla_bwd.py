@@ -57,6 +57,7 @@ __all__ = [
     "DET_REDUCE_OVERLAP",
     "DKV_COL_GROUPS",
     "DKV_REDUCE_BATCH",
+    "DKV_REDUCE_NUM_WARPS",
     "DQ_OVERLAP",
     "DQ_OVERLAP_MIN_CHUNKS",
     "DQ_OVERLAP_MODES",
@@ -125,6 +126,9 @@ DET_PIECES_MODES = ("fp32", "bf16")
 #: 1 with fp32 pieces (1 and 8 equally fast there, ``dsa_bwd_deterministic_e86ec88_h100_2026-12-06.md``). Read at each
 #: call.
 DKV_REDUCE_BATCH: int | None = None
+#: Warps per program of the deterministic reduction (a power of two from 1 to 16; the sums do not depend on it). Read
+#: at each call.
+DKV_REDUCE_NUM_WARPS = 4
 
 
 @triton.jit
@@ -572,6 +576,7 @@ def sparse_mla_bwd(
     if compute_dkv and deterministic:
         piece_dtype = _piece_dtype()
         batch = _reduce_batch(piece_dtype)
+        warps = _reduce_warps()
         contribs = [torch.empty((rows_per_chunk * k_slots * n_hb[2], d_qk), dtype=piece_dtype, device=dev)
                     for _ in range(2 if reduce_side else 1)]  # fmt: skip
         contrib = contribs[0]
@@ -628,7 +633,7 @@ def sparse_mla_bwd(
                 _dq_sm90(dq_sm90, kv2d, common, ds_buf, dq, row0, rows, num_keys, k_slots, num_heads, d_v, d_r,
                          topk_length is not None)  # fmt: skip
                 if reduce_side:
-                    dkv_reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2], batch)
+                    dkv_reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2], batch, warps)
                 dq_done.append(torch.cuda.Event())
                 dq_done[-1].record(side)
         elif dq_sm90 is not None:
@@ -640,7 +645,7 @@ def sparse_mla_bwd(
                 (kv2d, *common, ds_buf, dq, row0, num_keys, k_slots), dict(dims, BLOCK_H=bh[1]), cfg_dq,
             )  # fmt: skip
         if fused and deterministic and compute_dkv and not reduce_side:
-            dkv_reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2], batch)
+            dkv_reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2], batch, warps)
         if not compute_dkv or fused:
             continue
         target = contrib if deterministic else dkv_acc
@@ -655,7 +660,7 @@ def sparse_mla_bwd(
             grid = (1, rows * n_hb[2])
             _launch("dkv", sparse_mla_bwd_kernel_dkv, _DKV_CANDIDATES, grid, dkv_args, meta, cfg_dkv, reset)
         if deterministic:
-            dkv_reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2], batch)
+            dkv_reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2], batch, warps)
     if streams is not None:  # dq is complete before anything after the backward reads it (or frees the buffers)
         streams[0].wait_stream(streams[1])
     dsink = None
@@ -731,6 +736,14 @@ def _whole_waves(num_tokens: int, rows: int, programs_per_row: int, device: torc
     step = sms // math.gcd(sms, programs_per_row)
     per_chunk = triton.cdiv(num_tokens, triton.cdiv(num_tokens, rows))
     return triton.cdiv(per_chunk, step) * step
+
+
+def _reduce_warps() -> int:
+    """:data:`DKV_REDUCE_NUM_WARPS`, checked."""
+    w = DKV_REDUCE_NUM_WARPS
+    if not isinstance(w, int) or isinstance(w, bool) or w not in (1, 2, 4, 8, 16):
+        raise ValueError(f"sparse_mla_bwd.DKV_REDUCE_NUM_WARPS must be a power of two from 1 to 16, got {w!r}")
+    return w
 
 
 def _reduce_batch(piece_dtype: torch.dtype) -> int:

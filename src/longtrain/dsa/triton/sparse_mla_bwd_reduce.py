@@ -73,7 +73,7 @@ def dkv_reduce_keys(
     return keys, torch.arange(num_keys + 1, device=idx.device, dtype=dtype)
 
 
-def dkv_reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, num_hb, batch) -> None:
+def dkv_reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, num_hb, batch, num_warps=4) -> None:
     """Sum one row chunk's per-slot dkv pieces key by key, in a fixed order (no atomics): each key's slots in
     ascending ``(row, slot)`` order (a stable sort of the chunk's keys, ``reduce_keys`` from :func:`dkv_reduce_keys`),
     each key row summed by one program."""
@@ -86,5 +86,5 @@ def dkv_reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n
     grid = (max(1, min(num_keys, rows * k_slots)),)
     sparse_mla_bwd_kernel_dkv_reduce[grid](
         contrib, order, run_start, dkv_acc, num_keys, D_QK=d_qk, BLOCK_D=min(1024, next_pow2(d_qk)), NUM_HB=num_hb,
-        BATCH=batch, num_warps=4,
+        BATCH=batch, num_warps=num_warps,
     )  # fmt: skip
