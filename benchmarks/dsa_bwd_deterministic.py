@@ -41,6 +41,7 @@ def _variants() -> dict[str, tuple[bool, dict]]:
     }
     if REDUCE_SWEEP:
         bf16 = {"DET_PIECES": "bf16", "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 30}
+        variants["deterministic, bf16 pieces 2 GiB (the reduction's measured choice)"] = (True, bf16)
         for batch, warps in ((8, 4), (16, 4), (32, 4), (8, 8), (16, 8), (8, 2)):
             name = f"deterministic, bf16 pieces 2 GiB, reduction {batch} slots at a time, {warps} warps"
             variants[name] = (True, {**bf16, "DKV_REDUCE_BATCH": batch, "DKV_REDUCE_NUM_WARPS": warps})

@@ -385,14 +385,15 @@ def test_deterministic_reduce_warps_keep_every_bit(triton_interpret, monkeypatch
 
 
 def test_deterministic_reduce_batch_default_follows_the_pieces(monkeypatch):
-    """``DKV_REDUCE_BATCH = None`` (the default) is the measured choice: 8 slots at a time with bf16 pieces, one with
-    fp32 pieces; a value given is used as it is."""
+    """``DKV_REDUCE_BATCH = None`` (the default) is the measured choice: with bf16 pieces 8 slots at a time where a slot
+    has one head block's piece and 16 where it has more, one with fp32 pieces; a value given is used as it is."""
     from longtrain.dsa.triton import sparse_mla_bwd as smb
 
     assert smb.DKV_REDUCE_BATCH is None
     assert smb._reduce_batch(torch.bfloat16) == 8 and smb._reduce_batch(torch.float32) == 1
+    assert smb._reduce_batch(torch.bfloat16, 2) == 16 and smb._reduce_batch(torch.float32, 2) == 1
     monkeypatch.setattr(smb, "DKV_REDUCE_BATCH", 2)
-    assert smb._reduce_batch(torch.bfloat16) == 2 and smb._reduce_batch(torch.float32) == 2
+    assert smb._reduce_batch(torch.bfloat16) == 2 and smb._reduce_batch(torch.float32, 3) == 2
 
 
 @pytest.mark.parametrize("num_keys,dtype", [(32767, torch.int16), (32768, torch.int32)], ids=["int16-max", "int32"])

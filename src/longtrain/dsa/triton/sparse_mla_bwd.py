@@ -121,10 +121,12 @@ DET_REDUCE_OVERLAP = False
 DET_PIECES = "fp32"
 DET_PIECES_MODES = ("fp32", "bf16")
 #: Slots (a power of two) the deterministic reduction reads at a time per key row, their loads in flight together;
-#: the sum is the sequential one whatever the value. ``None``: the measured choice, 8 with bf16 pieces (4-6 % faster
-#: for the whole backward at issue 17's four shapes on an H100, ``dsa_bwd_deterministic_d2e2d91_h100_2026-12-07.md``),
-#: 1 with fp32 pieces (1 and 8 equally fast there, ``dsa_bwd_deterministic_e86ec88_h100_2026-12-06.md``). Read at each
-#: call.
+#: the sum is the sequential one whatever the value. ``None``: the measured choice, with bf16 pieces 8 where a slot has
+#: one head block's piece (4-6 % faster for the whole backward than one at a time at issue 17's four shapes on an H100,
+#: ``dsa_bwd_deterministic_d2e2d91_h100_2026-12-07.md``; 16 and 32 slower there,
+#: ``dsa_bwd_deterministic_rsweep_5a8053c_h100_2026-12-07.md``) and 16 where it has two or more (more than 64 heads:
+#: 2-4 % faster than 8 at both 128-head shapes in that run); 1 with fp32 pieces (1 and 8 equally fast,
+#: ``dsa_bwd_deterministic_e86ec88_h100_2026-12-06.md``). Read at each call.
 DKV_REDUCE_BATCH: int | None = None
 #: Warps per program of the deterministic reduction (a power of two from 1 to 16; the sums do not depend on it). Read
 #: at each call.
@@ -575,7 +577,7 @@ def sparse_mla_bwd(
     reduce_side = streams is not None and fused and compute_dkv and deterministic and (DET_REDUCE_OVERLAP or partition)
     if compute_dkv and deterministic:
         piece_dtype = _piece_dtype()
-        batch = _reduce_batch(piece_dtype)
+        batch = _reduce_batch(piece_dtype, n_hb[2])
         warps = _reduce_warps()
         contribs = [torch.empty((rows_per_chunk * k_slots * n_hb[2], d_qk), dtype=piece_dtype, device=dev)
                     for _ in range(2 if reduce_side else 1)]  # fmt: skip
@@ -746,11 +748,14 @@ def _reduce_warps() -> int:
     return w
 
 
-def _reduce_batch(piece_dtype: torch.dtype) -> int:
-    """:data:`DKV_REDUCE_BATCH`, checked, or its measured choice for ``piece_dtype``'s pieces."""
+def _reduce_batch(piece_dtype: torch.dtype, head_blocks: int = 1) -> int:
+    """:data:`DKV_REDUCE_BATCH`, checked, or its measured choice for ``piece_dtype``'s pieces, ``head_blocks`` per
+    slot."""
     batch = DKV_REDUCE_BATCH
     if batch is None:
-        return 8 if piece_dtype == torch.bfloat16 else 1
+        if piece_dtype != torch.bfloat16:
+            return 1
+        return 16 if head_blocks > 1 else 8
     if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1 or batch & (batch - 1):
         raise ValueError(f"sparse_mla_bwd.DKV_REDUCE_BATCH must be None (the measured choice) or a power of two >= 1, "
                          f"got {batch!r}")  # fmt: skip
