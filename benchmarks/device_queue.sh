@@ -2,7 +2,7 @@
 # H200 runs in one call of at most ~9 minutes, run from the repository root on the GPU machine. Logs and reports go
 # under $OUT/queue, tarred into $OUT/queue.tgz at the end (one file comes back).
 #
-#   LONGTRAIN_COMMIT=$(git log -1 --format=%h) bash benchmarks/device_queue.sh [indexer|mla|bars|det|overlap|partition|rsweep]
+#   LONGTRAIN_COMMIT=$(git log -1 --format=%h) bash benchmarks/device_queue.sh [indexer|mla|bars|det|overlap|partition|rsweep|fp16]
 #
 # indexer (default): GPU tests of the indexer, compute-sanitizer memcheck, the SM90 scoring kernel's sweep of
 #   dsa_indexer_variants.py (INDEXER_SWEEP=defaults: the selection settings' sweep instead) and dsa.py's indexer
@@ -24,6 +24,8 @@
 #   with PARTITION_MEMCHECK=1.
 # rsweep: the deterministic reduction's slots at a time and warps per program with bf16 pieces and 2 GiB
 #   (dsa_bwd_deterministic.py --reduce-sweep at issue 17's four shapes, about 2 minutes).
+# fp16: the deterministic mode's scaled fp16 pieces (DET_PIECES = "fp16"): the deterministic GPU tests,
+#   dsa_bwd_deterministic.py --fp16-pieces at issue 17's four shapes and memcheck through its --memcheck.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -85,8 +87,12 @@ case "${1:-indexer}" in
     [ -n "${PARTITION_MEMCHECK:-}" ] && memcheck 80 benchmarks/dsa_bwd_ws.py ;;
   rsweep)
     run dsa_bwd_det_rsweep 300 benchmarks/dsa_bwd_deterministic.py --reduce-sweep --out-dir "$Q" ;;
+  fp16)
+    run gpu_pieces_tests 130 -m pytest -q -p no:cacheprovider tests/gpu/test_dsa_triton_gpu.py -k "deterministic"
+    run dsa_bwd_det_fp16 300 benchmarks/dsa_bwd_deterministic.py --fp16-pieces --out-dir "$Q"
+    memcheck 100 benchmarks/dsa_bwd_deterministic.py ;;
   *)
-    echo "usage: $0 [indexer|mla|bars|det|overlap|partition|rsweep]"; exit 2 ;;
+    echo "usage: $0 [indexer|mla|bars|det|overlap|partition|rsweep|fp16]"; exit 2 ;;
 esac
 tar czf "$OUT/queue.tgz" -C "$OUT" queue && rm -rf "$Q"
 echo "done after $(since)"

@@ -6,6 +6,11 @@ dims) the backward at the defaults (fp32 atomics) and the deterministic mode (th
 size and at 2 GiB), each with its time relative to the default's, whether two runs agree bit for bit, and the
 largest difference of its dq and dkv from the default's relative to their largest element. Correctness against
 float64 is the GPU tests' (``tests/gpu/test_dsa_triton_gpu.py -k deterministic``).
+
+``--bf16-pieces`` adds the bf16 pieces' variants, ``--fp16-pieces`` the scaled fp16 pieces' (``DET_PIECES = "fp16"``)
+beside bf16's at 2 GiB, ``--reduce-sweep`` the reduction's slots at a time and warps. ``--memcheck`` runs small
+deterministic backwards with scaled fp16 pieces through every producer of pieces for ``compute-sanitizer`` (no
+report).
 """
 
 from __future__ import annotations
@@ -18,7 +23,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import RESULTS_DIR, reproduce_args, write_report  # noqa: E402
-from longtrain.bench_suites.dsa import D_QK, D_V, bench, causal_index_sets, mla_inputs, run_bwd, run_fwd  # noqa: E402
+from longtrain.bench_suites.dsa import (  # noqa: E402
+    D_QK,
+    D_V,
+    bench,
+    causal_index_sets,
+    mla_inputs,
+    run_bwd,
+    run_fwd,
+    small_bwd_case,
+)
 from longtrain.dsa.triton import sparse_mla_bwd as smb  # noqa: E402
 
 CASES = ((16384, 64, 2048), (4096, 128, 512), (4096, 64, 2048), (16384, 128, 2048))
@@ -29,6 +43,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 BF16_PIECES = False  # --bf16-pieces: also the bf16 pieces' variants
+FP16_PIECES = False  # --fp16-pieces: also the scaled fp16 pieces' variants, beside bf16's at 2 GiB
 REDUCE_SWEEP = False  # --reduce-sweep: the reduction's slots at a time and warps, with bf16 pieces and 2 GiB
 
 
@@ -45,6 +60,14 @@ def _variants() -> dict[str, tuple[bool, dict]]:
         for batch, warps in ((8, 4), (16, 4), (32, 4), (8, 8), (16, 8), (8, 2)):
             name = f"deterministic, bf16 pieces 2 GiB, reduction {batch} slots at a time, {warps} warps"
             variants[name] = (True, {**bf16, "DKV_REDUCE_BATCH": batch, "DKV_REDUCE_NUM_WARPS": warps})
+    if FP16_PIECES:
+        fp16, bf16 = {"DET_PIECES": "fp16"}, {"DET_PIECES": "bf16"}
+        variants.update({
+            "deterministic, bf16 pieces 2 GiB": (True, {**bf16, "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 30}),
+            "deterministic, scaled fp16 pieces (default elements)": (True, fp16),
+            "deterministic, scaled fp16 pieces 2 GiB": (True, {**fp16, "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 30}),
+            "deterministic, scaled fp16 pieces 4 GiB": (True, {**fp16, "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 31}),
+        })  # fmt: skip
     if BF16_PIECES:
         bf16 = {"DET_PIECES": "bf16"}
         side = {"DQ_OVERLAP": "high", "DET_REDUCE_OVERLAP": True}
@@ -96,6 +119,32 @@ def _case(rows: list[dict], total: int, heads: int, topk: int) -> None:
         rows.append(row)
 
 
+def memcheck() -> None:
+    """Small deterministic backwards with scaled fp16 pieces for compute-sanitizer: the warp-specialized and the
+    two-warpgroup fused kernels and the portable dkv kernel (two value-column groups), H = 64, 96 and 128, with and
+    without lengths, invalid and out-of-range slots."""
+    from longtrain.dsa.triton import KernelConfig
+
+    dev = torch.device("cuda")
+    fused = (KernelConfig(impl="sm90", layout="fused", block_k=64, num_stages=1), None, None)
+    portable = KernelConfig(block_k=32, num_warps=8, num_stages=1)
+    routes = {
+        "default": (None, None, None),
+        "fused": fused,
+        "portable": (portable, portable, KernelConfig(block_k=32, num_warps=8, num_stages=1, col_groups=2)),
+    }
+    smb.DET_PIECES = "fp16"
+    for heads in (64, 96, 128):
+        q, kv, idx, length, out, lse, dout = small_bwd_case(300, 256, heads, dev)
+        for name, cfgs in routes.items():
+            for with_len in (True, False):
+                dq, dkv, _ = run_bwd(q, kv, out, dout, lse, idx, length if with_len else None, cfgs=cfgs,
+                                     deterministic=True)  # fmt: skip
+                torch.cuda.synchronize()
+                print("memcheck case", heads, name, with_len, bool(dq.isfinite().all() and dkv.isfinite().all()),
+                      flush=True)  # fmt: skip
+
+
 def main(out_dir: Path, cases: list[tuple[int, int, int]]) -> None:
     rows: list[dict] = []
     for total, heads, topk in cases:
@@ -118,11 +167,17 @@ if __name__ == "__main__":
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--case", action="append", default=None, help="T,H,K (repeatable); default: four shapes")
     parser.add_argument("--bf16-pieces", action="store_true", help="also the bf16 pieces (DET_PIECES) variants")
+    parser.add_argument("--fp16-pieces", action="store_true", help="also the scaled fp16 pieces' variants")
+    parser.add_argument("--memcheck", action="store_true", help="small scaled fp16 backwards for compute-sanitizer")
     parser.add_argument("--reduce-sweep", action="store_true",
                         help="also the reduction's slots at a time and warps (DKV_REDUCE_BATCH, DKV_REDUCE_NUM_WARPS), "
                              "bf16 pieces, 2 GiB")  # fmt: skip
     args = parser.parse_args()
     BF16_PIECES = args.bf16_pieces
+    FP16_PIECES = args.fp16_pieces
     REDUCE_SWEEP = args.reduce_sweep
+    if args.memcheck:
+        memcheck()
+        sys.exit(0)
     chosen = [tuple(int(x) for x in c.split(",")) for c in args.case] if args.case else list(CASES)
     main(args.out_dir, chosen)

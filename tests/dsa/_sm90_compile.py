@@ -23,6 +23,9 @@ from triton.experimental.gluon._runtime import GluonASTSource
 module, name, types, consts, opts = json.loads(sys.argv[1])
 kernel = getattr(importlib.import_module(module), name)
 sig = dict(zip(kernel.arg_names, types))
+for param in kernel.params:  # constexpr parameters with a default that the caller left out take it
+    if param.name not in sig and param.name not in consts and param.has_default:
+        consts[param.name] = param.default
 sig.update({key: "constexpr" for key in consts})
 num_warps = opts.pop("num_warps", 8)
 consts["num_warps"] = num_warps

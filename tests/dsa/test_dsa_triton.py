@@ -261,12 +261,17 @@ def test_sparse_mla_dq_overlap_is_checked_and_leaves_other_routes_alone(triton_i
         _check_against_reference(q, kv, idx, 0.3, d_v=32, config=_CFG, det=True)
 
 
-@pytest.mark.parametrize("heads,chunk_rows", [(4, None), (4, 1), (16, 2)], ids=["one-chunk", "row-chunks", "H16"])
-def test_sparse_mla_deterministic_bf16_pieces(triton_interpret, monkeypatch, heads, chunk_rows):
-    """``DET_PIECES = "bf16"``: each per-slot dkv piece is rounded to bf16 before the fixed-order fp32 sum. dkv then
-    differs from the float64 reference by at most one bf16 step of every piece it sums (``2**-7 * sum |piece|`` per
-    element, plus fp32's tolerance), does differ from the fp32 pieces' dkv (the rounding happened), is the same
-    bit for bit on a second run and at any row chunk, and dq is unchanged; a bad mode lists the valid ones."""
+@pytest.mark.parametrize(
+    "pieces,heads,chunk_rows",
+    [("bf16", 4, None), ("bf16", 4, 1), ("bf16", 16, 2), ("fp16", 4, None), ("fp16", 4, 1), ("fp16", 16, 2)],
+    ids=["bf16-one-chunk", "bf16-row-chunks", "bf16-H16", "fp16-one-chunk", "fp16-row-chunks", "fp16-H16"],
+)  # fmt: skip
+def test_sparse_mla_deterministic_two_byte_pieces(triton_interpret, monkeypatch, pieces, heads, chunk_rows):
+    """``DET_PIECES = "bf16"`` / ``"fp16"``: each per-slot dkv piece is rounded to bf16, or scaled by a power of two per
+    row and column chunk and rounded to fp16, before the fixed-order fp32 sum. dkv then differs from the float64
+    reference by at most one step of the format for every piece it sums (``2**-7`` / ``2**-10`` of ``sum |piece|`` per
+    element, plus fp32's tolerance), does differ from the fp32 pieces' dkv (the rounding happened), is the same bit
+    for bit on a second run and at any row chunk, and dq is unchanged; a bad mode lists the valid ones."""
     import longtrain.dsa.triton.sparse_mla_bwd as smb
     from longtrain.dsa.reference import selected_rows, sparse_mla_on_keys
     from longtrain.dsa.triton import sparse_mla_triton
@@ -278,38 +283,75 @@ def test_sparse_mla_deterministic_bf16_pieces(triton_interpret, monkeypatch, hea
     length = torch.tensor([24, 7, 0, 20, 24, 1])
     dout = torch.randn(T, heads, d_v, generator=torch.Generator().manual_seed(7))
 
-    def grads(pieces, scratch=None):
-        monkeypatch.setattr(smb, "DET_PIECES", pieces)
+    def grads(mode, scratch=None):
+        monkeypatch.setattr(smb, "DET_PIECES", mode)
         if scratch is not None:
             monkeypatch.setattr(smb, "DETERMINISTIC_SCRATCH_ELEMENTS", scratch)
         out = sparse_mla_triton(q, kv, idx, 0.3, d_v=d_v, topk_length=length, config=_CFG, deterministic=True)
         return torch.autograd.grad(out, (q, kv), dout)
 
     dq32, dkv32 = grads("fp32")
-    dq16, dkv16 = grads("bf16")
+    dq16, dkv16 = grads(pieces)
     scratch = None if chunk_rows is None else chunk_rows * K * triton_head_blocks(heads) * D
-    assert all(torch.equal(a, b) for a, b in zip((dq16, dkv16), grads("bf16", scratch)))
+    assert all(torch.equal(a, b) for a, b in zip((dq16, dkv16), grads(pieces, scratch)))
     assert torch.equal(dq16, dq32) and not torch.equal(dkv16, dkv32)
     # The float64 pieces: the gradient of each row's gathered key copy (one head block, block_h = 16 >= heads).
     rows, valid = selected_rows(idx, T_k, length)
     keys = kv.detach().double()[:, 0][rows].requires_grad_(True)  # [T, K, D]
     ref, _ = sparse_mla_on_keys(q.detach().double(), keys, valid, 0.3, d_v=d_v)
-    pieces = torch.autograd.grad(ref, keys, dout.double())[0]  # [T, K, D]
-    want = torch.zeros(T_k, D, dtype=torch.float64).index_add_(0, rows[valid], pieces[valid])
-    abs_sum = torch.zeros(T_k, D, dtype=torch.float64).index_add_(0, rows[valid], pieces[valid].abs())
-    # One bf16 step (2**-7 relative) per piece: a GPU rounds to nearest (half a step); the interpreter converts fp32
-    # to bf16 by truncation (up to a whole step). Plus fp32's tolerance for the rest of the arithmetic.
-    bound = 2**-7 * abs_sum + 1e-5 + 1e-4 * want.abs()
+    pieces64 = torch.autograd.grad(ref, keys, dout.double())[0]  # [T, K, D]
+    want = torch.zeros(T_k, D, dtype=torch.float64).index_add_(0, rows[valid], pieces64[valid])
+    abs_sum = torch.zeros(T_k, D, dtype=torch.float64).index_add_(0, rows[valid], pieces64[valid].abs())
+    # One step of the format per piece, relative to each element: bf16 2**-7 (the interpreter converts fp32 to bf16 by
+    # truncation, a whole step; a GPU rounds to nearest), fp16 2**-10 (every element of these pieces is within fp16's
+    # normal range once scaled). Plus fp32's tolerance for the rest of the arithmetic.
+    step = 2**-7 if pieces == "bf16" else 2**-10
+    bound = step * abs_sum + 1e-5 + 1e-4 * want.abs()
     err = (dkv16[:, 0].double() - want).abs()
     assert (err <= bound).all(), (err - bound).max()
     torch.testing.assert_close(dkv32[:, 0].double(), want, rtol=1e-4, atol=1e-5)
-    monkeypatch.setattr(smb, "DET_PIECES", "fp16")
-    with pytest.raises(ValueError, match=r"DET_PIECES must be one of \('fp32', 'bf16'\), got 'fp16'"):
-        grads("fp16")
+    monkeypatch.setattr(smb, "DET_PIECES", "fp8")
+    with pytest.raises(ValueError, match=r"DET_PIECES must be one of \('fp32', 'bf16', 'fp16'\), got 'fp8'"):
+        grads("fp8")
     for bad in (6, 0, True, 8.0):
         monkeypatch.setattr(smb, "DKV_REDUCE_BATCH", bad)
         with pytest.raises(ValueError, match=r"DKV_REDUCE_BATCH must be None \(the measured choice\) or a power"):
-            grads("bf16")
+            grads(pieces)
+
+
+@pytest.mark.parametrize("col_groups", [1, 2], ids=["one-program-per-row", "two-column-groups"])
+def test_sparse_mla_deterministic_fp16_pieces_scale_with_the_gradient(triton_interpret, monkeypatch, col_groups):
+    """Scaled fp16 pieces follow the gradient's magnitude exactly: with ``dout`` times ``2**-40`` (below fp16's range)
+    or ``2**40`` (above it) dkv is the same bits times that power of two, since every piece's scale moves with it; at
+    ordinary magnitudes the fp16 pieces' dkv is closer to the fp32 pieces' than the bf16 pieces' is. An infinite
+    ``dout`` element gives infinities and NaN exactly where the fp32 pieces give them, and no other element changes."""
+    import longtrain.dsa.triton.sparse_mla_bwd as smb
+    from longtrain.dsa.triton import sparse_mla_triton
+
+    T, H, D, d_v, T_k, K = 6, 4, 48, 32, 9, 24
+    q, kv, idx = _mla_inputs(T, H, D, T_k, K, seed=23)
+    idx[:, 3:9] = 4
+    length = torch.tensor([24, 7, 0, 20, 24, 1])
+    dout = torch.randn(T, H, d_v, generator=torch.Generator().manual_seed(5))
+    config = KernelConfig(block_k=16, block_h=16, num_warps=4, num_stages=1, col_groups=col_groups)
+
+    def dkv(mode, grad):
+        monkeypatch.setattr(smb, "DET_PIECES", mode)
+        out = sparse_mla_triton(q, kv, idx, 0.3, d_v=d_v, topk_length=length, config=config, deterministic=True)
+        return torch.autograd.grad(out, (kv,), grad)[0]
+
+    base = dkv("fp16", dout)
+    for power in (-40, 40):
+        assert torch.equal(dkv("fp16", dout * 2.0**power), base * 2.0**power), power
+    exact = dkv("fp32", dout)
+    assert (base - exact).abs().max() < (dkv("bf16", dout) - exact).abs().max() / 4
+    bad = dout.clone()
+    bad[3, 1, 5] = float("inf")
+    want, got = dkv("fp32", bad), dkv("fp16", bad)
+    assert torch.equal(want.isnan(), got.isnan()) and torch.equal(want.isinf(), got.isinf())
+    assert want.isnan().any()
+    finite = torch.isfinite(want)
+    torch.testing.assert_close(got[finite], want[finite], rtol=2**-10, atol=1e-5)
 
 
 def triton_head_blocks(heads: int) -> int:
@@ -321,8 +363,9 @@ def triton_head_blocks(heads: int) -> int:
     "num_hb,row0,with_len,num_keys,batch,pieces",
     [(1, 0, False, 7, 1, torch.float32), (2, 3, True, 7, 1, torch.float32), (3, 1, True, 7, 1, torch.float32),
      (1, 2, True, 40000, 1, torch.float32), (1, 0, False, 7, 8, torch.float32), (2, 3, True, 7, 4, torch.bfloat16),
-     (1, 1, True, 7, 1, torch.bfloat16)],
-    ids=["hb1", "hb2-row3-len", "hb3-row1-len", "hb1-int32-keys", "hb1-batch8", "hb2-batch4-bf16", "bf16"],
+     (1, 1, True, 7, 1, torch.bfloat16), (2, 3, True, 7, 8, torch.float16), (1, 1, False, 7, 1, torch.float16)],
+    ids=["hb1", "hb2-row3-len", "hb3-row1-len", "hb1-int32-keys", "hb1-batch8", "hb2-batch4-bf16", "bf16",
+         "hb2-batch8-fp16", "fp16"],
 )  # fmt: skip
 def test_deterministic_reduce_sums_each_key_in_row_slot_order(
     triton_interpret, monkeypatch, num_hb, row0, with_len, num_keys, batch, pieces
@@ -331,10 +374,12 @@ def test_deterministic_reduce_sums_each_key_in_row_slot_order(
     the chunk's valid slots in ascending (row, slot) order, each slot's head-block pieces in order, onto the running
     dkv, with int16 sort keys up to 32767 keys and int32 past them, whatever the slots read at a time
     (``DKV_REDUCE_BATCH``; runs longer and shorter than the batch) and with bf16 pieces (each added as its fp32
-    value); slots past the length, negative or past the last key add nothing, and unselected keys keep their value."""
+    value), or scaled fp16 pieces (each column's value times its piece row's scale of the column's group: groups of 16
+    value columns and one of 8 rope columns here); slots past the length, negative or past the last key add nothing,
+    and unselected keys keep their value."""
     from longtrain.dsa.triton import sparse_mla_bwd as smb
     from longtrain.dsa.triton.sparse_mla_bwd import _reduce_batch
-    from longtrain.dsa.triton.sparse_mla_bwd_reduce import dkv_reduce_chunk, dkv_reduce_keys
+    from longtrain.dsa.triton.sparse_mla_bwd_reduce import dkv_reduce_chunk, dkv_reduce_keys, piece_groups
 
     monkeypatch.setattr(smb, "DKV_REDUCE_BATCH", batch)
     assert _reduce_batch(pieces) == batch
@@ -350,6 +395,15 @@ def test_deterministic_reduce_sums_each_key_in_row_slot_order(
     n_pieces = rows * K * num_hb
     scales = torch.exp2(torch.randint(-20, 20, (n_pieces, 1), generator=g).float())
     contrib = (torch.randn(n_pieces, d_qk, generator=g) * scales).to(pieces)
+    if pieces == torch.float16:  # fp16 pieces of their own magnitude, the magnitudes in the scales
+        contrib = (torch.randn(n_pieces, d_qk, generator=g) * 2**13).to(pieces)
+        groups, count = piece_groups(32, d_qk - 32, 16, 8, torch.device("cpu"))
+        assert count == 3 and groups.tolist() == [0] * 16 + [1] * 16 + [2] * 8
+        piece_scales = torch.exp2(torch.randint(-60, 20, (n_pieces, count), generator=g).float())
+        values = contrib.float() * piece_scales[:, groups.long()]
+    else:
+        piece_scales = groups = None
+        values = contrib.float()
     dkv = torch.randn(num_keys, d_qk, generator=g)
     expected = dkv.clone()
     for t in range(rows):
@@ -358,10 +412,11 @@ def test_deterministic_reduce_sums_each_key_in_row_slot_order(
             if not 0 <= key < num_keys or (length is not None and s >= int(length[row0 + t])):
                 continue
             for hb in range(num_hb):
-                expected[key] += contrib[(t * K + s) * num_hb + hb].float()
+                expected[key] += values[(t * K + s) * num_hb + hb]
     reduce_keys = dkv_reduce_keys(idx, length, num_keys)
     assert reduce_keys[0].dtype == (torch.int16 if num_keys <= 32767 else torch.int32)
-    dkv_reduce_chunk(reduce_keys, K, contrib, dkv, row0, rows, d_qk, num_hb, _reduce_batch(pieces))
+    dkv_reduce_chunk(reduce_keys, K, contrib, dkv, row0, rows, d_qk, num_hb, _reduce_batch(pieces), 4, piece_scales,
+                     groups)  # fmt: skip
     assert torch.equal(dkv, expected)
 
 
@@ -392,6 +447,7 @@ def test_deterministic_reduce_batch_default_follows_the_pieces(monkeypatch):
     assert smb.DKV_REDUCE_BATCH is None
     assert smb._reduce_batch(torch.bfloat16) == 8 and smb._reduce_batch(torch.float32) == 1
     assert smb._reduce_batch(torch.bfloat16, 2) == 16 and smb._reduce_batch(torch.float32, 2) == 1
+    assert smb._reduce_batch(torch.float16) == 8 and smb._reduce_batch(torch.float16, 2) == 16
     monkeypatch.setattr(smb, "DKV_REDUCE_BATCH", 2)
     assert smb._reduce_batch(torch.bfloat16) == 2 and smb._reduce_batch(torch.float32, 3) == 2
 

@@ -166,7 +166,7 @@ def test_sm90_fused_kernel_compiles_for_hopper(H, d_qk, deterministic):
     reuses the gathered tile's buffer, no compiler scratch), no register spills."""
     from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_ds_dkv_smem_bytes
 
-    types = _TYPES[:8] + ["*fp32"] + _TYPES[9:] + ["fp32", "fp32"]
+    types = _TYPES[:8] + ["*fp32", "*fp32"] + _TYPES[9:] + ["fp32", "fp32"]
     consts = dict(H=H, D_V=512, D_R=d_qk - 512, HAS_LEN=True, DETERMINISTIC=deterministic)
     stats = compile_sm90("longtrain.dsa.triton.sparse_mla_bwd_sm90", "sparse_mla_bwd_sm90_kernel_ds_dkv", types, consts)
     assert stats["cp_async"] and stats["wgmma"], stats
@@ -383,8 +383,8 @@ def test_warp_specialized_backward_compiles_for_hopper(H, d_qk, d_v, determinist
     from longtrain.dsa.triton import sparse_mla_bwd_sm90_ws as ws
     from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_ws_bwd_smem_bytes
 
-    # q kv dO O idx len lse2 delta dS dkv, row_offset n_rows T_k K_slots, the two scales
-    types = _TYPES[:3] + ["*bf16"] + _TYPES[3:8] + ["*fp32"] + _TYPES[9:] + ["i32", "fp32", "fp32"]
+    # q kv dO O idx len lse2 delta dS dkv (dkv's scales), row_offset n_rows T_k K_slots, the two scales
+    types = _TYPES[:3] + ["*bf16"] + _TYPES[3:8] + ["*fp32", "*fp32"] + _TYPES[9:] + ["i32", "fp32", "fp32"]
     consts = dict(H=H, D_V=d_v, D_R=d_qk - d_v, HAS_LEN=True, DETERMINISTIC=deterministic, PREFETCH_IDX=prefetch,
                   REGS_PROB=ws.WS_BWD_NUM_REGS[0], REGS_PRODUCER=ws.WS_BWD_NUM_REGS[1], STAGED_DS=staged,
                   RUN=run)  # fmt: skip
@@ -397,16 +397,23 @@ def test_warp_specialized_backward_compiles_for_hopper(H, d_qk, d_v, determinist
 
 
 @pytest.mark.skipif(cuobjdump() is None, reason="needs triton with its bundled NVIDIA toolchain (ptxas, cuobjdump)")
-@pytest.mark.parametrize("staged", [True, False], ids=["staged-ds", "direct-ds"])
-def test_deterministic_bf16_pieces_compile_for_hopper(staged):
-    """``DET_PIECES = "bf16"``: the warp-specialized and the two-warpgroup fused kernels compiled with a bf16 piece
-    scratch (each fp32 piece converted as it is stored): within their shared-memory budgets, no spills."""
+@pytest.mark.parametrize(
+    "staged,pieces", [(True, "bf16"), (False, "bf16"), (True, "fp16"), (False, "fp16")],
+    ids=["staged-ds", "direct-ds", "staged-ds-fp16", "direct-ds-fp16"],
+)  # fmt: skip
+def test_deterministic_two_byte_pieces_compile_for_hopper(staged, pieces):
+    """``DET_PIECES = "bf16"`` / ``"fp16"``: the warp-specialized and the two-warpgroup fused kernels compiled with a
+    bf16 piece scratch (each fp32 piece converted as it is stored) or a scaled fp16 one (each row's scale formed and
+    stored beside it): within their shared-memory budgets, no spills."""
     from longtrain.dsa.triton import sparse_mla_bwd_sm90_ws as ws
     from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_ds_dkv_smem_bytes, sm90_ws_bwd_smem_bytes
+    from longtrain.dsa.triton.sparse_mla_fwd import SM90_SMEM_BYTES
 
-    types = _TYPES[:3] + ["*bf16"] + _TYPES[3:8] + ["*bf16"] + _TYPES[9:] + ["i32", "fp32", "fp32"]
+    piece, scaled = f"*{pieces}", pieces == "fp16"
+    types = _TYPES[:3] + ["*bf16"] + _TYPES[3:8] + [piece, "*fp32"] + _TYPES[9:] + ["i32", "fp32", "fp32"]
     consts = dict(H=64, D_V=512, D_R=64, HAS_LEN=True, DETERMINISTIC=True, PREFETCH_IDX=True, STAGED_DS=staged,
-                  REGS_PROB=ws.WS_BWD_NUM_REGS[0], REGS_PRODUCER=ws.WS_BWD_NUM_REGS[1], RUN=1)  # fmt: skip
+                  REGS_PROB=ws.WS_BWD_NUM_REGS[0], REGS_PRODUCER=ws.WS_BWD_NUM_REGS[1], RUN=1,
+                  SCALED=scaled)  # fmt: skip
     stats = compile_sm90("longtrain.dsa.triton.sparse_mla_bwd_sm90_ws", "sparse_mla_bwd_sm90_ws_kernel", types, consts,
                          num_warps=4, maxnreg=ws.WS_BWD_MAXNREG)  # fmt: skip
     assert stats["cp_async"] and stats["wgmma"] and not stats["wgmma_serialized"], stats
@@ -414,11 +421,13 @@ def test_deterministic_bf16_pieces_compile_for_hopper(staged):
     assert stats["local"] == 0, stats
     if staged:
         return
-    types = _TYPES[:8] + ["*bf16"] + _TYPES[9:] + ["fp32", "fp32"]
-    consts = dict(H=64, D_V=512, D_R=64, HAS_LEN=True, DETERMINISTIC=True)
+    types = _TYPES[:8] + [piece, "*fp32"] + _TYPES[9:] + ["fp32", "fp32"]
+    consts = dict(H=64, D_V=512, D_R=64, HAS_LEN=True, DETERMINISTIC=True, SCALED=scaled)
     stats = compile_sm90("longtrain.dsa.triton.sparse_mla_bwd_sm90", "sparse_mla_bwd_sm90_kernel_ds_dkv", types, consts)
     assert stats["cp_async"] and stats["wgmma"], stats
-    assert stats["shared"] == sm90_ds_dkv_smem_bytes(576, 512, 2), stats
+    # The scales' row maxima cross the two warpgroups through the compiler's scratch, within the 227 KiB.
+    budget = sm90_ds_dkv_smem_bytes(576, 512, 2)
+    assert stats["shared"] == budget if not scaled else budget <= stats["shared"] <= SM90_SMEM_BYTES, stats
     assert stats["local"] == 0, stats
 
 
@@ -475,19 +484,23 @@ def test_ws_backward_schedule_refuses_a_bad_run(monkeypatch, run):
 
 @pytest.mark.skipif(gpu_triton_site() is None, reason=f"needs Triton {GPU_TRITON} (the GPU machine's) in "
                     "<env>/triton-gpu: `make install` puts it there, or set LONGTRAIN_GPU_TRITON_SITE")  # fmt: skip
-@pytest.mark.parametrize("H,deterministic,run", [(64, False, 2), (64, True, 2), (128, False, 1), (128, False, 0)],
-                         ids=["glm-runs-of-2", "glm-det-runs-of-2", "H128", "H128-persistent"])  # fmt: skip
-def test_warp_specialized_backward_does_not_spill_with_the_gpus_triton(H, deterministic, run):
+@pytest.mark.parametrize(
+    "H,deterministic,run,pieces",
+    [(64, False, 2, "fp32"), (64, True, 2, "fp32"), (128, False, 1, "fp32"), (128, False, 0, "fp32"),
+     (64, True, 1, "fp16"), (128, True, 1, "fp16")],
+    ids=["glm-runs-of-2", "glm-det-runs-of-2", "H128", "H128-persistent", "glm-det-fp16", "H128-det-fp16"],
+)  # fmt: skip
+def test_warp_specialized_backward_does_not_spill_with_the_gpus_triton(H, deterministic, run, pieces):
     """Compiled by the Triton the GPU machine runs, the warp-specialized backward keeps its registers: with its item
     loop Triton 3.6 once hoisted every wgmma descriptor of the probabilities warpgroup out of it and spilled them
     (720 bytes of stack, the backward 22 % slower on an H100) where Triton 3.9 showed no spill. The kernel before the
     item loop had 80 bytes of stack there."""
     from longtrain.dsa.triton import sparse_mla_bwd_sm90_ws as ws
 
-    types = _TYPES[:3] + ["*bf16"] + _TYPES[3:8] + ["*fp32"] + _TYPES[9:] + ["i32", "fp32", "fp32"]
+    types = _TYPES[:3] + ["*bf16"] + _TYPES[3:8] + [f"*{pieces}", "*fp32"] + _TYPES[9:] + ["i32", "fp32", "fp32"]
     consts = dict(H=H, D_V=512, D_R=64, HAS_LEN=True, DETERMINISTIC=deterministic, PREFETCH_IDX=False,
                   REGS_PROB=ws.WS_BWD_NUM_REGS[0], REGS_PRODUCER=ws.WS_BWD_NUM_REGS[1], STAGED_DS=True,
-                  RUN=run)  # fmt: skip
+                  RUN=run, SCALED=pieces == "fp16")  # fmt: skip
     stats = compile_sm90("longtrain.dsa.triton.sparse_mla_bwd_sm90_ws", "sparse_mla_bwd_sm90_ws_kernel", types, consts,
                          triton_site=gpu_triton_site(), num_warps=4, maxnreg=ws.WS_BWD_MAXNREG)  # fmt: skip
     assert stats["stack"] <= 80 and stats["local"] == 0, stats

@@ -326,42 +326,48 @@ def test_backward_dq_overlap_equals_one_stream(monkeypatch, T, H, K, determinist
 @pytest.mark.parametrize(
     "T,T_k,H,K,forced,overlap",
     [pytest.param(192, 4096, 64, 2048, False, None, marks=_SM90), pytest.param(300, 2048, 64, 700, False, "high",
-     marks=_SM90), (96, 2048, 128, 512, True, None)],
-    ids=["glm-ws", "ws-reduce-overlap", "H128-triton"],
+     marks=_SM90), pytest.param(160, 2048, 128, 512, "fused", None, marks=_SM90), (96, 2048, 128, 512, True, None)],
+    ids=["glm-ws", "ws-reduce-overlap", "H128-fused", "H128-triton"],
 )  # fmt: skip
-def test_sparse_mla_deterministic_bf16_pieces(monkeypatch, T, T_k, H, K, forced, overlap):
-    """``DET_PIECES = "bf16"``: the deterministic mode's per-slot dkv pieces stored in bf16 and summed in fp32 in the
-    same fixed order. dkv passes the flash-attention rule against float64, two runs are equal bit for bit, dq equals
-    the fp32 pieces' dq bit for bit (the pieces do not feed it), over ragged lengths and invalid and repeated indices;
-    on SM90 through the warp-specialized kernel (with the reduction on the second stream, ``DET_REDUCE_OVERLAP``),
-    elsewhere the portable dkv kernel with two head blocks. A bad mode is a ValueError."""
+def test_sparse_mla_deterministic_two_byte_pieces(monkeypatch, T, T_k, H, K, forced, overlap):
+    """``DET_PIECES = "bf16"`` and ``"fp16"``: the deterministic mode's per-slot dkv pieces stored in bf16, or as fp16
+    rows scaled by a power of two per column chunk, and summed in fp32 in the same fixed order. dkv passes the
+    flash-attention rule against float64, two runs are equal bit for bit, dq equals the fp32 pieces' dq bit for bit
+    (the pieces do not feed it), and the scaled fp16 pieces' dkv is closer to the fp32 pieces' than the bf16 pieces'
+    is, over ragged lengths and invalid and repeated indices; on SM90 through the warp-specialized kernel (with the
+    reduction on the second stream, ``DET_REDUCE_OVERLAP``) and the two-warpgroup fused kernel, elsewhere the portable
+    dkv kernel with two head blocks. A bad mode is a ValueError."""
     from longtrain.dsa.triton import sparse_mla_bwd as smb
     from longtrain.dsa.triton import sparse_mla_triton
 
     q, kv, idx, length, dout = _bwd_case(T, T_k, H, K, T + H + K + 53, bad_row=5)
     scale = 192**-0.5
-    config = _configs() if forced else None
+    config = _configs(ds="fused") if forced == "fused" else _configs() if forced else None
     if overlap is not None:  # several row chunks, the reduction after each chunk's dq on the second stream
         monkeypatch.setattr(smb, "PDS_SCRATCH_BYTES", 4 * H * K * 2)
         monkeypatch.setattr(smb, "DQ_OVERLAP", overlap)
         monkeypatch.setattr(smb, "DET_REDUCE_OVERLAP", True)
     runs = {}
-    for pieces in ("fp32", "bf16", "bf16"):
+    for pieces in ("fp32", "bf16", "bf16", "fp16", "fp16"):
         monkeypatch.setattr(smb, "DET_PIECES", pieces)
         out = sparse_mla_triton(q, kv, idx, scale, d_v=512, topk_length=length, deterministic=True, config=config)
         runs.setdefault(pieces, []).append(torch.autograd.grad(out, (q, kv), dout))
-    (dq32, dkv32), (dq16, dkv16), (dq16b, dkv16b) = runs["fp32"][0], runs["bf16"][0], runs["bf16"][1]
-    assert torch.equal(dkv16, dkv16b) and torch.equal(dq16, dq16b)
-    assert torch.equal(dq16, dq32)
+    dq32, dkv32 = runs["fp32"][0]
     same = _torch_bf16(q, kv, idx, scale, 512, length, None)
     same_dkv = torch.autograd.grad(same, (kv,), dout)[0]
     leaves64 = [q.detach().double().requires_grad_(True), kv.detach().double().requires_grad_(True)]
     ref, _ = sparse_mla_reference(leaves64[0], leaves64[1], idx, scale, d_v=512, topk_length=length)
     ref_dkv = torch.autograd.grad(ref, leaves64, dout.double())[1]
-    _check_rule("dkv (bf16 pieces)", dkv16, same_dkv, ref_dkv)
     _check_rule("dkv (fp32 pieces)", dkv32, same_dkv, ref_dkv)
-    monkeypatch.setattr(smb, "DET_PIECES", "fp16")
-    with pytest.raises(ValueError, match=r"DET_PIECES must be one of \('fp32', 'bf16'\), got 'fp16'"):
+    for pieces in ("bf16", "fp16"):
+        (dq, dkv), (dq_b, dkv_b) = runs[pieces]
+        assert torch.equal(dkv, dkv_b) and torch.equal(dq, dq_b), pieces
+        assert torch.equal(dq, dq32), pieces
+        _check_rule(f"dkv ({pieces} pieces)", dkv, same_dkv, ref_dkv)
+    off = {p: (runs[p][0][1].float() - dkv32.float()).abs().sum().item() for p in ("bf16", "fp16")}
+    assert off["fp16"] < off["bf16"] / 2, off
+    monkeypatch.setattr(smb, "DET_PIECES", "fp8")
+    with pytest.raises(ValueError, match=r"DET_PIECES must be one of \('fp32', 'bf16', 'fp16'\), got 'fp8'"):
         out = sparse_mla_triton(q, kv, idx, scale, d_v=512, topk_length=length, deterministic=True, config=config)
         out.sum().backward()
 

@@ -46,6 +46,8 @@ from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_backward_plan, sm90_dq
 from longtrain.dsa.triton.sparse_mla_bwd_reduce import (
     dkv_reduce_chunk,
     dkv_reduce_keys,
+    piece_groups,
+    scale_piece_rows,
     sparse_mla_bwd_kernel_dkv_reduce,
 )
 from longtrain.dsa.triton.sparse_mla_fwd import LOG2E, _row_col_mask, fwd_block_h
@@ -119,7 +121,7 @@ DET_REDUCE_OVERLAP = False
 #: dkv stays the same bit for bit on every run and schedule but differs from the fp32 pieces' by up to one bf16
 #: rounding per piece. Read at each call.
 DET_PIECES = "fp32"
-DET_PIECES_MODES = ("fp32", "bf16")
+DET_PIECES_MODES = ("fp32", "bf16", "fp16")
 #: Slots (a power of two) the deterministic reduction reads at a time per key row, their loads in flight together;
 #: the sum is the sequential one whatever the value. ``None``: the measured choice, with bf16 pieces 8 where a slot has
 #: one head block's piece (4-6 % faster for the whole backward than one at a time at issue 17's four shapes on an H100,
@@ -177,9 +179,11 @@ def _load_cols(base, row_mask, col0, W: tl.constexpr, D: tl.constexpr, FULL: tl.
 
 
 @triton.jit
-def _dkv_out(dkv_ptr, rows, valid, value, col0, W: tl.constexpr, D: tl.constexpr, D_QK: tl.constexpr,
-             FULL: tl.constexpr, DETERMINISTIC: tl.constexpr):  # fmt: skip
-    """Add (atomics) or store (deterministic scratch) a ``[BLOCK_K, W]`` dkv piece at columns ``col0 + [0, W)``."""
+def _dkv_out(dkv_ptr, rows, valid, value, col0, scale_ptr, group, W: tl.constexpr, D: tl.constexpr,
+             D_QK: tl.constexpr, FULL: tl.constexpr, DETERMINISTIC: tl.constexpr,
+             NUM_GROUPS: tl.constexpr):  # fmt: skip
+    """Add (atomics) or store (deterministic scratch) a ``[BLOCK_K, W]`` dkv piece at columns ``col0 + [0, W)``; scaled
+    fp16 pieces (``NUM_GROUPS > 0``) store each row's scale at ``scale_ptr[row, group]``."""
     offs = col0 + tl.arange(0, W)
     ptrs = dkv_ptr + rows[:, None] * D_QK + offs[None, :]
     if FULL:
@@ -187,6 +191,9 @@ def _dkv_out(dkv_ptr, rows, valid, value, col0, W: tl.constexpr, D: tl.constexpr
     else:
         mask = valid[:, None] & (offs < D)[None, :]
     if DETERMINISTIC:
+        if NUM_GROUPS > 0:
+            value, scale = scale_piece_rows(value)  # [BLOCK_K, W], [BLOCK_K]
+            tl.store(scale_ptr + rows * NUM_GROUPS + group, scale, mask=valid & (rows * 0 + col0 < D))
         tl.store(ptrs, value, mask=mask)
     else:
         tl.atomic_add(ptrs, value, mask=mask, sem="relaxed")
@@ -375,17 +382,19 @@ def sparse_mla_bwd_kernel_dq(
 
 @triton.jit(do_not_specialize=["row_offset", "T_k", "K_slots"])
 def sparse_mla_bwd_kernel_dkv(
-    q_ptr, dout_ptr, idx_ptr, len_ptr, p_ptr, ds_ptr, dkv_ptr,
+    q_ptr, dout_ptr, idx_ptr, len_ptr, p_ptr, ds_ptr, dkv_ptr, scale_ptr,
     row_offset, T_k, K_slots,
     H: tl.constexpr, D_V: tl.constexpr, D_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr, NUM_VC: tl.constexpr,
     COL_GROUPS: tl.constexpr, PART: tl.constexpr,
     HAS_LEN: tl.constexpr, DETERMINISTIC: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, NUM_GROUPS: tl.constexpr = 0,
 ):  # fmt: skip
     """Program ``(g, row x head block)``. PART 0: value columns and rope tail (``COL_GROUPS = 1``); PART 1: value
     columns ``[g * GW, (g + 1) * GW)`` only, ``GW = BLOCK_DV / COL_GROUPS``; PART 2: the rope tail only (grid
-    ``(1, ...)``). The value columns go in ``NUM_VC`` chunks of ``VC = GW / NUM_VC``."""
+    ``(1, ...)``). The value columns go in ``NUM_VC`` chunks of ``VC = GW / NUM_VC``. Scaled fp16 pieces
+    (``NUM_GROUPS > 0``): one scale group per chunk of ``VC`` value columns, then one for the rope tail
+    (:func:`~longtrain.dsa.triton.sparse_mla_bwd_reduce.piece_groups` with widths ``VC`` and ``BLOCK_DR``)."""
     D_QK: tl.constexpr = D_V + D_R
     GW: tl.constexpr = BLOCK_DV // COL_GROUPS
     VC: tl.constexpr = GW // NUM_VC
@@ -394,6 +403,7 @@ def sparse_mla_bwd_kernel_dkv(
     DO_R: tl.constexpr = (PART != 1) & (D_R > 0)
     NUM_HB: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H
     c0 = tl.program_id(0) * GW
+    g0 = tl.program_id(0) * NUM_VC  # the first value chunk's scale group
     pid = tl.program_id(1)
     t_local = (pid // NUM_HB).to(tl.int64)
     t = row_offset + t_local
@@ -434,21 +444,26 @@ def sparse_mla_bwd_kernel_dkv(
             p_t = tl.trans(tl.load(p_ptr + tile, mask=tile_mask, other=0.0))  # [BLOCK_K, BLOCK_H]
             piece = tl.dot(p_t, do0, input_precision=DOT_PREC)  # [BLOCK_K, VC]
             piece = tl.dot(ds_t, q0, piece, input_precision=DOT_PREC)
-            _dkv_out(dkv_ptr, out_rows, valid, piece, c0, VC, D_V, D_QK, FULL, DETERMINISTIC)
+            _dkv_out(dkv_ptr, out_rows, valid, piece, c0, scale_ptr, g0, VC, D_V, D_QK, FULL, DETERMINISTIC, NUM_GROUPS)
             if NUM_VC >= 2:
                 piece = tl.dot(p_t, do1, input_precision=DOT_PREC)
                 piece = tl.dot(ds_t, q1, piece, input_precision=DOT_PREC)
-                _dkv_out(dkv_ptr, out_rows, valid, piece, c0 + VC, VC, D_V, D_QK, FULL, DETERMINISTIC)
+                _dkv_out(dkv_ptr, out_rows, valid, piece, c0 + VC, scale_ptr, g0 + 1, VC, D_V, D_QK, FULL,
+                         DETERMINISTIC, NUM_GROUPS)  # fmt: skip
             if NUM_VC >= 4:
                 piece = tl.dot(p_t, do2, input_precision=DOT_PREC)
                 piece = tl.dot(ds_t, q2, piece, input_precision=DOT_PREC)
-                _dkv_out(dkv_ptr, out_rows, valid, piece, c0 + 2 * VC, VC, D_V, D_QK, FULL, DETERMINISTIC)
+                _dkv_out(dkv_ptr, out_rows, valid, piece, c0 + 2 * VC, scale_ptr, g0 + 2, VC, D_V, D_QK, FULL,
+                         DETERMINISTIC, NUM_GROUPS)  # fmt: skip
                 piece = tl.dot(p_t, do3, input_precision=DOT_PREC)
                 piece = tl.dot(ds_t, q3, piece, input_precision=DOT_PREC)
-                _dkv_out(dkv_ptr, out_rows, valid, piece, c0 + 3 * VC, VC, D_V, D_QK, FULL, DETERMINISTIC)
+                _dkv_out(dkv_ptr, out_rows, valid, piece, c0 + 3 * VC, scale_ptr, g0 + 3, VC, D_V, D_QK, FULL,
+                         DETERMINISTIC, NUM_GROUPS)  # fmt: skip
         if DO_R:
             piece = tl.dot(ds_t, q_r, input_precision=DOT_PREC)  # [BLOCK_K, BLOCK_DR]
-            _dkv_out(dkv_ptr + D_V, out_rows, valid, piece, 0, BLOCK_DR, D_R, D_QK, BLOCK_DR == D_R, DETERMINISTIC)
+            # The rope tail's scale group is the last (whatever this launch's COL_GROUPS).
+            _dkv_out(dkv_ptr + D_V, out_rows, valid, piece, 0, scale_ptr, NUM_GROUPS - 1, BLOCK_DR, D_R, D_QK,
+                     BLOCK_DR == D_R, DETERMINISTIC, NUM_GROUPS)  # fmt: skip
 
 
 _AUTOTUNED: dict[str, object] = {}
@@ -575,13 +590,23 @@ def sparse_mla_bwd(
     contrib = None
     # With the partition the reductions always follow dq on the caller's stream: the kernel's own stream runs ahead.
     reduce_side = streams is not None and fused and compute_dkv and deterministic and (DET_REDUCE_OVERLAP or partition)
+    scales = groups = None  # scaled fp16 pieces: each piece row's scales, each column's scale group
     if compute_dkv and deterministic:
         piece_dtype = _piece_dtype()
         batch = _reduce_batch(piece_dtype, n_hb[2])
         warps = _reduce_warps()
-        contribs = [torch.empty((rows_per_chunk * k_slots * n_hb[2], d_qk), dtype=piece_dtype, device=dev)
-                    for _ in range(2 if reduce_side else 1)]  # fmt: skip
+        n_pieces = rows_per_chunk * k_slots * n_hb[2]
+        bufs = 2 if reduce_side else 1
+        contribs = [torch.empty((n_pieces, d_qk), dtype=piece_dtype, device=dev) for _ in range(bufs)]
         contrib = contribs[0]
+        if piece_dtype == torch.float16:
+            if fused:  # the warp-specialized kernel's column chunks, or the two-warpgroup kernel's halves
+                widths = (64, min(d_r, 64)) if ds_sm90[0] == "fused_ws" else (d_v // 2, d_r)
+            else:
+                widths = (block_dv // col_groups // _num_value_chunks(block_dv // col_groups), dims["BLOCK_DR"])
+            groups, n_groups = piece_groups(d_v, d_r, *widths, dev)
+            scale_bufs = [torch.empty((n_pieces, n_groups), dtype=torch.float32, device=dev) for _ in range(bufs)]
+            scales = scale_bufs[0]
         reduce_keys = dkv_reduce_keys(idx, topk_length, num_keys)
     for chunk, row0 in enumerate(range(0, num_tokens, rows_per_chunk)):
         rows = min(rows_per_chunk, num_tokens - row0)
@@ -589,6 +614,7 @@ def sparse_mla_bwd(
             ds_buf = ds_bufs[chunk % 2]
             if reduce_side:
                 contrib = contribs[chunk % 2]
+                scales = scale_bufs[chunk % 2] if scales is not None else None
             if chunk >= 2:  # the second stream's work of two chunks ago has read these buffers
                 streams[0].wait_event(dq_done[chunk - 2])
         common = (idx, len_arg)
@@ -602,19 +628,21 @@ def sparse_mla_bwd(
                                                reserve_sms=reserve_sms)  # fmt: skip
             with torch.cuda.stream(streams[0]) if partition else contextlib.nullcontext():
                 ws.sparse_mla_bwd_sm90_ws_kernel[(programs,)](
-                    q, kv2d, dout, out, *common, lse2, delta, ds_buf, contrib if deterministic else dkv_acc, row0, rows,
-                    num_keys, k_slots, softmax_scale, softmax_scale * LOG2E, H=num_heads, D_V=d_v, D_R=d_r,
-                    HAS_LEN=topk_length is not None, DETERMINISTIC=deterministic, REGS_PROB=ws.WS_BWD_NUM_REGS[0],
-                    REGS_PRODUCER=ws.WS_BWD_NUM_REGS[1], PREFETCH_IDX=ws.WS_BWD_PREFETCH_IDX,
-                    STAGED_DS=ws.WS_BWD_STAGED_DS, RUN=run, num_warps=4, maxnreg=ws.WS_BWD_MAXNREG,
+                    q, kv2d, dout, out, *common, lse2, delta, ds_buf, contrib if deterministic else dkv_acc,
+                    scales if scales is not None else lse2, row0, rows, num_keys, k_slots, softmax_scale,
+                    softmax_scale * LOG2E, H=num_heads, D_V=d_v, D_R=d_r, HAS_LEN=topk_length is not None,
+                    DETERMINISTIC=deterministic, REGS_PROB=ws.WS_BWD_NUM_REGS[0], REGS_PRODUCER=ws.WS_BWD_NUM_REGS[1],
+                    PREFETCH_IDX=ws.WS_BWD_PREFETCH_IDX, STAGED_DS=ws.WS_BWD_STAGED_DS, RUN=run,
+                    SCALED=scales is not None, num_warps=4, maxnreg=ws.WS_BWD_MAXNREG,
                 )  # fmt: skip
         elif fused:
             from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sparse_mla_bwd_sm90_kernel_ds_dkv
 
             sparse_mla_bwd_sm90_kernel_ds_dkv[(rows * triton.cdiv(num_heads, 64),)](
-                q, kv2d, dout, *common, lse2, delta, ds_buf, contrib if deterministic else dkv_acc, row0, num_keys,
-                k_slots, softmax_scale, softmax_scale * LOG2E, H=num_heads, D_V=d_v, D_R=d_r,
-                HAS_LEN=topk_length is not None, DETERMINISTIC=deterministic, num_warps=8,
+                q, kv2d, dout, *common, lse2, delta, ds_buf, contrib if deterministic else dkv_acc,
+                scales if scales is not None else lse2, row0, num_keys, k_slots, softmax_scale, softmax_scale * LOG2E,
+                H=num_heads, D_V=d_v, D_R=d_r, HAS_LEN=topk_length is not None, DETERMINISTIC=deterministic,
+                SCALED=scales is not None, num_warps=8,
             )  # fmt: skip
         elif ds_sm90 is not None:
             from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sparse_mla_bwd_sm90_kernel_ds
@@ -635,7 +663,9 @@ def sparse_mla_bwd(
                 _dq_sm90(dq_sm90, kv2d, common, ds_buf, dq, row0, rows, num_keys, k_slots, num_heads, d_v, d_r,
                          topk_length is not None)  # fmt: skip
                 if reduce_side:
-                    dkv_reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2], batch, warps)
+                    dkv_reduce_chunk(
+                        reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2], batch, warps, scales, groups
+                    )
                 dq_done.append(torch.cuda.Event())
                 dq_done[-1].record(side)
         elif dq_sm90 is not None:
@@ -647,14 +677,18 @@ def sparse_mla_bwd(
                 (kv2d, *common, ds_buf, dq, row0, num_keys, k_slots), dict(dims, BLOCK_H=bh[1]), cfg_dq,
             )  # fmt: skip
         if fused and deterministic and compute_dkv and not reduce_side:
-            dkv_reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2], batch, warps)
+            dkv_reduce_chunk(
+                reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2], batch, warps, scales, groups
+            )
         if not compute_dkv or fused:
             continue
         target = contrib if deterministic else dkv_acc
-        dkv_args = (q, dout, *common, p_buf, ds_buf, target, row0, num_keys, k_slots)
+        dkv_args = (q, dout, *common, p_buf, ds_buf, target, scales if scales is not None else target, row0, num_keys,
+                    k_slots)  # fmt: skip
         reset = None if deterministic else ["dkv_ptr"]
         meta = dict(dims, BLOCK_H=bh[2], NUM_VC=_num_value_chunks(block_dv // col_groups), COL_GROUPS=col_groups,
-                    PART=0 if col_groups == 1 else 1, DETERMINISTIC=deterministic)  # fmt: skip
+                    PART=0 if col_groups == 1 else 1, DETERMINISTIC=deterministic,
+                    NUM_GROUPS=0 if scales is None else scales.shape[1])  # fmt: skip
         grid = (col_groups, rows * n_hb[2])
         _launch("dkv", sparse_mla_bwd_kernel_dkv, _DKV_CANDIDATES, grid, dkv_args, meta, cfg_dkv, reset)
         if col_groups > 1 and d_r > 0:  # the rope tail: its own launch (the same tuned config)
@@ -662,7 +696,9 @@ def sparse_mla_bwd(
             grid = (1, rows * n_hb[2])
             _launch("dkv", sparse_mla_bwd_kernel_dkv, _DKV_CANDIDATES, grid, dkv_args, meta, cfg_dkv, reset)
         if deterministic:
-            dkv_reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2], batch, warps)
+            dkv_reduce_chunk(
+                reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2], batch, warps, scales, groups
+            )
     if streams is not None:  # dq is complete before anything after the backward reads it (or frees the buffers)
         streams[0].wait_stream(streams[1])
     dsink = None
@@ -707,7 +743,7 @@ def _piece_dtype() -> torch.dtype:
     """The deterministic mode's piece dtype from :data:`DET_PIECES` (checked at each call)."""
     if DET_PIECES not in DET_PIECES_MODES:
         raise ValueError(f"sparse_mla_bwd.DET_PIECES must be one of {DET_PIECES_MODES}, got {DET_PIECES!r}")
-    return torch.float32 if DET_PIECES == "fp32" else torch.bfloat16
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[DET_PIECES]
 
 
 def _dq_sm90(plan, kv2d, common, ds_buf, dq, row0, rows, num_keys, k_slots, num_heads, d_v, d_r, has_len) -> None:
@@ -753,7 +789,7 @@ def _reduce_batch(piece_dtype: torch.dtype, head_blocks: int = 1) -> int:
     slot."""
     batch = DKV_REDUCE_BATCH
     if batch is None:
-        if piece_dtype != torch.bfloat16:
+        if piece_dtype.itemsize == 4:
             return 1
         return 16 if head_blocks > 1 else 8
     if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1 or batch & (batch - 1):

@@ -1,12 +1,22 @@
 """The deterministic sparse MLA backward's reduction of dkv: each row chunk's per-slot pieces (stored by the
-probabilities + dkv kernel in ``(row, slot, head block)`` order, fp32 or bf16) summed key by key in a fixed order,
-without atomics, onto the running dkv, so the result is the same bit for bit on every run, row chunk and schedule.
-:func:`dkv_reduce_keys` forms the sort keys once per backward, :func:`dkv_reduce_chunk` reduces one chunk (a stable
-sort, a search, one launch of ``sparse_mla_bwd_kernel_dkv_reduce``). The knobs stay in
+probabilities + dkv kernel in ``(row, slot, head block)`` order, fp32, bf16 or scaled fp16) summed key by key in a
+fixed order, without atomics, onto the running dkv, so the result is the same bit for bit on every run, row chunk and
+schedule. :func:`dkv_reduce_keys` forms the sort keys once per backward, :func:`dkv_reduce_chunk` reduces one chunk (a
+stable sort, a search, one launch of ``sparse_mla_bwd_kernel_dkv_reduce``). The knobs stay in
 :mod:`longtrain.dsa.triton.sparse_mla_bwd` (``DKV_REDUCE_BATCH`` arrives here as ``batch``).
+
+Scaled fp16 pieces: each producer stores a piece as ``[BLOCK_K, W]`` tiles of columns; every row of a tile (one slot's
+piece over those columns) is divided by a power of two, its ``scale``, that puts the row's largest finite magnitude in
+``[2**14, 2**15)``, and rounded to fp16; the scale is stored in fp32 at ``scales[piece row, group]``, one group per
+tile of columns (:func:`piece_groups` maps every column to its tile's group, per producer). The reduction adds
+``fp16 value * scale``: the division and the multiplication by a power of two are exact, so each piece carries fp16's
+11 significant bits relative to each element (bf16's 8), over fp16's whole exponent range below the row's largest
+element, whatever the gradients' magnitude. Infinities and NaN are kept (they take no part in the scale).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -14,19 +24,39 @@ import triton.language as tl
 
 from longtrain.dsa.triton._common import next_pow2
 
-__all__ = ["dkv_reduce_chunk", "dkv_reduce_keys", "sparse_mla_bwd_kernel_dkv_reduce"]
+__all__ = [
+    "dkv_reduce_chunk",
+    "dkv_reduce_keys",
+    "piece_groups",
+    "scale_piece_rows",
+    "sparse_mla_bwd_kernel_dkv_reduce",
+]
+
+
+@triton.jit
+def scale_piece_rows(value):
+    """``(value / scale[:, None], scale)`` for an fp32 ``value [R, W]``: ``scale [R]`` fp32, a power of two per row that
+    puts its largest finite magnitude in ``[2**14, 2**15)`` (below fp16's largest, 65504, with room for rounding; 29
+    binades above its smallest normal), ``2**-126`` at least (rows below ``2**-112`` are scaled by ``2**126``).
+    Formed from the exponent bits, so both the scale and the division are exact."""
+    mag = tl.abs(value)
+    top = tl.max(tl.where(mag < float("inf"), mag, 0.0), axis=1)  # [R]: NaN and infinities take no part
+    bits = tl.maximum((top.to(tl.int32, bitcast=True) & 0x7F800000) - (14 << 23), 1 << 23)  # [R]
+    inv = ((254 << 23) - bits).to(tl.float32, bitcast=True)  # [R]: 1 / scale, a normal power of two
+    return value * inv[:, None], bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit(do_not_specialize=["num_keys"])
 def sparse_mla_bwd_kernel_dkv_reduce(
-    contrib_ptr, order_ptr, run_start_ptr, dkv_ptr, num_keys,
-    D_QK: tl.constexpr, BLOCK_D: tl.constexpr, NUM_HB: tl.constexpr, BATCH: tl.constexpr,
+    contrib_ptr, order_ptr, run_start_ptr, dkv_ptr, num_keys, scale_ptr, group_ptr,
+    D_QK: tl.constexpr, BLOCK_D: tl.constexpr, NUM_HB: tl.constexpr, BATCH: tl.constexpr, NUM_GROUPS: tl.constexpr = 0,
 ):  # fmt: skip
     """Key rows ``pid, pid + grid, ...``: each sums its run of the chunk's sorted slots, ``order[run_start[key] :
     run_start[key + 1]]``, in that order into ``dkv`` (each slot's ``NUM_HB`` head-block pieces in head-block order).
     A key no slot of the chunk selected has an empty run and is skipped. With ``BATCH > 1`` the run is read ``BATCH``
     slots at a time: their indices in one load, then their pieces' loads issued together (they do not depend on the
-    sum), added one after the other, so the order, and every bit of the sum, is the sequential one."""
+    sum), added one after the other, so the order, and every bit of the sum, is the sequential one. ``NUM_GROUPS > 0``:
+    scaled fp16 pieces, each column's value times its piece row's scale of group ``groups[column]``."""
     lanes = tl.arange(0, BATCH)
     for key in range(tl.program_id(0), num_keys, tl.num_programs(0)):
         start = tl.load(run_start_ptr + key)  # scalar
@@ -37,12 +67,16 @@ def sparse_mla_bwd_kernel_dkv_reduce(
                 offs = c0 + tl.arange(0, BLOCK_D)
                 cmask = offs < D_QK
                 acc = tl.load(dkv_ptr + row + offs, mask=cmask, other=0.0)  # [BLOCK_D]
+                if NUM_GROUPS > 0:
+                    groups = tl.load(group_ptr + offs, mask=cmask, other=0)  # [BLOCK_D]
+                else:
+                    groups = offs  # unused
                 if BATCH == 1:
                     for j in range(start, end):
                         src = tl.load(order_ptr + j).to(tl.int64) * NUM_HB  # scalar
                         for hb in tl.static_range(NUM_HB):
                             piece = tl.load(contrib_ptr + (src + hb) * D_QK + offs, mask=cmask, other=0.0)  # [BLOCK_D]
-                            acc += piece.to(tl.float32)
+                            acc += _unscaled(piece, scale_ptr, src + hb, groups, cmask, NUM_GROUPS)
                 else:
                     for j0 in range(start, end, BATCH):
                         srcs = tl.load(order_ptr + j0 + lanes, mask=j0 + lanes < end, other=0).to(tl.int64)  # [BATCH]
@@ -52,8 +86,33 @@ def sparse_mla_bwd_kernel_dkv_reduce(
                             bmask = cmask & (offs * 0 + j0 + b < end)  # [BLOCK_D]
                             for hb in tl.static_range(NUM_HB):
                                 piece = tl.load(contrib_ptr + (src + hb) * D_QK + offs, mask=bmask, other=0.0)
-                                acc += piece.to(tl.float32)  # [BLOCK_D]
+                                acc += _unscaled(piece, scale_ptr, src + hb, groups, bmask, NUM_GROUPS)  # [BLOCK_D]
                 tl.store(dkv_ptr + row + offs, acc, mask=cmask)
+
+
+@triton.jit
+def _unscaled(piece, scale_ptr, piece_row, groups, mask, NUM_GROUPS: tl.constexpr):
+    """A piece's columns as fp32: times their scales with scaled fp16 pieces (``NUM_GROUPS > 0``)."""
+    if NUM_GROUPS > 0:
+        scale = tl.load(scale_ptr + piece_row * NUM_GROUPS + groups, mask=mask, other=0.0)  # [BLOCK_D]
+        return piece.to(tl.float32) * scale
+    else:
+        return piece.to(tl.float32)
+
+
+@functools.lru_cache(maxsize=64)
+def piece_groups(
+    d_v: int, d_r: int, value_width: int, rope_width: int, device: torch.device
+) -> tuple[torch.Tensor, int]:
+    """``(groups [d_v + d_r] int32 on device, count)``: each column's scale group for a producer that stores scaled fp16
+    pieces in tiles of ``value_width`` value columns from column 0 and ``rope_width`` rope columns from column ``d_v``
+    (a tile past the last column cut short): value column ``c`` in group ``c // value_width``, rope column ``d_v + c``
+    in group ``ceil(d_v / value_width) + c // rope_width``; ``count`` groups in all. Cached: one copy per device."""
+    cols = torch.arange(d_v + d_r, dtype=torch.int64)
+    n_value = -(-d_v // value_width)
+    rope = n_value + (cols - d_v).clamp(min=0) // max(rope_width, 1)
+    groups = torch.where(cols < d_v, cols // value_width, rope).to(torch.int32)
+    return groups.to(device), n_value + (-(-d_r // rope_width) if d_r > 0 else 0)
 
 
 def dkv_reduce_keys(
@@ -73,10 +132,13 @@ def dkv_reduce_keys(
     return keys, torch.arange(num_keys + 1, device=idx.device, dtype=dtype)
 
 
-def dkv_reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, num_hb, batch, num_warps=4) -> None:
+def dkv_reduce_chunk(
+    reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, num_hb, batch, num_warps=4, scales=None, groups=None
+) -> None:
     """Sum one row chunk's per-slot dkv pieces key by key, in a fixed order (no atomics): each key's slots in
     ascending ``(row, slot)`` order (a stable sort of the chunk's keys, ``reduce_keys`` from :func:`dkv_reduce_keys`),
-    each key row summed by one program."""
+    each key row summed by one program. Scaled fp16 pieces come with their ``scales [pieces, G]`` fp32 and the
+    columns' ``groups`` (:func:`piece_groups`)."""
     keys, key_ids = reduce_keys
     num_keys = dkv_acc.shape[0]
     sorted_keys, order = torch.sort(keys[row0 * k_slots : (row0 + rows) * k_slots], stable=True)
@@ -85,6 +147,7 @@ def dkv_reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n
     # At most one program per key and per slot: a chunk selects at most rows * K distinct keys.
     grid = (max(1, min(num_keys, rows * k_slots)),)
     sparse_mla_bwd_kernel_dkv_reduce[grid](
-        contrib, order, run_start, dkv_acc, num_keys, D_QK=d_qk, BLOCK_D=min(1024, next_pow2(d_qk)), NUM_HB=num_hb,
-        BATCH=batch, num_warps=num_warps,
+        contrib, order, run_start, dkv_acc, num_keys, scales if scales is not None else contrib,
+        groups if groups is not None else order, D_QK=d_qk, BLOCK_D=min(1024, next_pow2(d_qk)), NUM_HB=num_hb,
+        BATCH=batch, NUM_GROUPS=0 if scales is None else scales.shape[1], num_warps=num_warps,
     )  # fmt: skip

@@ -218,20 +218,35 @@ def _interleaved_rows(m, hb):
 
 
 @gluon.jit
-def _dkv_out(ptrs, value, mask, DETERMINISTIC: gl.constexpr):
-    """Add a dkv piece (fp32 atomics), or store it (the deterministic mode's per-slot scratch)."""
+def _dkv_out(ptrs, value, mask, scale_ptrs, row_ok, DETERMINISTIC: gl.constexpr, SCALED: gl.constexpr):
+    """Add a dkv piece (fp32 atomics), or store it (the deterministic mode's per-slot scratch); ``SCALED``: as scaled
+    fp16 rows, each row's scale at ``scale_ptrs`` (see :mod:`longtrain.dsa.triton.sparse_mla_bwd_reduce`)."""
     if DETERMINISTIC:
+        if SCALED:
+            value, scale = _scale_piece_rows(value)
+            gl.store(scale_ptrs, scale, mask=row_ok)
         gl.store(ptrs, value, mask=mask)
     else:
         gl.atomic_add(ptrs, value, mask=mask, sem="relaxed")
 
 
+@gluon.jit
+def _scale_piece_rows(value):
+    """Gluon's :func:`longtrain.dsa.triton.sparse_mla_bwd_reduce.scale_piece_rows`: ``(value / scale[:, None],
+    scale)``, a power of two per row putting its largest finite magnitude in ``[2**14, 2**15)``."""
+    mag = gl.abs(value)
+    top = gl.max(gl.where(mag < float("inf"), mag, 0.0), axis=1)  # [R]: NaN and infinities take no part
+    bits = gl.maximum((top.to(gl.int32, bitcast=True) & 0x7F800000) - (14 << 23), 1 << 23)  # [R]
+    inv = ((254 << 23) - bits).to(gl.float32, bitcast=True)  # [R]: 1 / scale, a normal power of two
+    return value * inv[:, None], bits.to(gl.float32, bitcast=True)
+
+
 @gluon.jit(do_not_specialize=["row_offset", "T_k", "K_slots"])
 def sparse_mla_bwd_sm90_kernel_ds_dkv(
-    q_ptr, kv_ptr, dout_ptr, idx_ptr, len_ptr, lse2_ptr, delta_ptr, ds_ptr, dkv_ptr,
+    q_ptr, kv_ptr, dout_ptr, idx_ptr, len_ptr, lse2_ptr, delta_ptr, ds_ptr, dkv_ptr, scale_ptr,
     row_offset, T_k, K_slots, sm_scale, qk_scale,
     H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr, DETERMINISTIC: gl.constexpr,
-    num_warps: gl.constexpr,
+    num_warps: gl.constexpr, SCALED: gl.constexpr = False,
 ):  # fmt: skip
     """Probabilities and dkv in one pass (the dq kernel then reads ``dS``), one program per (query row, block of 64
     heads), 64 gathered slots per step:
@@ -247,12 +262,14 @@ def sparse_mla_bwd_sm90_kernel_ds_dkv(
     The next tile's gather is issued into the freed buffer before step 3, so it runs under the dkv matmuls and
     atomics. ``DETERMINISTIC``: each slot's dkv piece is stored instead, at scratch row
     ``(t_local * K_slots + slot) * NUM_HB + hb`` of ``dkv_ptr`` (the dkv kernel's deterministic layout, summed per key
-    in a fixed order by ``sparse_mla_bwd_kernel_dkv_reduce``).
+    in a fixed order by ``sparse_mla_bwd_kernel_dkv_reduce``); ``SCALED``: as scaled fp16 rows, their scales at
+    ``scale_ptr[scratch row, group]``, groups: the two value halves, then the rope columns.
     """
     BLOCK_K: gl.constexpr = 64
     D_QK: gl.constexpr = D_V + D_R
     NUM_HB: gl.constexpr = (H + 63) // 64
     HALF: gl.constexpr = D_V // 2
+    NUM_GROUPS: gl.constexpr = 3 if D_R > 0 else 2  # scaled fp16 pieces: the value halves, the rope columns
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     gl.static_assert(num_warps == 8, "two warpgroups")
     gl.static_assert(D_V >= 128, "the [dS; P] tile lives in the gathered tile's value buffer")
@@ -362,22 +379,29 @@ def sparse_mla_bwd_sm90_kernel_ds_dkv(
 
         if DETERMINISTIC:  # this row's slots in the per-slot scratch (one row per slot and head block)
             slots = k0 + gl.arange(0, BLOCK_K, layout=row_d)
-            rows = ((t_local * K_slots + slots.to(gl.int64)) * NUM_HB + hb) * D_QK  # [BLOCK_K]
+            piece_rows = (t_local * K_slots + slots.to(gl.int64)) * NUM_HB + hb  # [BLOCK_K]
+            rows = piece_rows * D_QK
         else:
-            rows = gl.where(valid_d, keys, 0).to(gl.int64) * D_QK  # [BLOCK_K]
+            piece_rows = gl.where(valid_d, keys, 0).to(gl.int64)  # [BLOCK_K] (unused)
+            rows = piece_rows * D_QK  # [BLOCK_K]
+        scales = scale_ptr + piece_rows * NUM_GROUPS  # [BLOCK_K]
         acc = warpgroup_mma(a2, a_v.slice(0, HALF, dim=1), dv_zero, use_acc=False, is_async=True)  # [BLOCK_K, HALF]
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         acc2 = warpgroup_mma(a2, a_v.slice(HALF, HALF, dim=1), dv_zero, use_acc=False, is_async=True)
-        _dkv_out(dkv_ptr + rows[:, None] + cols_d[None, :], acc, valid_d[:, None], DETERMINISTIC)
+        _dkv_out(dkv_ptr + rows[:, None] + cols_d[None, :], acc, valid_d[:, None], scales, valid_d, DETERMINISTIC,
+                 SCALED)  # fmt: skip
         acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc2,))
         if D_R > 0:
             accr = warpgroup_mma(a2r, a_r, dr_zero, use_acc=False, is_async=True)  # [BLOCK_K, D_R]
-        _dkv_out(dkv_ptr + rows[:, None] + HALF + cols_d[None, :], acc2, valid_d[:, None], DETERMINISTIC)
+        _dkv_out(dkv_ptr + rows[:, None] + HALF + cols_d[None, :], acc2, valid_d[:, None], scales + 1, valid_d,
+                 DETERMINISTIC, SCALED)  # fmt: skip
         if D_R > 0:
             accr = warpgroup_mma_wait(num_outstanding=0, deps=(accr,))
             rows_r = gl.convert_layout(rows, gl.SliceLayout(1, dr_layout))
             valid_r = gl.convert_layout(valid_d, gl.SliceLayout(1, dr_layout))
-            _dkv_out(dkv_ptr + rows_r[:, None] + D_V + cols_r[None, :], accr, valid_r[:, None], DETERMINISTIC)
+            scales_r = gl.convert_layout(scales, gl.SliceLayout(1, dr_layout)) + 2
+            _dkv_out(dkv_ptr + rows_r[:, None] + D_V + cols_r[None, :], accr, valid_r[:, None], scales_r, valid_r,
+                     DETERMINISTIC, SCALED)  # fmt: skip
     cp.wait_group(0)
 
 

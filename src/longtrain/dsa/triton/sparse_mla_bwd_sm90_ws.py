@@ -294,9 +294,10 @@ def _probabilities(ptrs, sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.con
 
 
 @gluon.jit
-def _staged_out(dkv_ptr, acc, stage, rows, valid, col0, DETERMINISTIC: gl.constexpr):
+def _staged_out(dkv_ptr, acc, stage, rows, valid, col0, scales, DETERMINISTIC: gl.constexpr, SCALED: gl.constexpr):
     """Add (or store) a ``[BLOCK_K, W]`` dkv piece through shared memory: the wgmma accumulator's threads hold 8
-    rows x 32 bytes per warp-wide access, a blocked layout one whole row segment, which the L2 reduces faster."""
+    rows x 32 bytes per warp-wide access, a blocked layout one whole row segment, which the L2 reduces faster.
+    ``SCALED``: stored as scaled fp16 rows, each row's scale at ``scales [BLOCK_K]`` (pointers)."""
     W: gl.constexpr = acc.type.shape[1]
     BLOCK_K: gl.constexpr = acc.type.shape[0]
     L: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // W, W // 4], [4, 1], [1, 0])
@@ -310,12 +311,13 @@ def _staged_out(dkv_ptr, acc, stage, rows, valid, col0, DETERMINISTIC: gl.conste
     r = gl.convert_layout(rows, gl.SliceLayout(1, L))
     ok = gl.convert_layout(valid, gl.SliceLayout(1, L))
     cols = col0 + gl.arange(0, W, layout=gl.SliceLayout(0, L))
-    _dkv_out(dkv_ptr + r[:, None] + cols[None, :], piece, ok[:, None], DETERMINISTIC)
+    sp = gl.convert_layout(scales, gl.SliceLayout(1, L)) if SCALED else scales
+    _dkv_out(dkv_ptr + r[:, None] + cols[None, :], piece, ok[:, None], sp, ok, DETERMINISTIC, SCALED)
 
 
 @gluon.jit
-def _dkv(ptrs, sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr,
-         HAS_LEN: gl.constexpr, RUN: gl.constexpr, DETERMINISTIC: gl.constexpr):  # fmt: skip
+def _dkv(ptrs, sc, sm, scale_ptr, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr,
+         HAS_LEN: gl.constexpr, RUN: gl.constexpr, DETERMINISTIC: gl.constexpr, SCALED: gl.constexpr):  # fmt: skip
     """Default partition: per tile, ``dkv[idx] += [dS; P]^T [Q_v; dO]`` (value columns) and ``dS^T Q_r`` (rope
     columns) in column chunks of 64, each chunk's wgmma issued before the previous chunk's piece is turned into whole
     row segments through the ``[dS; P]`` buffer (read into registers first, released at the end of the tile) and
@@ -328,6 +330,8 @@ def _dkv(ptrs, sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BL
     D_QK: gl.constexpr = D_V + D_R
     NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
     NUM_C: gl.constexpr = D_V // _CHUNK
+    # Scaled fp16 pieces: one scale group per column chunk (NUM_C of values, D_R / min(D_R, 64) of rope columns).
+    NUM_GROUPS: gl.constexpr = NUM_C + ((D_R + _CHUNK - 1) // _CHUNK if D_R > 0 else 0)
     c_layout: gl.constexpr = _mma_layout(_CHUNK)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=c_layout, k_width=2)
     row_c: gl.constexpr = gl.SliceLayout(1, c_layout)
@@ -352,9 +356,12 @@ def _dkv(ptrs, sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BL
             keys, valid = _load_idx(idx_row, k0, n_slots, T_k, BLOCK_K, row_c)  # [BLOCK_K] x 2
             if DETERMINISTIC:  # this row's slots in the per-slot scratch (one row per slot and head block)
                 slots = k0 + gl.arange(0, BLOCK_K, layout=row_c)
-                rows = ((t_local * K_slots + slots.to(gl.int64)) * NUM_HB + hb) * D_QK  # [BLOCK_K]
+                piece_rows = (t_local * K_slots + slots.to(gl.int64)) * NUM_HB + hb  # [BLOCK_K]
+                rows = piece_rows * D_QK
             else:
-                rows = gl.where(valid, keys, 0).to(gl.int64) * D_QK  # [BLOCK_K]
+                piece_rows = gl.where(valid, keys, 0).to(gl.int64)  # [BLOCK_K]
+                rows = piece_rows * D_QK
+            scales = scale_ptr + piece_rows * NUM_GROUPS  # [BLOCK_K]: scaled fp16 pieces' scales (else unused)
             mbarrier.wait(y_ready, r & 1)
             if i == 0:  # the item's [Q_v; dO] and Q_r
                 mbarrier.wait(q_ready, k & 1)
@@ -369,7 +376,9 @@ def _dkv(ptrs, sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BL
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 if last:
                     mbarrier.arrive(col_free.index(c - 1))
-                _staged_out(dkv_ptr, acc, y_smem, rows, valid, (c - 1) * _CHUNK, DETERMINISTIC)
+                _staged_out(
+                    dkv_ptr, acc, y_smem, rows, valid, (c - 1) * _CHUNK, scales + (c - 1), DETERMINISTIC, SCALED
+                )
                 acc = nxt
             if D_R > 0:
                 acc_r = zero_r
@@ -379,20 +388,24 @@ def _dkv(ptrs, sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BL
                         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                         if last:
                             mbarrier.arrive(col_free.index(NUM_C - 1))
-                        _staged_out(dkv_ptr, acc, y_smem, rows, valid, (NUM_C - 1) * _CHUNK, DETERMINISTIC)
+                        _staged_out(dkv_ptr, acc, y_smem, rows, valid, (NUM_C - 1) * _CHUNK, scales + (NUM_C - 1),
+                                    DETERMINISTIC, SCALED)  # fmt: skip
                     else:
                         acc_r = warpgroup_mma_wait(num_outstanding=1, deps=(acc_r,))
-                        _staged_out(dkv_ptr, acc_r, y_smem, rows, valid, D_V + (c - 1) * RW, DETERMINISTIC)
+                        _staged_out(dkv_ptr, acc_r, y_smem, rows, valid, D_V + (c - 1) * RW, scales + (NUM_C + c - 1),
+                                    DETERMINISTIC, SCALED)  # fmt: skip
                     acc_r = nxt_r
                 acc_r = warpgroup_mma_wait(num_outstanding=0, deps=(acc_r,))
                 if last:
                     mbarrier.arrive(col_free.index(NUM_C))
-                _staged_out(dkv_ptr, acc_r, y_smem, rows, valid, D_V + (NUM_R - 1) * RW, DETERMINISTIC)
+                _staged_out(dkv_ptr, acc_r, y_smem, rows, valid, D_V + (NUM_R - 1) * RW, scales + (NUM_C + NUM_R - 1),
+                            DETERMINISTIC, SCALED)  # fmt: skip
             else:
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 if last:
                     mbarrier.arrive(col_free.index(NUM_C - 1))
-                _staged_out(dkv_ptr, acc, y_smem, rows, valid, (NUM_C - 1) * _CHUNK, DETERMINISTIC)
+                _staged_out(dkv_ptr, acc, y_smem, rows, valid, (NUM_C - 1) * _CHUNK, scales + (NUM_C - 1),
+                            DETERMINISTIC, SCALED)  # fmt: skip
             _cta_barrier()  # every warp has read back its last piece
             mbarrier.arrive(y_free)
         g += n_tiles
@@ -401,15 +414,17 @@ def _dkv(ptrs, sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BL
 
 @gluon.jit(do_not_specialize=["row_offset", "n_rows", "T_k", "K_slots"])
 def sparse_mla_bwd_sm90_ws_kernel(
-    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, lse2_ptr, delta_ptr, ds_ptr, dkv_ptr,
+    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, lse2_ptr, delta_ptr, ds_ptr, dkv_ptr, scale_ptr,
     row_offset, n_rows, T_k, K_slots, sm_scale, qk_scale,
     H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr, DETERMINISTIC: gl.constexpr,
     REGS_PROB: gl.constexpr, REGS_PRODUCER: gl.constexpr, num_warps: gl.constexpr, PREFETCH_IDX: gl.constexpr = False,
-    STAGED_DS: gl.constexpr = False, RUN: gl.constexpr = 1,
+    STAGED_DS: gl.constexpr = False, RUN: gl.constexpr = 1, SCALED: gl.constexpr = False,
 ):  # fmt: skip
     """Items ``(row of the launch, block of 64 heads)``, ``n_rows * ceil(H / 64)`` of them, query-major: program
     ``pid`` takes the ``RUN`` items from ``pid * RUN`` (``RUN = 1``: one program per item), or with ``RUN = 0`` the
-    items ``pid, pid + G, ...`` for ``G`` programs (see :func:`ws_bwd_schedule`)."""
+    items ``pid, pid + G, ...`` for ``G`` programs (see :func:`ws_bwd_schedule`). ``SCALED`` (deterministic mode):
+    the pieces as scaled fp16 rows, their scales at ``scale_ptr[scratch row, group]``, one group per column chunk (64
+    value columns, then ``min(D_R, 64)`` rope columns)."""
     BLOCK_K: gl.constexpr = _BLOCK_K
     NUM_COLS: gl.constexpr = D_V // _CHUNK + (1 if D_R > 0 else 0)  # column chunks of [Q_v; dO], then Q_r
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -453,7 +468,7 @@ def sparse_mla_bwd_sm90_ws_kernel(
     sm = (s_v, q_r, v_buf, r_buf, y_smem, delta_smem, ready, free, y_ready, y_free, q_ready, col_free, delta_bar)
     gl.warp_specialize(
         [
-            (_dkv, (ptrs, sc, sm, H, D_V, D_R, BLOCK_K, HAS_LEN, RUN, DETERMINISTIC)),
+            (_dkv, (ptrs, sc, sm, scale_ptr, H, D_V, D_R, BLOCK_K, HAS_LEN, RUN, DETERMINISTIC, SCALED)),
             (_probabilities, (ptrs, sc, sm, H, D_V, D_R, BLOCK_K, HAS_LEN, RUN, STAGED_DS)),
             (_producer, (ptrs, sc, sm, H, D_V, D_R, BLOCK_K, HAS_LEN, RUN, PREFETCH_IDX)),
         ],
