@@ -25,7 +25,8 @@
 # rsweep: the deterministic reduction's slots at a time and warps per program with bf16 pieces and 2 GiB
 #   (dsa_bwd_deterministic.py --reduce-sweep at issue 17's four shapes, about 2 minutes).
 # fp16: the deterministic mode's scaled fp16 pieces (DET_PIECES = "fp16"): the deterministic GPU tests,
-#   dsa_bwd_deterministic.py --fp16-pieces at issue 17's four shapes and memcheck through its --memcheck.
+#   dsa_bwd_deterministic.py --fp16-pieces at issue 17's four shapes, dsa_breakdown.py --fp16-pieces at the first and
+#   memcheck through dsa_bwd_deterministic.py --memcheck.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -90,6 +91,7 @@ case "${1:-indexer}" in
   fp16)
     run gpu_pieces_tests 130 -m pytest -q -p no:cacheprovider tests/gpu/test_dsa_triton_gpu.py -k "deterministic"
     run dsa_bwd_det_fp16 300 benchmarks/dsa_bwd_deterministic.py --fp16-pieces --out-dir "$Q"
+    run dsa_breakdown_fp16 100 benchmarks/dsa_breakdown.py --fp16-pieces --case 16384,64,2048 --out-dir "$Q"
     memcheck 100 benchmarks/dsa_bwd_deterministic.py ;;
   *)
     echo "usage: $0 [indexer|mla|bars|det|overlap|partition|rsweep|fp16]"; exit 2 ;;

@@ -9,7 +9,8 @@ pieces (the probabilities + dkv kernel, the deterministic reduction) a column gi
 ``valid slots x head blocks x D_qk x 4`` (x 2 for bf16 pieces), to set beside the reduction probe's ceiling
 (``python benchmarks/dsa_bwd_ws.py --pattern-probe``). ``--bf16-pieces`` adds the deterministic backward with bf16
 pieces (``sparse_mla_bwd.DET_PIECES``) and a 2 GiB scratch, alone and with the SM partition (``DQ_OVERLAP =
-"partition"``).
+"partition"``); ``--fp16-pieces`` the same with bf16 and with scaled fp16 pieces (their scales not counted in the
+rate).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ CASES = ["16384,64,2048", "4096,128,512", "4096,64,2048"]
 # one D_qk-wide row.
 PIECE_KERNELS = ("sparse_mla_bwd_sm90_ws_kernel", "sparse_mla_bwd_kernel_dkv_reduce")
 BF16_PASS = "backward, deterministic, bf16 pieces, 2 GiB"
+FP16_PASS = "backward, deterministic, scaled fp16 pieces, 2 GiB"
 
 
 def kernel_times(fn) -> dict[str, float]:
@@ -74,6 +76,8 @@ def main() -> None:
     bf16_help = "also the deterministic backward with bf16 pieces (DET_PIECES), 2 GiB scratch, with and without the "
     bf16_help += "SM partition"
     ap.add_argument("--bf16-pieces", action="store_true", help=bf16_help)
+    ap.add_argument("--fp16-pieces", action="store_true", help="also the deterministic backward with bf16 and with "
+                    "scaled fp16 pieces (DET_PIECES), 2 GiB scratch")  # fmt: skip
     args = ap.parse_args()
     dev = torch.device("cuda")
     rows = []
@@ -94,6 +98,10 @@ def main() -> None:
             bf16 = dict(DET_PIECES="bf16", DETERMINISTIC_SCRATCH_ELEMENTS=1 << 30)
             passes[BF16_PASS] = _with_settings(det, **bf16)
             passes[BF16_PASS + ", SM partition 32"] = _with_settings(det, **bf16, DQ_OVERLAP="partition")
+        if args.fp16_pieces:
+            det = passes["backward, deterministic"]
+            passes[BF16_PASS] = _with_settings(det, DET_PIECES="bf16", DETERMINISTIC_SCRATCH_ELEMENTS=1 << 30)
+            passes[FP16_PASS] = _with_settings(det, DET_PIECES="fp16", DETERMINISTIC_SCRATCH_ELEMENTS=1 << 30)
         for name, fn in passes.items():
             fn()
             torch.cuda.synchronize()
@@ -105,7 +113,8 @@ def main() -> None:
             for kernel, us in sorted(times.items(), key=lambda kv: -kv[1]):
                 row = dict(shape=shape, op=name, kernel=kernel, us=us, share=us / whole)
                 if kernel in PIECE_KERNELS and name != "forward":
-                    row["piece_gbps"] = piece_bytes / (2 if name.startswith(BF16_PASS) else 1) / us / 1e3
+                    two_bytes = name.startswith((BF16_PASS, FP16_PASS))
+                    row["piece_gbps"] = piece_bytes / (2 if two_bytes else 1) / us / 1e3
                 rows.append(row)
             print(shape, name, f"median {med:.3f} ms, kernels {whole / 1000:.3f} ms", flush=True)
     cols = [

@@ -374,12 +374,12 @@ def test_deterministic_reduce_sums_each_key_in_row_slot_order(
     the chunk's valid slots in ascending (row, slot) order, each slot's head-block pieces in order, onto the running
     dkv, with int16 sort keys up to 32767 keys and int32 past them, whatever the slots read at a time
     (``DKV_REDUCE_BATCH``; runs longer and shorter than the batch) and with bf16 pieces (each added as its fp32
-    value), or scaled fp16 pieces (each column's value times its piece row's scale of the column's group: groups of 16
-    value columns and one of 8 rope columns here); slots past the length, negative or past the last key add nothing,
+    value), or scaled fp16 pieces (each column's value times its piece row's scale of the column's group of 8 columns
+    here); slots past the length, negative or past the last key add nothing,
     and unselected keys keep their value."""
     from longtrain.dsa.triton import sparse_mla_bwd as smb
     from longtrain.dsa.triton.sparse_mla_bwd import _reduce_batch
-    from longtrain.dsa.triton.sparse_mla_bwd_reduce import dkv_reduce_chunk, dkv_reduce_keys, piece_groups
+    from longtrain.dsa.triton.sparse_mla_bwd_reduce import dkv_reduce_chunk, dkv_reduce_keys, piece_group_cols
 
     monkeypatch.setattr(smb, "DKV_REDUCE_BATCH", batch)
     assert _reduce_batch(pieces) == batch
@@ -397,12 +397,12 @@ def test_deterministic_reduce_sums_each_key_in_row_slot_order(
     contrib = (torch.randn(n_pieces, d_qk, generator=g) * scales).to(pieces)
     if pieces == torch.float16:  # fp16 pieces of their own magnitude, the magnitudes in the scales
         contrib = (torch.randn(n_pieces, d_qk, generator=g) * 2**13).to(pieces)
-        groups, count = piece_groups(32, d_qk - 32, 16, 8, torch.device("cpu"))
-        assert count == 3 and groups.tolist() == [0] * 16 + [1] * 16 + [2] * 8
-        piece_scales = torch.exp2(torch.randint(-60, 20, (n_pieces, count), generator=g).float())
-        values = contrib.float() * piece_scales[:, groups.long()]
+        group_cols = piece_group_cols(32, d_qk - 32, 16, 8)  # tiles of 16 value and 8 rope columns: groups of 8
+        assert group_cols == 8 and piece_group_cols(512, 64, 256, 64) == 64 and piece_group_cols(40, 8, 16, 8) == 8
+        piece_scales = torch.exp2(torch.randint(-60, 20, (n_pieces, d_qk // 8), generator=g).float())
+        values = contrib.float() * piece_scales.repeat_interleave(8, dim=1)
     else:
-        piece_scales = groups = None
+        piece_scales, group_cols = None, 0
         values = contrib.float()
     dkv = torch.randn(num_keys, d_qk, generator=g)
     expected = dkv.clone()
@@ -416,7 +416,7 @@ def test_deterministic_reduce_sums_each_key_in_row_slot_order(
     reduce_keys = dkv_reduce_keys(idx, length, num_keys)
     assert reduce_keys[0].dtype == (torch.int16 if num_keys <= 32767 else torch.int32)
     dkv_reduce_chunk(reduce_keys, K, contrib, dkv, row0, rows, d_qk, num_hb, _reduce_batch(pieces), 4, piece_scales,
-                     groups)  # fmt: skip
+                     group_cols)  # fmt: skip
     assert torch.equal(dkv, expected)
 
 

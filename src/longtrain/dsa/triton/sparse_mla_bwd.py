@@ -46,7 +46,7 @@ from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_backward_plan, sm90_dq
 from longtrain.dsa.triton.sparse_mla_bwd_reduce import (
     dkv_reduce_chunk,
     dkv_reduce_keys,
-    piece_groups,
+    piece_group_cols,
     scale_piece_rows,
     sparse_mla_bwd_kernel_dkv_reduce,
 )
@@ -180,10 +180,11 @@ def _load_cols(base, row_mask, col0, W: tl.constexpr, D: tl.constexpr, FULL: tl.
 
 @triton.jit
 def _dkv_out(dkv_ptr, rows, valid, value, col0, scale_ptr, group, W: tl.constexpr, D: tl.constexpr,
-             D_QK: tl.constexpr, FULL: tl.constexpr, DETERMINISTIC: tl.constexpr,
-             NUM_GROUPS: tl.constexpr):  # fmt: skip
+             D_QK: tl.constexpr, FULL: tl.constexpr, DETERMINISTIC: tl.constexpr, NUM_GROUPS: tl.constexpr,
+             GROUP_COLS: tl.constexpr):  # fmt: skip
     """Add (atomics) or store (deterministic scratch) a ``[BLOCK_K, W]`` dkv piece at columns ``col0 + [0, W)``; scaled
-    fp16 pieces (``NUM_GROUPS > 0``) store each row's scale at ``scale_ptr[row, group]``."""
+    fp16 pieces (``NUM_GROUPS > 0``) store each row's scale at ``scale_ptr[row, group + j]`` for each of the tile's
+    groups of ``GROUP_COLS`` columns that starts before ``D``."""
     offs = col0 + tl.arange(0, W)
     ptrs = dkv_ptr + rows[:, None] * D_QK + offs[None, :]
     if FULL:
@@ -193,7 +194,9 @@ def _dkv_out(dkv_ptr, rows, valid, value, col0, scale_ptr, group, W: tl.constexp
     if DETERMINISTIC:
         if NUM_GROUPS > 0:
             value, scale = scale_piece_rows(value)  # [BLOCK_K, W], [BLOCK_K]
-            tl.store(scale_ptr + rows * NUM_GROUPS + group, scale, mask=valid & (rows * 0 + col0 < D))
+            for j in tl.static_range(W // GROUP_COLS):
+                ok = valid & (rows * 0 + col0 + j * GROUP_COLS < D)
+                tl.store(scale_ptr + rows * NUM_GROUPS + group + j, scale, mask=ok)
         tl.store(ptrs, value, mask=mask)
     else:
         tl.atomic_add(ptrs, value, mask=mask, sem="relaxed")
@@ -388,13 +391,13 @@ def sparse_mla_bwd_kernel_dkv(
     BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr, NUM_VC: tl.constexpr,
     COL_GROUPS: tl.constexpr, PART: tl.constexpr,
     HAS_LEN: tl.constexpr, DETERMINISTIC: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_K: tl.constexpr, NUM_GROUPS: tl.constexpr = 0,
+    BLOCK_K: tl.constexpr, NUM_GROUPS: tl.constexpr = 0, GROUP_COLS: tl.constexpr = 16,
 ):  # fmt: skip
     """Program ``(g, row x head block)``. PART 0: value columns and rope tail (``COL_GROUPS = 1``); PART 1: value
     columns ``[g * GW, (g + 1) * GW)`` only, ``GW = BLOCK_DV / COL_GROUPS``; PART 2: the rope tail only (grid
     ``(1, ...)``). The value columns go in ``NUM_VC`` chunks of ``VC = GW / NUM_VC``. Scaled fp16 pieces
-    (``NUM_GROUPS > 0``): one scale group per chunk of ``VC`` value columns, then one for the rope tail
-    (:func:`~longtrain.dsa.triton.sparse_mla_bwd_reduce.piece_groups` with widths ``VC`` and ``BLOCK_DR``)."""
+    (``NUM_GROUPS > 0``): a scale per ``GROUP_COLS`` columns of each chunk and of the rope tail
+    (:func:`~longtrain.dsa.triton.sparse_mla_bwd_reduce.piece_group_cols` of widths ``VC`` and ``BLOCK_DR``)."""
     D_QK: tl.constexpr = D_V + D_R
     GW: tl.constexpr = BLOCK_DV // COL_GROUPS
     VC: tl.constexpr = GW // NUM_VC
@@ -403,7 +406,8 @@ def sparse_mla_bwd_kernel_dkv(
     DO_R: tl.constexpr = (PART != 1) & (D_R > 0)
     NUM_HB: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H
     c0 = tl.program_id(0) * GW
-    g0 = tl.program_id(0) * NUM_VC  # the first value chunk's scale group
+    g0 = c0 // GROUP_COLS  # the first value chunk's first scale group
+    GV: tl.constexpr = VC // GROUP_COLS  # scale groups per value chunk
     pid = tl.program_id(1)
     t_local = (pid // NUM_HB).to(tl.int64)
     t = row_offset + t_local
@@ -444,26 +448,26 @@ def sparse_mla_bwd_kernel_dkv(
             p_t = tl.trans(tl.load(p_ptr + tile, mask=tile_mask, other=0.0))  # [BLOCK_K, BLOCK_H]
             piece = tl.dot(p_t, do0, input_precision=DOT_PREC)  # [BLOCK_K, VC]
             piece = tl.dot(ds_t, q0, piece, input_precision=DOT_PREC)
-            _dkv_out(dkv_ptr, out_rows, valid, piece, c0, scale_ptr, g0, VC, D_V, D_QK, FULL, DETERMINISTIC, NUM_GROUPS)
+            _dkv_out(dkv_ptr, out_rows, valid, piece, c0, scale_ptr, g0, VC, D_V, D_QK, FULL, DETERMINISTIC, NUM_GROUPS,
+                     GROUP_COLS)  # fmt: skip
             if NUM_VC >= 2:
                 piece = tl.dot(p_t, do1, input_precision=DOT_PREC)
                 piece = tl.dot(ds_t, q1, piece, input_precision=DOT_PREC)
-                _dkv_out(dkv_ptr, out_rows, valid, piece, c0 + VC, scale_ptr, g0 + 1, VC, D_V, D_QK, FULL,
-                         DETERMINISTIC, NUM_GROUPS)  # fmt: skip
+                _dkv_out(dkv_ptr, out_rows, valid, piece, c0 + VC, scale_ptr, g0 + 1 * GV, VC, D_V, D_QK,
+                         FULL, DETERMINISTIC, NUM_GROUPS, GROUP_COLS)  # fmt: skip
             if NUM_VC >= 4:
                 piece = tl.dot(p_t, do2, input_precision=DOT_PREC)
                 piece = tl.dot(ds_t, q2, piece, input_precision=DOT_PREC)
-                _dkv_out(dkv_ptr, out_rows, valid, piece, c0 + 2 * VC, scale_ptr, g0 + 2, VC, D_V, D_QK, FULL,
-                         DETERMINISTIC, NUM_GROUPS)  # fmt: skip
+                _dkv_out(dkv_ptr, out_rows, valid, piece, c0 + 2 * VC, scale_ptr, g0 + 2 * GV, VC, D_V, D_QK,
+                         FULL, DETERMINISTIC, NUM_GROUPS, GROUP_COLS)  # fmt: skip
                 piece = tl.dot(p_t, do3, input_precision=DOT_PREC)
                 piece = tl.dot(ds_t, q3, piece, input_precision=DOT_PREC)
-                _dkv_out(dkv_ptr, out_rows, valid, piece, c0 + 3 * VC, scale_ptr, g0 + 3, VC, D_V, D_QK, FULL,
-                         DETERMINISTIC, NUM_GROUPS)  # fmt: skip
+                _dkv_out(dkv_ptr, out_rows, valid, piece, c0 + 3 * VC, scale_ptr, g0 + 3 * GV, VC, D_V, D_QK,
+                         FULL, DETERMINISTIC, NUM_GROUPS, GROUP_COLS)  # fmt: skip
         if DO_R:
             piece = tl.dot(ds_t, q_r, input_precision=DOT_PREC)  # [BLOCK_K, BLOCK_DR]
-            # The rope tail's scale group is the last (whatever this launch's COL_GROUPS).
-            _dkv_out(dkv_ptr + D_V, out_rows, valid, piece, 0, scale_ptr, NUM_GROUPS - 1, BLOCK_DR, D_R, D_QK,
-                     BLOCK_DR == D_R, DETERMINISTIC, NUM_GROUPS)  # fmt: skip
+            _dkv_out(dkv_ptr + D_V, out_rows, valid, piece, 0, scale_ptr, D_V // GROUP_COLS, BLOCK_DR, D_R, D_QK,
+                     BLOCK_DR == D_R, DETERMINISTIC, NUM_GROUPS, GROUP_COLS)  # fmt: skip
 
 
 _AUTOTUNED: dict[str, object] = {}
@@ -590,7 +594,7 @@ def sparse_mla_bwd(
     contrib = None
     # With the partition the reductions always follow dq on the caller's stream: the kernel's own stream runs ahead.
     reduce_side = streams is not None and fused and compute_dkv and deterministic and (DET_REDUCE_OVERLAP or partition)
-    scales = groups = None  # scaled fp16 pieces: each piece row's scales, each column's scale group
+    scales, group_cols = None, 0  # scaled fp16 pieces: each piece row's scales, columns per scale group
     if compute_dkv and deterministic:
         piece_dtype = _piece_dtype()
         batch = _reduce_batch(piece_dtype, n_hb[2])
@@ -604,10 +608,16 @@ def sparse_mla_bwd(
                 widths = (64, min(d_r, 64)) if ds_sm90[0] == "fused_ws" else (d_v // 2, d_r)
             else:
                 widths = (block_dv // col_groups // _num_value_chunks(block_dv // col_groups), dims["BLOCK_DR"])
-            groups, n_groups = piece_groups(d_v, d_r, *widths, dev)
+            group_cols = piece_group_cols(d_v, d_r, *widths)
+            n_groups = triton.cdiv(d_qk, group_cols)
             scale_bufs = [torch.empty((n_pieces, n_groups), dtype=torch.float32, device=dev) for _ in range(bufs)]
             scales = scale_bufs[0]
         reduce_keys = dkv_reduce_keys(idx, topk_length, num_keys)
+
+        def reduce_chunk(row0: int, rows: int) -> None:  # the current chunk's pieces (and scales) into dkv_acc
+            dkv_reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2], batch, warps, scales,
+                             group_cols)  # fmt: skip
+
     for chunk, row0 in enumerate(range(0, num_tokens, rows_per_chunk)):
         rows = min(rows_per_chunk, num_tokens - row0)
         if streams is not None:
@@ -633,7 +643,7 @@ def sparse_mla_bwd(
                     softmax_scale * LOG2E, H=num_heads, D_V=d_v, D_R=d_r, HAS_LEN=topk_length is not None,
                     DETERMINISTIC=deterministic, REGS_PROB=ws.WS_BWD_NUM_REGS[0], REGS_PRODUCER=ws.WS_BWD_NUM_REGS[1],
                     PREFETCH_IDX=ws.WS_BWD_PREFETCH_IDX, STAGED_DS=ws.WS_BWD_STAGED_DS, RUN=run,
-                    SCALED=scales is not None, num_warps=4, maxnreg=ws.WS_BWD_MAXNREG,
+                    SCALED=scales is not None, GROUP_COLS=group_cols or 64, num_warps=4, maxnreg=ws.WS_BWD_MAXNREG,
                 )  # fmt: skip
         elif fused:
             from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sparse_mla_bwd_sm90_kernel_ds_dkv
@@ -642,7 +652,7 @@ def sparse_mla_bwd(
                 q, kv2d, dout, *common, lse2, delta, ds_buf, contrib if deterministic else dkv_acc,
                 scales if scales is not None else lse2, row0, num_keys, k_slots, softmax_scale, softmax_scale * LOG2E,
                 H=num_heads, D_V=d_v, D_R=d_r, HAS_LEN=topk_length is not None, DETERMINISTIC=deterministic,
-                SCALED=scales is not None, num_warps=8,
+                SCALED=scales is not None, GROUP_COLS=group_cols or 64, num_warps=8,
             )  # fmt: skip
         elif ds_sm90 is not None:
             from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sparse_mla_bwd_sm90_kernel_ds
@@ -663,9 +673,7 @@ def sparse_mla_bwd(
                 _dq_sm90(dq_sm90, kv2d, common, ds_buf, dq, row0, rows, num_keys, k_slots, num_heads, d_v, d_r,
                          topk_length is not None)  # fmt: skip
                 if reduce_side:
-                    dkv_reduce_chunk(
-                        reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2], batch, warps, scales, groups
-                    )
+                    reduce_chunk(row0, rows)
                 dq_done.append(torch.cuda.Event())
                 dq_done[-1].record(side)
         elif dq_sm90 is not None:
@@ -677,9 +685,7 @@ def sparse_mla_bwd(
                 (kv2d, *common, ds_buf, dq, row0, num_keys, k_slots), dict(dims, BLOCK_H=bh[1]), cfg_dq,
             )  # fmt: skip
         if fused and deterministic and compute_dkv and not reduce_side:
-            dkv_reduce_chunk(
-                reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2], batch, warps, scales, groups
-            )
+            reduce_chunk(row0, rows)
         if not compute_dkv or fused:
             continue
         target = contrib if deterministic else dkv_acc
@@ -688,7 +694,7 @@ def sparse_mla_bwd(
         reset = None if deterministic else ["dkv_ptr"]
         meta = dict(dims, BLOCK_H=bh[2], NUM_VC=_num_value_chunks(block_dv // col_groups), COL_GROUPS=col_groups,
                     PART=0 if col_groups == 1 else 1, DETERMINISTIC=deterministic,
-                    NUM_GROUPS=0 if scales is None else scales.shape[1])  # fmt: skip
+                    NUM_GROUPS=0 if scales is None else scales.shape[1], GROUP_COLS=group_cols or 16)  # fmt: skip
         grid = (col_groups, rows * n_hb[2])
         _launch("dkv", sparse_mla_bwd_kernel_dkv, _DKV_CANDIDATES, grid, dkv_args, meta, cfg_dkv, reset)
         if col_groups > 1 and d_r > 0:  # the rope tail: its own launch (the same tuned config)
@@ -696,9 +702,7 @@ def sparse_mla_bwd(
             grid = (1, rows * n_hb[2])
             _launch("dkv", sparse_mla_bwd_kernel_dkv, _DKV_CANDIDATES, grid, dkv_args, meta, cfg_dkv, reset)
         if deterministic:
-            dkv_reduce_chunk(
-                reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2], batch, warps, scales, groups
-            )
+            reduce_chunk(row0, rows)
     if streams is not None:  # dq is complete before anything after the backward reads it (or frees the buffers)
         streams[0].wait_stream(streams[1])
     dsink = None

@@ -5,18 +5,20 @@ schedule. :func:`dkv_reduce_keys` forms the sort keys once per backward, :func:`
 stable sort, a search, one launch of ``sparse_mla_bwd_kernel_dkv_reduce``). The knobs stay in
 :mod:`longtrain.dsa.triton.sparse_mla_bwd` (``DKV_REDUCE_BATCH`` arrives here as ``batch``).
 
-Scaled fp16 pieces: each producer stores a piece as ``[BLOCK_K, W]`` tiles of columns; every row of a tile (one slot's
-piece over those columns) is divided by a power of two, its ``scale``, that puts the row's largest finite magnitude in
-``[2**14, 2**15)``, and rounded to fp16; the scale is stored in fp32 at ``scales[piece row, group]``, one group per
-tile of columns (:func:`piece_groups` maps every column to its tile's group, per producer). The reduction adds
-``fp16 value * scale``: the division and the multiplication by a power of two are exact, so each piece carries fp16's
-11 significant bits relative to each element (bf16's 8), over fp16's whole exponent range below the row's largest
-element, whatever the gradients' magnitude. Infinities and NaN are kept (they take no part in the scale).
+Scaled fp16 pieces: the columns fall into groups of ``G`` (:func:`piece_group_cols`: a power of two that divides
+every tile of columns a producer stores and ``d_v``); each producer stores a piece as ``[BLOCK_K, W]`` tiles of
+columns, divides every row of a tile (one slot's piece over those columns) by a power of two, its ``scale``, that puts
+the row's largest finite magnitude in ``[2**14, 2**15)``, rounds it to fp16 and stores the scale in fp32 at
+``scales[piece row, group]`` for each of the tile's ``W / G`` groups. The reduction reads each piece as ``[groups, G]``
+with one scale per group and adds ``fp16 value * scale``: the division and the multiplication by a power of two are
+exact, so each piece carries fp16's 11 significant bits relative to each element (bf16's 8), over fp16's whole
+exponent range below the row's largest element, whatever the gradients' magnitude. Infinities and NaN are kept (they
+take no part in the scale).
 """
 
 from __future__ import annotations
 
-import functools
+import math
 
 import torch
 import triton
@@ -27,7 +29,7 @@ from longtrain.dsa.triton._common import next_pow2
 __all__ = [
     "dkv_reduce_chunk",
     "dkv_reduce_keys",
-    "piece_groups",
+    "piece_group_cols",
     "scale_piece_rows",
     "sparse_mla_bwd_kernel_dkv_reduce",
 ]
@@ -48,71 +50,69 @@ def scale_piece_rows(value):
 
 @triton.jit(do_not_specialize=["num_keys"])
 def sparse_mla_bwd_kernel_dkv_reduce(
-    contrib_ptr, order_ptr, run_start_ptr, dkv_ptr, num_keys, scale_ptr, group_ptr,
-    D_QK: tl.constexpr, BLOCK_D: tl.constexpr, NUM_HB: tl.constexpr, BATCH: tl.constexpr, NUM_GROUPS: tl.constexpr = 0,
+    contrib_ptr, order_ptr, run_start_ptr, dkv_ptr, num_keys, scale_ptr,
+    D_QK: tl.constexpr, BLOCK_D: tl.constexpr, NUM_HB: tl.constexpr, BATCH: tl.constexpr, GROUP_COLS: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
 ):  # fmt: skip
     """Key rows ``pid, pid + grid, ...``: each sums its run of the chunk's sorted slots, ``order[run_start[key] :
     run_start[key + 1]]``, in that order into ``dkv`` (each slot's ``NUM_HB`` head-block pieces in head-block order).
     A key no slot of the chunk selected has an empty run and is skipped. With ``BATCH > 1`` the run is read ``BATCH``
     slots at a time: their indices in one load, then their pieces' loads issued together (they do not depend on the
-    sum), added one after the other, so the order, and every bit of the sum, is the sequential one. ``NUM_GROUPS > 0``:
-    scaled fp16 pieces, each column's value times its piece row's scale of group ``groups[column]``."""
+    sum), added one after the other, so the order, and every bit of the sum, is the sequential one. Columns are read
+    as ``[BLOCK_D / GROUP_COLS, GROUP_COLS]`` blocks; ``NUM_GROUPS > 0``: scaled fp16 pieces, each row of a block
+    (``GROUP_COLS`` columns, one group) times its piece row's scale of that group."""
     lanes = tl.arange(0, BATCH)
+    NB: tl.constexpr = BLOCK_D // GROUP_COLS
     for key in range(tl.program_id(0), num_keys, tl.num_programs(0)):
         start = tl.load(run_start_ptr + key)  # scalar
         end = tl.load(run_start_ptr + key + 1)  # scalar
         if start < end:
             row = tl.cast(key, tl.int64) * D_QK
             for c0 in tl.static_range(0, D_QK, BLOCK_D):
-                offs = c0 + tl.arange(0, BLOCK_D)
+                grp = c0 // GROUP_COLS + tl.arange(0, NB)  # [NB]
+                offs = grp[:, None] * GROUP_COLS + tl.arange(0, GROUP_COLS)[None, :]  # [NB, GROUP_COLS]
                 cmask = offs < D_QK
-                acc = tl.load(dkv_ptr + row + offs, mask=cmask, other=0.0)  # [BLOCK_D]
-                if NUM_GROUPS > 0:
-                    groups = tl.load(group_ptr + offs, mask=cmask, other=0)  # [BLOCK_D]
-                else:
-                    groups = offs  # unused
+                gmask = grp < (D_QK + GROUP_COLS - 1) // GROUP_COLS  # [NB]
+                acc = tl.load(dkv_ptr + row + offs, mask=cmask, other=0.0)  # [NB, GROUP_COLS]
                 if BATCH == 1:
                     for j in range(start, end):
                         src = tl.load(order_ptr + j).to(tl.int64) * NUM_HB  # scalar
                         for hb in tl.static_range(NUM_HB):
-                            piece = tl.load(contrib_ptr + (src + hb) * D_QK + offs, mask=cmask, other=0.0)  # [BLOCK_D]
-                            acc += _unscaled(piece, scale_ptr, src + hb, groups, cmask, NUM_GROUPS)
+                            piece = tl.load(contrib_ptr + (src + hb) * D_QK + offs, mask=cmask, other=0.0)
+                            acc += _unscaled(piece, scale_ptr, src + hb, grp, gmask, NUM_GROUPS)  # [NB, GROUP_COLS]
                 else:
                     for j0 in range(start, end, BATCH):
                         srcs = tl.load(order_ptr + j0 + lanes, mask=j0 + lanes < end, other=0).to(tl.int64)  # [BATCH]
                         for b in tl.static_range(BATCH):
                             src = tl.sum(tl.where(lanes == b, srcs, 0)) * NUM_HB  # scalar
                             # A slot past the run loads zeros: adding +0.0 leaves every sum but -0.0 unchanged.
-                            bmask = cmask & (offs * 0 + j0 + b < end)  # [BLOCK_D]
+                            bmask = cmask & (offs * 0 + j0 + b < end)  # [NB, GROUP_COLS]
+                            bgmask = gmask & (grp * 0 + j0 + b < end)  # [NB]
                             for hb in tl.static_range(NUM_HB):
                                 piece = tl.load(contrib_ptr + (src + hb) * D_QK + offs, mask=bmask, other=0.0)
-                                acc += _unscaled(piece, scale_ptr, src + hb, groups, bmask, NUM_GROUPS)  # [BLOCK_D]
+                                acc += _unscaled(piece, scale_ptr, src + hb, grp, bgmask, NUM_GROUPS)
                 tl.store(dkv_ptr + row + offs, acc, mask=cmask)
 
 
 @triton.jit
-def _unscaled(piece, scale_ptr, piece_row, groups, mask, NUM_GROUPS: tl.constexpr):
-    """A piece's columns as fp32: times their scales with scaled fp16 pieces (``NUM_GROUPS > 0``)."""
+def _unscaled(piece, scale_ptr, piece_row, grp, gmask, NUM_GROUPS: tl.constexpr):
+    """A ``[NB, G]`` block of a piece as fp32: each row times its group's scale with scaled fp16 pieces."""
     if NUM_GROUPS > 0:
-        scale = tl.load(scale_ptr + piece_row * NUM_GROUPS + groups, mask=mask, other=0.0)  # [BLOCK_D]
-        return piece.to(tl.float32) * scale
+        scale = tl.load(scale_ptr + piece_row * NUM_GROUPS + grp, mask=gmask, other=0.0)  # [NB]
+        return piece.to(tl.float32) * scale[:, None]
     else:
         return piece.to(tl.float32)
 
 
-@functools.lru_cache(maxsize=64)
-def piece_groups(
-    d_v: int, d_r: int, value_width: int, rope_width: int, device: torch.device
-) -> tuple[torch.Tensor, int]:
-    """``(groups [d_v + d_r] int32 on device, count)``: each column's scale group for a producer that stores scaled fp16
-    pieces in tiles of ``value_width`` value columns from column 0 and ``rope_width`` rope columns from column ``d_v``
-    (a tile past the last column cut short): value column ``c`` in group ``c // value_width``, rope column ``d_v + c``
-    in group ``ceil(d_v / value_width) + c // rope_width``; ``count`` groups in all. Cached: one copy per device."""
-    cols = torch.arange(d_v + d_r, dtype=torch.int64)
-    n_value = -(-d_v // value_width)
-    rope = n_value + (cols - d_v).clamp(min=0) // max(rope_width, 1)
-    groups = torch.where(cols < d_v, cols // value_width, rope).to(torch.int32)
-    return groups.to(device), n_value + (-(-d_r // rope_width) if d_r > 0 else 0)
+def piece_group_cols(d_v: int, d_r: int, value_width: int, rope_width: int) -> int:
+    """Columns per scale group of scaled fp16 pieces from a producer that stores tiles of ``value_width`` value columns
+    from column 0 and ``rope_width`` rope columns from column ``d_v``: the largest power of two dividing both widths
+    (``rope_width`` counted only with ``d_r > 0``), ``d_v`` and, where the rope tile is wider than the rope columns,
+    ``d_r``, so that every tile covers whole groups. Group ``g`` holds columns ``[g G, (g + 1) G)``."""
+    g = math.gcd(value_width, d_v)
+    if d_r > 0:
+        g = math.gcd(g, math.gcd(rope_width, d_r))
+    return g & -g
 
 
 def dkv_reduce_keys(
@@ -133,12 +133,12 @@ def dkv_reduce_keys(
 
 
 def dkv_reduce_chunk(
-    reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, num_hb, batch, num_warps=4, scales=None, groups=None
+    reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, num_hb, batch, num_warps=4, scales=None, group_cols=0
 ) -> None:
     """Sum one row chunk's per-slot dkv pieces key by key, in a fixed order (no atomics): each key's slots in
     ascending ``(row, slot)`` order (a stable sort of the chunk's keys, ``reduce_keys`` from :func:`dkv_reduce_keys`),
-    each key row summed by one program. Scaled fp16 pieces come with their ``scales [pieces, G]`` fp32 and the
-    columns' ``groups`` (:func:`piece_groups`)."""
+    each key row summed by one program. Scaled fp16 pieces come with their ``scales [pieces, ceil(d_qk / G)]`` fp32
+    and ``group_cols`` G (:func:`piece_group_cols`)."""
     keys, key_ids = reduce_keys
     num_keys = dkv_acc.shape[0]
     sorted_keys, order = torch.sort(keys[row0 * k_slots : (row0 + rows) * k_slots], stable=True)
@@ -146,8 +146,9 @@ def dkv_reduce_chunk(
     run_start = torch.searchsorted(sorted_keys, key_ids)
     # At most one program per key and per slot: a chunk selects at most rows * K distinct keys.
     grid = (max(1, min(num_keys, rows * k_slots)),)
+    block_d = min(1024, next_pow2(d_qk))
     sparse_mla_bwd_kernel_dkv_reduce[grid](
-        contrib, order, run_start, dkv_acc, num_keys, scales if scales is not None else contrib,
-        groups if groups is not None else order, D_QK=d_qk, BLOCK_D=min(1024, next_pow2(d_qk)), NUM_HB=num_hb,
-        BATCH=batch, NUM_GROUPS=0 if scales is None else scales.shape[1], num_warps=num_warps,
+        contrib, order, run_start, dkv_acc, num_keys, scales if scales is not None else contrib, D_QK=d_qk,
+        BLOCK_D=block_d, NUM_HB=num_hb, BATCH=batch, GROUP_COLS=group_cols if scales is not None else block_d,
+        NUM_GROUPS=0 if scales is None else scales.shape[1], num_warps=num_warps,
     )  # fmt: skip

@@ -218,13 +218,16 @@ def _interleaved_rows(m, hb):
 
 
 @gluon.jit
-def _dkv_out(ptrs, value, mask, scale_ptrs, row_ok, DETERMINISTIC: gl.constexpr, SCALED: gl.constexpr):
+def _dkv_out(ptrs, value, mask, scale_ptrs, row_ok, DETERMINISTIC: gl.constexpr, SCALED: gl.constexpr,
+             N_SCALES: gl.constexpr):  # fmt: skip
     """Add a dkv piece (fp32 atomics), or store it (the deterministic mode's per-slot scratch); ``SCALED``: as scaled
-    fp16 rows, each row's scale at ``scale_ptrs`` (see :mod:`longtrain.dsa.triton.sparse_mla_bwd_reduce`)."""
+    fp16 rows, each row's scale at ``scale_ptrs + j`` for the tile's ``N_SCALES`` column groups (see
+    :mod:`longtrain.dsa.triton.sparse_mla_bwd_reduce`)."""
     if DETERMINISTIC:
         if SCALED:
             value, scale = _scale_piece_rows(value)
-            gl.store(scale_ptrs, scale, mask=row_ok)
+            for j in gl.static_range(N_SCALES):
+                gl.store(scale_ptrs + j, scale, mask=row_ok)
         gl.store(ptrs, value, mask=mask)
     else:
         gl.atomic_add(ptrs, value, mask=mask, sem="relaxed")
@@ -246,7 +249,7 @@ def sparse_mla_bwd_sm90_kernel_ds_dkv(
     q_ptr, kv_ptr, dout_ptr, idx_ptr, len_ptr, lse2_ptr, delta_ptr, ds_ptr, dkv_ptr, scale_ptr,
     row_offset, T_k, K_slots, sm_scale, qk_scale,
     H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr, DETERMINISTIC: gl.constexpr,
-    num_warps: gl.constexpr, SCALED: gl.constexpr = False,
+    num_warps: gl.constexpr, SCALED: gl.constexpr = False, GROUP_COLS: gl.constexpr = 64,
 ):  # fmt: skip
     """Probabilities and dkv in one pass (the dq kernel then reads ``dS``), one program per (query row, block of 64
     heads), 64 gathered slots per step:
@@ -263,13 +266,14 @@ def sparse_mla_bwd_sm90_kernel_ds_dkv(
     atomics. ``DETERMINISTIC``: each slot's dkv piece is stored instead, at scratch row
     ``(t_local * K_slots + slot) * NUM_HB + hb`` of ``dkv_ptr`` (the dkv kernel's deterministic layout, summed per key
     in a fixed order by ``sparse_mla_bwd_kernel_dkv_reduce``); ``SCALED``: as scaled fp16 rows, their scales at
-    ``scale_ptr[scratch row, group]``, groups: the two value halves, then the rope columns.
+    ``scale_ptr[scratch row, group]`` for each group of ``GROUP_COLS`` columns (each value half's and the rope
+    columns' one scale repeated over their groups).
     """
     BLOCK_K: gl.constexpr = 64
     D_QK: gl.constexpr = D_V + D_R
     NUM_HB: gl.constexpr = (H + 63) // 64
     HALF: gl.constexpr = D_V // 2
-    NUM_GROUPS: gl.constexpr = 3 if D_R > 0 else 2  # scaled fp16 pieces: the value halves, the rope columns
+    NUM_GROUPS: gl.constexpr = (D_QK + GROUP_COLS - 1) // GROUP_COLS  # scaled fp16 pieces' scales per piece row
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     gl.static_assert(num_warps == 8, "two warpgroups")
     gl.static_assert(D_V >= 128, "the [dS; P] tile lives in the gathered tile's value buffer")
@@ -389,19 +393,19 @@ def sparse_mla_bwd_sm90_kernel_ds_dkv(
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         acc2 = warpgroup_mma(a2, a_v.slice(HALF, HALF, dim=1), dv_zero, use_acc=False, is_async=True)
         _dkv_out(dkv_ptr + rows[:, None] + cols_d[None, :], acc, valid_d[:, None], scales, valid_d, DETERMINISTIC,
-                 SCALED)  # fmt: skip
+                 SCALED, HALF // GROUP_COLS)  # fmt: skip
         acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc2,))
         if D_R > 0:
             accr = warpgroup_mma(a2r, a_r, dr_zero, use_acc=False, is_async=True)  # [BLOCK_K, D_R]
-        _dkv_out(dkv_ptr + rows[:, None] + HALF + cols_d[None, :], acc2, valid_d[:, None], scales + 1, valid_d,
-                 DETERMINISTIC, SCALED)  # fmt: skip
+        _dkv_out(dkv_ptr + rows[:, None] + HALF + cols_d[None, :], acc2, valid_d[:, None],
+                 scales + HALF // GROUP_COLS, valid_d, DETERMINISTIC, SCALED, HALF // GROUP_COLS)  # fmt: skip
         if D_R > 0:
             accr = warpgroup_mma_wait(num_outstanding=0, deps=(accr,))
             rows_r = gl.convert_layout(rows, gl.SliceLayout(1, dr_layout))
             valid_r = gl.convert_layout(valid_d, gl.SliceLayout(1, dr_layout))
-            scales_r = gl.convert_layout(scales, gl.SliceLayout(1, dr_layout)) + 2
+            scales_r = gl.convert_layout(scales, gl.SliceLayout(1, dr_layout)) + D_V // GROUP_COLS
             _dkv_out(dkv_ptr + rows_r[:, None] + D_V + cols_r[None, :], accr, valid_r[:, None], scales_r, valid_r,
-                     DETERMINISTIC, SCALED)  # fmt: skip
+                     DETERMINISTIC, SCALED, (D_R + GROUP_COLS - 1) // GROUP_COLS)  # fmt: skip
     cp.wait_group(0)
 
 

@@ -294,10 +294,12 @@ def _probabilities(ptrs, sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.con
 
 
 @gluon.jit
-def _staged_out(dkv_ptr, acc, stage, rows, valid, col0, scales, DETERMINISTIC: gl.constexpr, SCALED: gl.constexpr):
+def _staged_out(dkv_ptr, acc, stage, rows, valid, col0, scales, DETERMINISTIC: gl.constexpr, SCALED: gl.constexpr,
+                GROUP_COLS: gl.constexpr):  # fmt: skip
     """Add (or store) a ``[BLOCK_K, W]`` dkv piece through shared memory: the wgmma accumulator's threads hold 8
     rows x 32 bytes per warp-wide access, a blocked layout one whole row segment, which the L2 reduces faster.
-    ``SCALED``: stored as scaled fp16 rows, each row's scale at ``scales [BLOCK_K]`` (pointers)."""
+    ``SCALED``: stored as scaled fp16 rows, each row's scale at ``scales [BLOCK_K]`` (the piece rows' scale rows)
+    for each of the tile's groups of ``GROUP_COLS`` columns."""
     W: gl.constexpr = acc.type.shape[1]
     BLOCK_K: gl.constexpr = acc.type.shape[0]
     L: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // W, W // 4], [4, 1], [1, 0])
@@ -311,13 +313,14 @@ def _staged_out(dkv_ptr, acc, stage, rows, valid, col0, scales, DETERMINISTIC: g
     r = gl.convert_layout(rows, gl.SliceLayout(1, L))
     ok = gl.convert_layout(valid, gl.SliceLayout(1, L))
     cols = col0 + gl.arange(0, W, layout=gl.SliceLayout(0, L))
-    sp = gl.convert_layout(scales, gl.SliceLayout(1, L)) if SCALED else scales
-    _dkv_out(dkv_ptr + r[:, None] + cols[None, :], piece, ok[:, None], sp, ok, DETERMINISTIC, SCALED)
+    sp = gl.convert_layout(scales, gl.SliceLayout(1, L)) + col0 // GROUP_COLS if SCALED else scales
+    _dkv_out(dkv_ptr + r[:, None] + cols[None, :], piece, ok[:, None], sp, ok, DETERMINISTIC, SCALED, W // GROUP_COLS)
 
 
 @gluon.jit
 def _dkv(ptrs, sc, sm, scale_ptr, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr,
-         HAS_LEN: gl.constexpr, RUN: gl.constexpr, DETERMINISTIC: gl.constexpr, SCALED: gl.constexpr):  # fmt: skip
+         HAS_LEN: gl.constexpr, RUN: gl.constexpr, DETERMINISTIC: gl.constexpr, SCALED: gl.constexpr,
+         GROUP_COLS: gl.constexpr):  # fmt: skip
     """Default partition: per tile, ``dkv[idx] += [dS; P]^T [Q_v; dO]`` (value columns) and ``dS^T Q_r`` (rope
     columns) in column chunks of 64, each chunk's wgmma issued before the previous chunk's piece is turned into whole
     row segments through the ``[dS; P]`` buffer (read into registers first, released at the end of the tile) and
@@ -330,8 +333,7 @@ def _dkv(ptrs, sc, sm, scale_ptr, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.co
     D_QK: gl.constexpr = D_V + D_R
     NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
     NUM_C: gl.constexpr = D_V // _CHUNK
-    # Scaled fp16 pieces: one scale group per column chunk (NUM_C of values, D_R / min(D_R, 64) of rope columns).
-    NUM_GROUPS: gl.constexpr = NUM_C + ((D_R + _CHUNK - 1) // _CHUNK if D_R > 0 else 0)
+    NUM_GROUPS: gl.constexpr = (D_QK + GROUP_COLS - 1) // GROUP_COLS  # scaled fp16 pieces' scales per piece row
     c_layout: gl.constexpr = _mma_layout(_CHUNK)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=c_layout, k_width=2)
     row_c: gl.constexpr = gl.SliceLayout(1, c_layout)
@@ -376,9 +378,8 @@ def _dkv(ptrs, sc, sm, scale_ptr, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.co
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 if last:
                     mbarrier.arrive(col_free.index(c - 1))
-                _staged_out(
-                    dkv_ptr, acc, y_smem, rows, valid, (c - 1) * _CHUNK, scales + (c - 1), DETERMINISTIC, SCALED
-                )
+                _staged_out(dkv_ptr, acc, y_smem, rows, valid, (c - 1) * _CHUNK, scales, DETERMINISTIC, SCALED,
+                            GROUP_COLS)  # fmt: skip
                 acc = nxt
             if D_R > 0:
                 acc_r = zero_r
@@ -388,24 +389,24 @@ def _dkv(ptrs, sc, sm, scale_ptr, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.co
                         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                         if last:
                             mbarrier.arrive(col_free.index(NUM_C - 1))
-                        _staged_out(dkv_ptr, acc, y_smem, rows, valid, (NUM_C - 1) * _CHUNK, scales + (NUM_C - 1),
-                                    DETERMINISTIC, SCALED)  # fmt: skip
+                        _staged_out(dkv_ptr, acc, y_smem, rows, valid, (NUM_C - 1) * _CHUNK, scales,
+                                    DETERMINISTIC, SCALED, GROUP_COLS)  # fmt: skip
                     else:
                         acc_r = warpgroup_mma_wait(num_outstanding=1, deps=(acc_r,))
-                        _staged_out(dkv_ptr, acc_r, y_smem, rows, valid, D_V + (c - 1) * RW, scales + (NUM_C + c - 1),
-                                    DETERMINISTIC, SCALED)  # fmt: skip
+                        _staged_out(dkv_ptr, acc_r, y_smem, rows, valid, D_V + (c - 1) * RW, scales,
+                                    DETERMINISTIC, SCALED, GROUP_COLS)  # fmt: skip
                     acc_r = nxt_r
                 acc_r = warpgroup_mma_wait(num_outstanding=0, deps=(acc_r,))
                 if last:
                     mbarrier.arrive(col_free.index(NUM_C))
-                _staged_out(dkv_ptr, acc_r, y_smem, rows, valid, D_V + (NUM_R - 1) * RW, scales + (NUM_C + NUM_R - 1),
-                            DETERMINISTIC, SCALED)  # fmt: skip
+                _staged_out(dkv_ptr, acc_r, y_smem, rows, valid, D_V + (NUM_R - 1) * RW, scales,
+                            DETERMINISTIC, SCALED, GROUP_COLS)  # fmt: skip
             else:
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 if last:
                     mbarrier.arrive(col_free.index(NUM_C - 1))
-                _staged_out(dkv_ptr, acc, y_smem, rows, valid, (NUM_C - 1) * _CHUNK, scales + (NUM_C - 1),
-                            DETERMINISTIC, SCALED)  # fmt: skip
+                _staged_out(dkv_ptr, acc, y_smem, rows, valid, (NUM_C - 1) * _CHUNK, scales,
+                            DETERMINISTIC, SCALED, GROUP_COLS)  # fmt: skip
             _cta_barrier()  # every warp has read back its last piece
             mbarrier.arrive(y_free)
         g += n_tiles
@@ -419,12 +420,13 @@ def sparse_mla_bwd_sm90_ws_kernel(
     H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr, DETERMINISTIC: gl.constexpr,
     REGS_PROB: gl.constexpr, REGS_PRODUCER: gl.constexpr, num_warps: gl.constexpr, PREFETCH_IDX: gl.constexpr = False,
     STAGED_DS: gl.constexpr = False, RUN: gl.constexpr = 1, SCALED: gl.constexpr = False,
+    GROUP_COLS: gl.constexpr = 64,
 ):  # fmt: skip
     """Items ``(row of the launch, block of 64 heads)``, ``n_rows * ceil(H / 64)`` of them, query-major: program
     ``pid`` takes the ``RUN`` items from ``pid * RUN`` (``RUN = 1``: one program per item), or with ``RUN = 0`` the
     items ``pid, pid + G, ...`` for ``G`` programs (see :func:`ws_bwd_schedule`). ``SCALED`` (deterministic mode):
-    the pieces as scaled fp16 rows, their scales at ``scale_ptr[scratch row, group]``, one group per column chunk (64
-    value columns, then ``min(D_R, 64)`` rope columns)."""
+    the pieces as scaled fp16 rows, their scales at ``scale_ptr[scratch row, group]``, for each group of
+    ``GROUP_COLS`` columns (each column chunk's one scale repeated over its groups)."""
     BLOCK_K: gl.constexpr = _BLOCK_K
     NUM_COLS: gl.constexpr = D_V // _CHUNK + (1 if D_R > 0 else 0)  # column chunks of [Q_v; dO], then Q_r
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -468,7 +470,7 @@ def sparse_mla_bwd_sm90_ws_kernel(
     sm = (s_v, q_r, v_buf, r_buf, y_smem, delta_smem, ready, free, y_ready, y_free, q_ready, col_free, delta_bar)
     gl.warp_specialize(
         [
-            (_dkv, (ptrs, sc, sm, scale_ptr, H, D_V, D_R, BLOCK_K, HAS_LEN, RUN, DETERMINISTIC, SCALED)),
+            (_dkv, (ptrs, sc, sm, scale_ptr, H, D_V, D_R, BLOCK_K, HAS_LEN, RUN, DETERMINISTIC, SCALED, GROUP_COLS)),
             (_probabilities, (ptrs, sc, sm, H, D_V, D_R, BLOCK_K, HAS_LEN, RUN, STAGED_DS)),
             (_producer, (ptrs, sc, sm, H, D_V, D_R, BLOCK_K, HAS_LEN, RUN, PREFETCH_IDX)),
         ],
