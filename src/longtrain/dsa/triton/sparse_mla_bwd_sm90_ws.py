@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from longtrain.dsa.triton._common import sm_count
-from longtrain.dsa.triton.sparse_mla_bwd_sm90 import _alias, _dkv_out
+from longtrain.dsa.triton.sparse_mla_bwd_sm90 import _alias, _dkv_out, _scale_piece_rows
 from longtrain.dsa.triton.sparse_mla_fwd_sm90 import _cta_barrier, _gather_layout, _load_idx
 from longtrain.dsa.triton.sparse_mla_fwd_sm90_items import _items
 from longtrain.dsa.triton.sparse_mla_fwd_sm90_ws import _gather, _mma_layout
@@ -306,6 +306,13 @@ def _staged_out(dkv_ptr, acc, stage, rows, valid, col0, scales, DETERMINISTIC: g
     # 32-byte vectors, row r's XOR-ed by r % 8: the accumulator's 8 rows x 32 bytes per store and the blocked
     # layout's row segments per load each hit distinct banks (8-byte vectors conflicted 4-way on the store, ncu).
     view = _alias(stage, gl.float32, BLOCK_K, W, gl.SwizzledSharedLayout(8, 1, min(8, W // 8), order=[1, 0]))
+    if SCALED:  # scaled in the accumulator's layout: each row's maximum is 2 shuffles away there (4 in L)
+        acc, scale = _scale_piece_rows(acc)  # [BLOCK_K, W], [BLOCK_K]
+        row_l: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+        sp = gl.convert_layout(scales, row_l) + col0 // GROUP_COLS
+        sok = gl.convert_layout(valid, row_l)
+        for j in gl.static_range(W // GROUP_COLS):
+            gl.store(sp + j, scale, mask=sok)
     _cta_barrier()  # the previous piece has been read back by every warp
     view.store(acc)
     _cta_barrier()
@@ -313,8 +320,7 @@ def _staged_out(dkv_ptr, acc, stage, rows, valid, col0, scales, DETERMINISTIC: g
     r = gl.convert_layout(rows, gl.SliceLayout(1, L))
     ok = gl.convert_layout(valid, gl.SliceLayout(1, L))
     cols = col0 + gl.arange(0, W, layout=gl.SliceLayout(0, L))
-    sp = gl.convert_layout(scales, gl.SliceLayout(1, L)) + col0 // GROUP_COLS if SCALED else scales
-    _dkv_out(dkv_ptr + r[:, None] + cols[None, :], piece, ok[:, None], sp, ok, DETERMINISTIC, SCALED, W // GROUP_COLS)
+    _dkv_out(dkv_ptr + r[:, None] + cols[None, :], piece, ok[:, None], r, ok, DETERMINISTIC, False, 1)
 
 
 @gluon.jit
