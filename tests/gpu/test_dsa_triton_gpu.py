@@ -331,11 +331,12 @@ def test_backward_dq_overlap_equals_one_stream(monkeypatch, T, H, K, determinist
 )  # fmt: skip
 def test_sparse_mla_deterministic_two_byte_pieces(monkeypatch, T, T_k, H, K, forced, overlap):
     """``DET_PIECES = "bf16"`` and ``"fp16"``: the deterministic mode's per-slot dkv pieces stored in bf16, or as fp16
-    rows scaled by a power of two per column chunk, and summed in fp32 in the same fixed order. dkv passes the
-    flash-attention rule against float64, two runs are equal bit for bit, dq equals the fp32 pieces' dq bit for bit
-    (the pieces do not feed it), and the scaled fp16 pieces' dkv is closer to the fp32 pieces' than the bf16 pieces'
-    is, over ragged lengths and invalid and repeated indices; on SM90 through the warp-specialized kernel (with the
-    reduction on the second stream, ``DET_REDUCE_OVERLAP``) and the two-warpgroup fused kernel, elsewhere the portable
+    rows scaled by powers of two, and summed in fp32 in the same fixed order. dkv passes the flash-attention rule
+    against float64, two runs are equal bit for bit, dq equals the fp32 pieces' dq bit for bit (the pieces do not
+    feed it), the scaled fp16 pieces' dkv is closer to the fp32 pieces' than the bf16 pieces' is and follows the
+    gradient's magnitude bit for bit, over ragged lengths and invalid and repeated indices; on SM90 through the
+    warp-specialized kernel (with the reduction on the second stream, ``DET_REDUCE_OVERLAP``) and the two-warpgroup
+    fused kernel, elsewhere the portable
     dkv kernel with two head blocks. A bad mode is a ValueError."""
     from longtrain.dsa.triton import sparse_mla_bwd as smb
     from longtrain.dsa.triton import sparse_mla_triton
@@ -366,6 +367,11 @@ def test_sparse_mla_deterministic_two_byte_pieces(monkeypatch, T, T_k, H, K, for
         _check_rule(f"dkv ({pieces} pieces)", dkv, same_dkv, ref_dkv)
     off = {p: (runs[p][0][1].float() - dkv32.float()).abs().sum().item() for p in ("bf16", "fp16")}
     assert off["fp16"] < off["bf16"] / 2, off
+    # The fp16 pieces' scales follow the gradient's magnitude: dout times 2**-40 gives dkv times 2**-40, bit for bit.
+    monkeypatch.setattr(smb, "DET_PIECES", "fp16")
+    out = sparse_mla_triton(q, kv, idx, scale, d_v=512, topk_length=length, deterministic=True, config=config)
+    tiny = torch.autograd.grad(out, (kv,), dout * 2.0**-40)[0]
+    assert torch.equal(tiny, runs["fp16"][0][1] * 2.0**-40)
     monkeypatch.setattr(smb, "DET_PIECES", "fp8")
     with pytest.raises(ValueError, match=r"DET_PIECES must be one of \('fp32', 'bf16', 'fp16'\), got 'fp8'"):
         out = sparse_mla_triton(q, kv, idx, scale, d_v=512, topk_length=length, deterministic=True, config=config)

@@ -594,7 +594,7 @@ def sparse_mla_bwd(
     contrib = None
     # With the partition the reductions always follow dq on the caller's stream: the kernel's own stream runs ahead.
     reduce_side = streams is not None and fused and compute_dkv and deterministic and (DET_REDUCE_OVERLAP or partition)
-    scales, group_cols = None, 0  # scaled fp16 pieces: each piece row's scales, columns per scale group
+    scales, group_cols, bounds = None, 0, None  # scaled fp16 pieces: scales, columns per scale group, bounds
     if compute_dkv and deterministic:
         piece_dtype = _piece_dtype()
         batch = _reduce_batch(piece_dtype, n_hb[2])
@@ -604,11 +604,12 @@ def sparse_mla_bwd(
         contribs = [torch.empty((n_pieces, d_qk), dtype=piece_dtype, device=dev) for _ in range(bufs)]
         contrib = contribs[0]
         if piece_dtype == torch.float16:
-            if fused:  # the warp-specialized kernel's column chunks, or the two-warpgroup kernel's halves
-                widths = (64, min(d_r, 64)) if ds_sm90[0] == "fused_ws" else (d_v // 2, d_r)
-            else:
-                widths = (block_dv // col_groups // _num_value_chunks(block_dv // col_groups), dims["BLOCK_DR"])
-            group_cols = piece_group_cols(d_v, d_r, *widths)
+            if fused and ds_sm90[0] == "fused_ws":  # one scale per piece row, from a bound (_scale_slots)
+                group_cols = min(1024, next_pow2(d_qk))  # the reduction's column block: one group per block
+                bounds = _piece_bounds(q, dout)
+            else:  # each tile's own scale: the two-warpgroup kernel's halves, the portable kernel's chunks
+                value_cols = d_v // 2 if fused else block_dv // col_groups // _num_value_chunks(block_dv // col_groups)
+                group_cols = piece_group_cols(d_v, d_r, value_cols, d_r if fused else dims["BLOCK_DR"])
             n_groups = triton.cdiv(d_qk, group_cols)
             scale_bufs = [torch.empty((n_pieces, n_groups), dtype=torch.float32, device=dev) for _ in range(bufs)]
             scales = scale_bufs[0]
@@ -639,7 +640,8 @@ def sparse_mla_bwd(
             with torch.cuda.stream(streams[0]) if partition else contextlib.nullcontext():
                 ws.sparse_mla_bwd_sm90_ws_kernel[(programs,)](
                     q, kv2d, dout, out, *common, lse2, delta, ds_buf, contrib if deterministic else dkv_acc,
-                    scales if scales is not None else lse2, row0, rows, num_keys, k_slots, softmax_scale,
+                    scales if scales is not None else lse2, bounds if bounds is not None else lse2, row0, rows,
+                    num_keys, k_slots, softmax_scale,
                     softmax_scale * LOG2E, H=num_heads, D_V=d_v, D_R=d_r, HAS_LEN=topk_length is not None,
                     DETERMINISTIC=deterministic, REGS_PROB=ws.WS_BWD_NUM_REGS[0], REGS_PRODUCER=ws.WS_BWD_NUM_REGS[1],
                     PREFETCH_IDX=ws.WS_BWD_PREFETCH_IDX, STAGED_DS=ws.WS_BWD_STAGED_DS, RUN=run,
@@ -710,6 +712,17 @@ def sparse_mla_bwd(
         dsink = sink_grad(attn_sink, lse2, delta) if ws_delta else dsink_rows.sum(0)
     dkv = dkv_acc.to(kv2d.dtype) if compute_dkv else None
     return dq, dkv, dsink
+
+
+def _piece_bounds(q: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+    """``[T, ceil(H / 64), 2]`` fp32: each (row, block of 64 heads)'s ``max|Q|`` and ``max|dO|``, at least ``2**-100``
+    (so that a slot's scaled ``[dS; P]`` stays finite in bf16), for the warp-specialized kernel's scaled fp16 pieces."""
+    tokens, heads = q.shape[:2]
+    blocks = -(-heads // 64)
+    out = torch.zeros((tokens, blocks * 64, 2), dtype=torch.float32, device=q.device)
+    out[:, :heads, 0] = q.abs().amax(-1).float()
+    out[:, :heads, 1] = dout.abs().amax(-1).float()
+    return out.view(tokens, blocks, 64, 2).amax(2).clamp_min_(2.0**-100)
 
 
 def _dq_streams(applies: bool, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream] | None:

@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from longtrain.dsa.triton._common import sm_count
-from longtrain.dsa.triton.sparse_mla_bwd_sm90 import _alias, _dkv_out, _scale_piece_rows
+from longtrain.dsa.triton.sparse_mla_bwd_sm90 import _alias, _dkv_out
 from longtrain.dsa.triton.sparse_mla_fwd_sm90 import _cta_barrier, _gather_layout, _load_idx
 from longtrain.dsa.triton.sparse_mla_fwd_sm90_items import _items
 from longtrain.dsa.triton.sparse_mla_fwd_sm90_ws import _gather, _mma_layout
@@ -294,25 +294,15 @@ def _probabilities(ptrs, sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.con
 
 
 @gluon.jit
-def _staged_out(dkv_ptr, acc, stage, rows, valid, col0, scales, DETERMINISTIC: gl.constexpr, SCALED: gl.constexpr,
-                GROUP_COLS: gl.constexpr):  # fmt: skip
+def _staged_out(dkv_ptr, acc, stage, rows, valid, col0, DETERMINISTIC: gl.constexpr):
     """Add (or store) a ``[BLOCK_K, W]`` dkv piece through shared memory: the wgmma accumulator's threads hold 8
-    rows x 32 bytes per warp-wide access, a blocked layout one whole row segment, which the L2 reduces faster.
-    ``SCALED``: stored as scaled fp16 rows, each row's scale at ``scales [BLOCK_K]`` (the piece rows' scale rows)
-    for each of the tile's groups of ``GROUP_COLS`` columns."""
+    rows x 32 bytes per warp-wide access, a blocked layout one whole row segment, which the L2 reduces faster."""
     W: gl.constexpr = acc.type.shape[1]
     BLOCK_K: gl.constexpr = acc.type.shape[0]
     L: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // W, W // 4], [4, 1], [1, 0])
     # 32-byte vectors, row r's XOR-ed by r % 8: the accumulator's 8 rows x 32 bytes per store and the blocked
     # layout's row segments per load each hit distinct banks (8-byte vectors conflicted 4-way on the store, ncu).
     view = _alias(stage, gl.float32, BLOCK_K, W, gl.SwizzledSharedLayout(8, 1, min(8, W // 8), order=[1, 0]))
-    if SCALED:  # scaled in the accumulator's layout: each row's maximum is 2 shuffles away there (4 in L)
-        acc, scale = _scale_piece_rows(acc)  # [BLOCK_K, W], [BLOCK_K]
-        row_l: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
-        sp = gl.convert_layout(scales, row_l) + col0 // GROUP_COLS
-        sok = gl.convert_layout(valid, row_l)
-        for j in gl.static_range(W // GROUP_COLS):
-            gl.store(sp + j, scale, mask=sok)
     _cta_barrier()  # the previous piece has been read back by every warp
     view.store(acc)
     _cta_barrier()
@@ -324,14 +314,36 @@ def _staged_out(dkv_ptr, acc, stage, rows, valid, col0, scales, DETERMINISTIC: g
 
 
 @gluon.jit
-def _dkv(ptrs, sc, sm, scale_ptr, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr,
-         HAS_LEN: gl.constexpr, RUN: gl.constexpr, DETERMINISTIC: gl.constexpr, SCALED: gl.constexpr,
-         GROUP_COLS: gl.constexpr):  # fmt: skip
+def _scale_slots(y_smem, bound_ptr, scale_rows, valid, NUM_GROUPS: gl.constexpr):
+    """Scaled fp16 pieces: each slot's column of ``y = [dS; P]`` (``[128, BLOCK_K]`` in shared memory) divided by a
+    power of two, its scale, stored at ``scale_rows + g`` for every group ``g``. The scale puts a bound on the slot's
+    whole dkv piece in ``[2**14, 2**15)``: ``|sum_h dS[h] Q[h, c] + P[h] dO[h, c]| <= max|Q| sum_h |dS[h]| + max|dO|
+    sum_h P[h]``, with the item's ``max|Q|`` and ``max|dO|`` (at least ``2**-100``) at ``bound_ptr``. The wgmma then
+    forms the scaled piece itself (a power of two commutes with every rounding), so no element is inspected."""
+    YL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    y = y_smem.load(YL).to(gl.float32)  # [128, BLOCK_K]: dS rows, then P rows
+    is_ds = gl.arange(0, 2 * _BLOCK_H, layout=gl.SliceLayout(1, YL)) < _BLOCK_H
+    weight = gl.where(is_ds, gl.load(bound_ptr), gl.load(bound_ptr + 1))  # [128]
+    bound = gl.sum(gl.abs(y) * weight[:, None], axis=0)  # [BLOCK_K]
+    bits = gl.maximum((bound.to(gl.int32, bitcast=True) & 0x7F800000) - (14 << 23), 1 << 23)  # [BLOCK_K]
+    inv = ((254 << 23) - bits).to(gl.float32, bitcast=True)
+    _cta_barrier()  # every warp has read y before any overwrites it
+    y_smem.store((y * inv[None, :]).to(y_smem.dtype))
+    scale = gl.convert_layout(bits.to(gl.float32, bitcast=True), valid.type.layout)
+    for g in gl.static_range(NUM_GROUPS):
+        gl.store(scale_rows + g, scale, mask=valid)
+    _cta_barrier()  # the scaled y is in place for every warp's loads
+
+
+@gluon.jit
+def _dkv(ptrs, sc, sm, scale_ptr, bound_ptr, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
+         BLOCK_K: gl.constexpr, HAS_LEN: gl.constexpr, RUN: gl.constexpr, DETERMINISTIC: gl.constexpr,
+         SCALED: gl.constexpr, GROUP_COLS: gl.constexpr):  # fmt: skip
     """Default partition: per tile, ``dkv[idx] += [dS; P]^T [Q_v; dO]`` (value columns) and ``dS^T Q_r`` (rope
     columns) in column chunks of 64, each chunk's wgmma issued before the previous chunk's piece is turned into whole
     row segments through the ``[dS; P]`` buffer (read into registers first, released at the end of the tile) and
     added. On an item's last tile each column chunk of ``[Q_v; dO]`` (and ``Q_r``) goes back to the producer as soon
-    as its wgmma has read it."""
+    as its wgmma has read it. ``SCALED``: each slot's column of ``[dS; P]`` scaled first (``_scale_slots``)."""
     q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr = ptrs
     row_offset, n_rows, T_k, K_slots, sm_scale, qk_scale = sc
     s_v, q_r, v_buf, r_buf, y_smem, delta_smem, ready, free, y_ready, y_free, q_ready, col_free, delta_bar = sm
@@ -374,6 +386,8 @@ def _dkv(ptrs, sc, sm, scale_ptr, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.co
             if i == 0:  # the item's [Q_v; dO] and Q_r
                 mbarrier.wait(q_ready, k & 1)
                 fence_async_shared()
+            if SCALED:
+                _scale_slots(y_smem, bound_ptr + (t * NUM_HB + hb) * 2, scales, valid, NUM_GROUPS)
             a = y_smem.permute((1, 0)).load(a_layout)  # [BLOCK_K, 128]: [dS; P]^T
             if D_R > 0:
                 a_r = y_smem.slice(0, _BLOCK_H, dim=0).permute((1, 0)).load(ar_layout)  # [BLOCK_K, 64]: dS^T
@@ -384,8 +398,7 @@ def _dkv(ptrs, sc, sm, scale_ptr, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.co
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 if last:
                     mbarrier.arrive(col_free.index(c - 1))
-                _staged_out(dkv_ptr, acc, y_smem, rows, valid, (c - 1) * _CHUNK, scales, DETERMINISTIC, SCALED,
-                            GROUP_COLS)  # fmt: skip
+                _staged_out(dkv_ptr, acc, y_smem, rows, valid, (c - 1) * _CHUNK, DETERMINISTIC)
                 acc = nxt
             if D_R > 0:
                 acc_r = zero_r
@@ -395,24 +408,20 @@ def _dkv(ptrs, sc, sm, scale_ptr, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.co
                         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                         if last:
                             mbarrier.arrive(col_free.index(NUM_C - 1))
-                        _staged_out(dkv_ptr, acc, y_smem, rows, valid, (NUM_C - 1) * _CHUNK, scales,
-                                    DETERMINISTIC, SCALED, GROUP_COLS)  # fmt: skip
+                        _staged_out(dkv_ptr, acc, y_smem, rows, valid, (NUM_C - 1) * _CHUNK, DETERMINISTIC)
                     else:
                         acc_r = warpgroup_mma_wait(num_outstanding=1, deps=(acc_r,))
-                        _staged_out(dkv_ptr, acc_r, y_smem, rows, valid, D_V + (c - 1) * RW, scales,
-                                    DETERMINISTIC, SCALED, GROUP_COLS)  # fmt: skip
+                        _staged_out(dkv_ptr, acc_r, y_smem, rows, valid, D_V + (c - 1) * RW, DETERMINISTIC)
                     acc_r = nxt_r
                 acc_r = warpgroup_mma_wait(num_outstanding=0, deps=(acc_r,))
                 if last:
                     mbarrier.arrive(col_free.index(NUM_C))
-                _staged_out(dkv_ptr, acc_r, y_smem, rows, valid, D_V + (NUM_R - 1) * RW, scales,
-                            DETERMINISTIC, SCALED, GROUP_COLS)  # fmt: skip
+                _staged_out(dkv_ptr, acc_r, y_smem, rows, valid, D_V + (NUM_R - 1) * RW, DETERMINISTIC)
             else:
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 if last:
                     mbarrier.arrive(col_free.index(NUM_C - 1))
-                _staged_out(dkv_ptr, acc, y_smem, rows, valid, (NUM_C - 1) * _CHUNK, scales,
-                            DETERMINISTIC, SCALED, GROUP_COLS)  # fmt: skip
+                _staged_out(dkv_ptr, acc, y_smem, rows, valid, (NUM_C - 1) * _CHUNK, DETERMINISTIC)
             _cta_barrier()  # every warp has read back its last piece
             mbarrier.arrive(y_free)
         g += n_tiles
@@ -421,7 +430,7 @@ def _dkv(ptrs, sc, sm, scale_ptr, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.co
 
 @gluon.jit(do_not_specialize=["row_offset", "n_rows", "T_k", "K_slots"])
 def sparse_mla_bwd_sm90_ws_kernel(
-    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, lse2_ptr, delta_ptr, ds_ptr, dkv_ptr, scale_ptr,
+    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, lse2_ptr, delta_ptr, ds_ptr, dkv_ptr, scale_ptr, bound_ptr,
     row_offset, n_rows, T_k, K_slots, sm_scale, qk_scale,
     H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr, DETERMINISTIC: gl.constexpr,
     REGS_PROB: gl.constexpr, REGS_PRODUCER: gl.constexpr, num_warps: gl.constexpr, PREFETCH_IDX: gl.constexpr = False,
@@ -431,8 +440,9 @@ def sparse_mla_bwd_sm90_ws_kernel(
     """Items ``(row of the launch, block of 64 heads)``, ``n_rows * ceil(H / 64)`` of them, query-major: program
     ``pid`` takes the ``RUN`` items from ``pid * RUN`` (``RUN = 1``: one program per item), or with ``RUN = 0`` the
     items ``pid, pid + G, ...`` for ``G`` programs (see :func:`ws_bwd_schedule`). ``SCALED`` (deterministic mode):
-    the pieces as scaled fp16 rows, their scales at ``scale_ptr[scratch row, group]``, for each group of
-    ``GROUP_COLS`` columns (each column chunk's one scale repeated over its groups)."""
+    the pieces as scaled fp16 rows, one scale per piece row (repeated at ``scale_ptr[scratch row, group]`` for each
+    group of ``GROUP_COLS`` columns), from a bound on the piece: ``bound_ptr[t, head block] = (max|Q|, max|dO|)``
+    fp32 (``_scale_slots``)."""
     BLOCK_K: gl.constexpr = _BLOCK_K
     NUM_COLS: gl.constexpr = D_V // _CHUNK + (1 if D_R > 0 else 0)  # column chunks of [Q_v; dO], then Q_r
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -476,7 +486,25 @@ def sparse_mla_bwd_sm90_ws_kernel(
     sm = (s_v, q_r, v_buf, r_buf, y_smem, delta_smem, ready, free, y_ready, y_free, q_ready, col_free, delta_bar)
     gl.warp_specialize(
         [
-            (_dkv, (ptrs, sc, sm, scale_ptr, H, D_V, D_R, BLOCK_K, HAS_LEN, RUN, DETERMINISTIC, SCALED, GROUP_COLS)),
+            (
+                _dkv,
+                (
+                    ptrs,
+                    sc,
+                    sm,
+                    scale_ptr,
+                    bound_ptr,
+                    H,
+                    D_V,
+                    D_R,
+                    BLOCK_K,
+                    HAS_LEN,
+                    RUN,
+                    DETERMINISTIC,
+                    SCALED,
+                    GROUP_COLS,
+                ),
+            ),
             (_probabilities, (ptrs, sc, sm, H, D_V, D_R, BLOCK_K, HAS_LEN, RUN, STAGED_DS)),
             (_producer, (ptrs, sc, sm, H, D_V, D_R, BLOCK_K, HAS_LEN, RUN, PREFETCH_IDX)),
         ],
