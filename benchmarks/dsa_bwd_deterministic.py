@@ -42,6 +42,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
 
 
+def _mean_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().mean() / b.float().abs().mean().clamp_min(1e-30)).item()
+
+
 BF16_PIECES = False  # --bf16-pieces: also the bf16 pieces' variants
 FP16_PIECES = False  # --fp16-pieces: also the scaled fp16 pieces' variants, beside bf16's at 2 GiB
 REDUCE_SWEEP = False  # --reduce-sweep: the reduction's slots at a time and warps, with bf16 pieces and 2 GiB
@@ -109,6 +113,7 @@ def _case(rows: list[dict], total: int, heads: int, topk: int) -> None:
             row.update(ms=ms[0], p20=ms[1], p80=ms[2], tflops=flops / ms[0] / 1e9, of_default=base[1] / ms[0],
                        repeat_equal=bool(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])),
                        dq_rel=_rel(a[0], base[0][0]), dkv_rel=_rel(a[1], base[0][1]),
+                       dkv_mean_rel=_mean_rel(a[1], base[0][1]),
                        finite=bool(torch.isfinite(a[1]).all()))  # fmt: skip
         except Exception as exc:  # a variant that fails is a row, not a stop
             row.update(note=f"{type(exc).__name__}: {exc}"[:200])
@@ -152,11 +157,12 @@ def main(out_dir: Path, cases: list[tuple[int, int, int]]) -> None:
     write_report(
         "dsa_bwd_deterministic", rows,
         ["shape", "variant", "ms", "p20", "p80", "tflops", "of_default", "repeat_equal", "dq_rel", "dkv_rel",
-         "finite", "note"],
+         "dkv_mean_rel", "finite", "note"],
         "Sparse MLA backward (bf16, one document, query t selects min(t+1, K) random causal keys), FLOPs "
         "2 * valid * H * (3 * 576 + 2 * 512), the whole backward at the defaults. triton.testing.do_bench median with "
         "20th/80th percentiles. of_default: the default's median over this one's. repeat_equal: a second run equal "
-        "bit for bit. dq_rel / dkv_rel: largest difference from the default's, relative to its largest element. "
+        "bit for bit. dq_rel / dkv_rel: largest difference from the default's, relative to its largest element; "
+        "dkv_mean_rel: mean absolute difference from the default's dkv over its mean magnitude. "
         f"Reproduce: `python benchmarks/dsa_bwd_deterministic.py {reproduce_args()}`.",
         out_dir=out_dir, title="Sparse MLA backward: deterministic mode against the default",
     )  # fmt: skip
