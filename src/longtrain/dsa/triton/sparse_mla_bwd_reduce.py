@@ -29,6 +29,7 @@ from longtrain.dsa.triton._common import next_pow2
 __all__ = [
     "dkv_reduce_chunk",
     "dkv_reduce_keys",
+    "piece_bounds",
     "piece_group_cols",
     "scale_piece_rows",
     "sparse_mla_bwd_kernel_dkv_reduce",
@@ -113,6 +114,18 @@ def piece_group_cols(d_v: int, d_r: int, value_width: int, rope_width: int) -> i
     if d_r > 0:
         g = math.gcd(g, math.gcd(rope_width, d_r))
     return g & -g
+
+
+def piece_bounds(q: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+    """``[T, ceil(H / 64), 2]`` fp32: each (row, block of 64 heads)'s ``max|Q|`` and ``max|dO|``, at least ``2**-100``
+    (so that a slot's scaled ``[dS; P]`` stays finite in bf16), for the warp-specialized kernel's scaled fp16 pieces."""
+    tokens, heads = q.shape[:2]
+    blocks = -(-heads // 64)
+    out = torch.zeros((tokens, blocks * 64, 2), dtype=torch.float32, device=q.device)
+    # The largest magnitude in one read of each input (q.abs() would write a copy of q first: 2.3 ms at T = 16384).
+    out[:, :heads, 0] = torch.linalg.vector_norm(q, float("inf"), dim=-1).float()
+    out[:, :heads, 1] = torch.linalg.vector_norm(dout, float("inf"), dim=-1).float()
+    return out.view(tokens, blocks, 64, 2).amax(2).clamp_min_(2.0**-100)
 
 
 def dkv_reduce_keys(
