@@ -12,7 +12,8 @@
 #   why they are missing): GPU parity tests of the sparse MLA kernels, memcheck, and dsa.py at T = 16384 (H = 64 and
 #   128, K = 2048, one document) with TileLang's kernels side by side, then the MLA_EXTRA_CASES cases.
 # bars: issue 17's bars at the defaults in one call of at most 9.5 minutes: the deterministic GPU tests,
-#   dsa_bwd_deterministic.py (the default backward and the deterministic mode at four shapes), dsa.py's four cases and
+#   dsa_bwd_deterministic.py --fp16-pieces (the default backward and the deterministic mode at four shapes, with fp32,
+#   bf16 and scaled fp16 pieces), dsa.py's four cases and
 #   the backward's items per program (dsa_bwd_ws.py --runs, which set WS_BWD_RUN's default on an H100).
 # det: the deterministic mode after a change (at most 9.5 minutes): its GPU tests, memcheck through
 #   dsa_bwd_dq.py --memcheck (every store path, deterministic or not), dsa_bwd_deterministic.py and dsa_breakdown.py.
@@ -66,7 +67,7 @@ case "${1:-indexer}" in
       ${MLA_EXTRA_CASES---case 4096,64,2048,1doc --case 4096,128,512,1doc} --out-dir "$Q" ;;
   bars)
     run gpu_det_tests 100 -m pytest -q -p no:cacheprovider tests/gpu/test_dsa_triton_gpu.py -k deterministic
-    run dsa_bwd_det 130 benchmarks/dsa_bwd_deterministic.py --out-dir "$Q"
+    run dsa_bwd_det 130 benchmarks/dsa_bwd_deterministic.py --fp16-pieces --out-dir "$Q"
     run dsa_mla 330 benchmarks/dsa.py --case 16384,64,2048,1doc --case 16384,128,2048,1doc --case 4096,64,2048,1doc \
       --case 4096,128,512,1doc --out-dir "$Q"
     run dsa_bwd_item_runs 150 benchmarks/dsa_bwd_ws.py --runs 1,2,4,0 --rounds 2 --out-dir "$Q" ;;
