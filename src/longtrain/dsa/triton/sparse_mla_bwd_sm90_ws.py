@@ -486,31 +486,14 @@ def sparse_mla_bwd_sm90_ws_kernel(
     sm = (s_v, q_r, v_buf, r_buf, y_smem, delta_smem, ready, free, y_ready, y_free, q_ready, col_free, delta_bar)
     gl.warp_specialize(
         [
-            (
-                _dkv,
-                (
-                    ptrs,
-                    sc,
-                    sm,
-                    scale_ptr,
-                    bound_ptr,
-                    H,
-                    D_V,
-                    D_R,
-                    BLOCK_K,
-                    HAS_LEN,
-                    RUN,
-                    DETERMINISTIC,
-                    SCALED,
-                    GROUP_COLS,
-                ),
-            ),
+            (_dkv, (ptrs, sc, sm, scale_ptr, bound_ptr, H, D_V, D_R, BLOCK_K, HAS_LEN, RUN, DETERMINISTIC, SCALED,
+                    GROUP_COLS)),
             (_probabilities, (ptrs, sc, sm, H, D_V, D_R, BLOCK_K, HAS_LEN, RUN, STAGED_DS)),
             (_producer, (ptrs, sc, sm, H, D_V, D_R, BLOCK_K, HAS_LEN, RUN, PREFETCH_IDX)),
         ],
         [4, 4],
         [REGS_PROB, REGS_PRODUCER],
-    )
+    )  # fmt: skip
 
 
 def ws_bwd_schedule(
