@@ -132,7 +132,9 @@ DET_PIECES_MODES = ("fp32", "bf16", "fp16")
 #: ``dsa_bwd_deterministic_d2e2d91_h100_2026-12-07.md``; 16 and 32 slower there,
 #: ``dsa_bwd_deterministic_rsweep_5a8053c_h100_2026-12-07.md``) and 16 where it has two or more (more than 64 heads:
 #: 2-4 % faster than 8 at both 128-head shapes in that run); 1 with fp32 pieces (1 and 8 equally fast,
-#: ``dsa_bwd_deterministic_e86ec88_h100_2026-12-06.md``). Read at each call.
+#: ``dsa_bwd_deterministic_e86ec88_h100_2026-12-06.md``). Scaled fp16 pieces, two bytes too, take bf16's choice (not
+#: swept: their reduction read 2-3 % slower than bf16's with it, ``dsa_breakdown_fp16_2f89fc8_h100_2026-12-07.md``).
+#: Read at each call.
 DKV_REDUCE_BATCH: int | None = None
 #: Warps per program of the deterministic reduction (a power of two from 1 to 16; the sums do not depend on it). Read
 #: at each call.
