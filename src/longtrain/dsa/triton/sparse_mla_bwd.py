@@ -647,11 +647,11 @@ def sparse_mla_bwd(
                 ws.sparse_mla_bwd_sm90_ws_kernel[(programs,)](
                     q, kv2d, dout, out, *common, lse2, delta, ds_buf, contrib if deterministic else dkv_acc,
                     scales if scales is not None else lse2, bounds if bounds is not None else lse2, row0, rows,
-                    num_keys, k_slots, softmax_scale,
-                    softmax_scale * LOG2E, H=num_heads, D_V=d_v, D_R=d_r, HAS_LEN=topk_length is not None,
-                    DETERMINISTIC=deterministic, REGS_PROB=ws.WS_BWD_NUM_REGS[0], REGS_PRODUCER=ws.WS_BWD_NUM_REGS[1],
-                    PREFETCH_IDX=ws.WS_BWD_PREFETCH_IDX, STAGED_DS=ws.WS_BWD_STAGED_DS, RUN=run,
-                    SCALED=scales is not None, GROUP_COLS=group_cols or 64, num_warps=4, maxnreg=ws.WS_BWD_MAXNREG,
+                    num_keys, k_slots, softmax_scale, softmax_scale * LOG2E, H=num_heads, D_V=d_v, D_R=d_r,
+                    HAS_LEN=topk_length is not None, DETERMINISTIC=deterministic, REGS_PROB=ws.WS_BWD_NUM_REGS[0],
+                    REGS_PRODUCER=ws.WS_BWD_NUM_REGS[1], PREFETCH_IDX=ws.WS_BWD_PREFETCH_IDX,
+                    STAGED_DS=ws.WS_BWD_STAGED_DS, RUN=run, SCALED=scales is not None, GROUP_COLS=group_cols or 64,
+                    num_warps=4, maxnreg=ws.WS_BWD_MAXNREG,
                 )  # fmt: skip
         elif fused:
             from longtrain.dsa.triton.sparse_mla_bwd_sm90 import sparse_mla_bwd_sm90_kernel_ds_dkv

@@ -5,11 +5,13 @@ schedule. :func:`dkv_reduce_keys` forms the sort keys once per backward, :func:`
 stable sort, a search, one launch of ``sparse_mla_bwd_kernel_dkv_reduce``). The knobs stay in
 :mod:`longtrain.dsa.triton.sparse_mla_bwd` (``DKV_REDUCE_BATCH`` arrives here as ``batch``).
 
-Scaled fp16 pieces: the columns fall into groups of ``G`` (:func:`piece_group_cols`: a power of two that divides
-every tile of columns a producer stores and ``d_v``); each producer stores a piece as ``[BLOCK_K, W]`` tiles of
-columns, divides every row of a tile (one slot's piece over those columns) by a power of two, its ``scale``, that puts
-the row's largest finite magnitude in ``[2**14, 2**15)``, rounds it to fp16 and stores the scale in fp32 at
-``scales[piece row, group]`` for each of the tile's ``W / G`` groups. The reduction reads each piece as ``[groups, G]``
+Scaled fp16 pieces: the columns fall into groups of ``G`` columns and every piece row has one fp32 scale per group,
+``scales[piece row, group]``, a power of two; the stored fp16 value is the piece divided by it. The portable and the
+two-warpgroup kernels store a piece as ``[BLOCK_K, W]`` tiles of columns (``G`` from :func:`piece_group_cols`: a power
+of two dividing every tile and ``d_v``) and scale each row of a tile by its largest finite magnitude, put in
+``[2**14, 2**15)``, storing that scale for each of the tile's ``W / G`` groups. The warp-specialized kernel scales
+a whole piece row from a bound on it (:func:`piece_bounds`; one group per reduction block, ``G = min(1024,
+next_pow2(d_qk))``). The reduction reads each piece as ``[groups, G]``
 with one scale per group and adds ``fp16 value * scale``: the division and the multiplication by a power of two are
 exact, so each piece carries fp16's 11 significant bits relative to each element (bf16's 8), over fp16's whole
 exponent range below the row's largest element, whatever the gradients' magnitude. Infinities and NaN are kept (they
