@@ -11,7 +11,7 @@
 # mla: carrying .whl-tl (TileLang's site and example files, see device.sh stash-tl; without it TileLang's rows say
 #   why they are missing): GPU parity tests of the sparse MLA kernels, memcheck, and dsa.py at T = 16384 (H = 64 and
 #   128, K = 2048, one document) with TileLang's kernels side by side, then the MLA_EXTRA_CASES cases.
-# bars: issue 17's bars at the defaults in one call of at most 9.5 minutes: the deterministic GPU tests,
+# bars: issue 17's bars at the defaults in one call of at most 9.5 minutes (each step cut short to keep within it): the deterministic GPU tests,
 #   dsa_bwd_deterministic.py --fp16-pieces (the default backward and the deterministic mode at four shapes, with fp32,
 #   bf16 and scaled fp16 pieces), dsa.py's four cases and
 #   the backward's items per program (dsa_bwd_ws.py --runs, which set WS_BWD_RUN's default on an H100).
@@ -35,6 +35,12 @@ Q=$OUT/queue
 mkdir -p "$Q"
 start=$(date +%s)
 since() { echo "$(( $(date +%s) - start )) s"; }
+left() {  # left TOTAL CAP: seconds a step may take, at most CAP, so that the queue ends within TOTAL seconds (at least 1)
+  local rest=$(( $1 - ($(date +%s) - start) ))
+  [ "$rest" -gt "$2" ] && rest=$2
+  [ "$rest" -lt 1 ] && rest=1
+  echo "$rest"
+}
 run() {  # run NAME SECONDS CMD...: one bounded step, its log under $Q
   local name=$1 limit=$2
   shift 2
@@ -66,11 +72,12 @@ case "${1:-indexer}" in
     run dsa_mla 450 benchmarks/dsa.py --case 16384,64,2048,1doc --case 16384,128,2048,1doc \
       ${MLA_EXTRA_CASES---case 4096,64,2048,1doc --case 4096,128,512,1doc} --out-dir "$Q" ;;
   bars)
-    run gpu_det_tests 100 -m pytest -q -p no:cacheprovider tests/gpu/test_dsa_triton_gpu.py -k deterministic
-    run dsa_bwd_det 130 benchmarks/dsa_bwd_deterministic.py --fp16-pieces --out-dir "$Q"
-    run dsa_mla 330 benchmarks/dsa.py --case 16384,64,2048,1doc --case 16384,128,2048,1doc --case 4096,64,2048,1doc \
-      --case 4096,128,512,1doc --out-dir "$Q"
-    run dsa_bwd_item_runs 150 benchmarks/dsa_bwd_ws.py --runs 1,2,4,0 --rounds 2 --out-dir "$Q" ;;
+    # Each step's limit is what is left of 560 s (a call's 600 s less the tar), so the reports always come back.
+    run gpu_det_tests "$(left 560 90)" -m pytest -q -p no:cacheprovider tests/gpu/test_dsa_triton_gpu.py -k deterministic
+    run dsa_bwd_det "$(left 560 200)" benchmarks/dsa_bwd_deterministic.py --fp16-pieces --out-dir "$Q"
+    run dsa_mla "$(left 560 300)" benchmarks/dsa.py --case 16384,64,2048,1doc --case 16384,128,2048,1doc \
+      --case 4096,64,2048,1doc --case 4096,128,512,1doc --out-dir "$Q"
+    run dsa_bwd_item_runs "$(left 560 150)" benchmarks/dsa_bwd_ws.py --runs 1,2,4,0 --rounds 2 --out-dir "$Q" ;;
   det)
     run gpu_det_tests 120 -m pytest -q -p no:cacheprovider tests/gpu/test_dsa_triton_gpu.py -k deterministic
     run dsa_bwd_det 150 benchmarks/dsa_bwd_deterministic.py --out-dir "$Q"
