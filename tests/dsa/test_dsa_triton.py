@@ -354,24 +354,6 @@ def test_sparse_mla_deterministic_fp16_pieces_scale_with_the_gradient(triton_int
     torch.testing.assert_close(got[finite], want[finite], rtol=2**-10, atol=1e-5)
 
 
-def test_piece_bounds_are_per_row_and_head_block_maxima():
-    """The warp-specialized kernel's scaled fp16 pieces take, per (row, block of 64 heads), ``max|Q|`` and ``max|dO|``
-    (a partial last block over its heads only), at least ``2**-100``."""
-    from longtrain.dsa.triton.sparse_mla_bwd_reduce import piece_bounds
-
-    g = torch.Generator().manual_seed(3)
-    q, dout = torch.randn(3, 96, 40, generator=g), torch.randn(3, 96, 32, generator=g)
-    dout[2] = 0.0
-    q[1, 70, 5] = -1e3
-    bounds = piece_bounds(q.to(torch.bfloat16), dout.to(torch.bfloat16))
-    assert bounds.shape == (3, 2, 2) and bounds.dtype == torch.float32
-    want_q = torch.stack([q[:, :64].abs().amax((1, 2)), q[:, 64:].abs().amax((1, 2))], 1)
-    want_o = torch.stack([dout[:, :64].abs().amax((1, 2)), dout[:, 64:].abs().amax((1, 2))], 1).clamp_min(2.0**-100)
-    torch.testing.assert_close(bounds[..., 0], want_q.to(torch.bfloat16).float())
-    torch.testing.assert_close(bounds[..., 1], want_o.to(torch.bfloat16).float().clamp_min(2.0**-100))
-    assert bounds[1, 1, 0] == 1000.0 and (bounds[2, :, 1] == 2.0**-100).all()
-
-
 def triton_head_blocks(heads: int) -> int:
     """Head blocks of the interpreter tests' dkv kernel (block_h = 16)."""
     return -(-heads // 16)

@@ -46,7 +46,6 @@ from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_backward_plan, sm90_dq
 from longtrain.dsa.triton.sparse_mla_bwd_reduce import (
     dkv_reduce_chunk,
     dkv_reduce_keys,
-    piece_bounds,
     piece_group_cols,
     scale_piece_rows,
     sparse_mla_bwd_kernel_dkv_reduce,
@@ -600,7 +599,7 @@ def sparse_mla_bwd(
     contrib = None
     # With the partition the reductions always follow dq on the caller's stream: the kernel's own stream runs ahead.
     reduce_side = streams is not None and fused and compute_dkv and deterministic and (DET_REDUCE_OVERLAP or partition)
-    scales, group_cols, bounds = None, 0, None  # scaled fp16 pieces: scales, columns per scale group, bounds
+    scales, group_cols = None, 0  # scaled fp16 pieces: scales, columns per scale group
     if compute_dkv and deterministic:
         piece_dtype = _piece_dtype()
         batch = _reduce_batch(piece_dtype, n_hb[2])
@@ -612,7 +611,6 @@ def sparse_mla_bwd(
         if piece_dtype == torch.float16:
             if fused and ds_sm90[0] == "fused_ws":  # one scale per piece row, from a bound (_scale_slots)
                 group_cols = min(1024, next_pow2(d_qk))  # the reduction's column block: one group per block
-                bounds = piece_bounds(q, dout)
             else:  # each tile's own scale: the two-warpgroup kernel's halves, the portable kernel's chunks
                 value_cols = d_v // 2 if fused else block_dv // col_groups // _num_value_chunks(block_dv // col_groups)
                 group_cols = piece_group_cols(d_v, d_r, value_cols, d_r if fused else dims["BLOCK_DR"])
@@ -646,8 +644,8 @@ def sparse_mla_bwd(
             with torch.cuda.stream(streams[0]) if partition else contextlib.nullcontext():
                 ws.sparse_mla_bwd_sm90_ws_kernel[(programs,)](
                     q, kv2d, dout, out, *common, lse2, delta, ds_buf, contrib if deterministic else dkv_acc,
-                    scales if scales is not None else lse2, bounds if bounds is not None else lse2, row0, rows,
-                    num_keys, k_slots, softmax_scale, softmax_scale * LOG2E, H=num_heads, D_V=d_v, D_R=d_r,
+                    scales if scales is not None else lse2, row0, rows, num_keys, k_slots, softmax_scale,
+                    softmax_scale * LOG2E, H=num_heads, D_V=d_v, D_R=d_r,
                     HAS_LEN=topk_length is not None, DETERMINISTIC=deterministic, REGS_PROB=ws.WS_BWD_NUM_REGS[0],
                     REGS_PRODUCER=ws.WS_BWD_NUM_REGS[1], PREFETCH_IDX=ws.WS_BWD_PREFETCH_IDX,
                     STAGED_DS=ws.WS_BWD_STAGED_DS, RUN=run, SCALED=scales is not None, GROUP_COLS=group_cols or 64,

@@ -10,11 +10,11 @@ Scaled fp16 pieces: the columns fall into groups of ``G`` columns and every piec
 two-warpgroup kernels store a piece as ``[BLOCK_K, W]`` tiles of columns (``G`` from :func:`piece_group_cols`: a power
 of two dividing every tile and ``d_v``) and scale each row of a tile by its largest finite magnitude, put in
 ``[2**14, 2**15)``, storing that scale for each of the tile's ``W / G`` groups. The warp-specialized kernel scales
-a whole piece row from a bound on it (:func:`piece_bounds`; one group per reduction block, ``G = min(1024,
-next_pow2(d_qk))``). The reduction reads each piece as ``[groups, G]``
-with one scale per group and adds ``fp16 value * scale``: the division and the multiplication by a power of two are
-exact, so each piece carries fp16's 11 significant bits relative to each element (bf16's 8), over fp16's whole
-exponent range below the row's largest element, whatever the gradients' magnitude. Infinities and NaN are kept (they
+a whole piece row from a bound on it (one group per reduction block, ``G = min(1024, next_pow2(d_qk))``). The
+reduction reads each piece as ``[groups, G]`` with one scale per group and adds ``fp16 value * scale``: the division
+and the multiplication by a power of two are exact, so each piece carries fp16's 11 significant bits relative to each
+element (bf16's 8), over fp16's whole exponent range below the row's largest element, whatever the gradients'
+magnitude. Infinities and NaN are kept (they
 take no part in the scale).
 """
 
@@ -31,7 +31,6 @@ from longtrain.dsa.triton._common import next_pow2
 __all__ = [
     "dkv_reduce_chunk",
     "dkv_reduce_keys",
-    "piece_bounds",
     "piece_group_cols",
     "scale_piece_rows",
     "sparse_mla_bwd_kernel_dkv_reduce",
@@ -116,18 +115,6 @@ def piece_group_cols(d_v: int, d_r: int, value_width: int, rope_width: int) -> i
     if d_r > 0:
         g = math.gcd(g, math.gcd(rope_width, d_r))
     return g & -g
-
-
-def piece_bounds(q: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
-    """``[T, ceil(H / 64), 2]`` fp32: each (row, block of 64 heads)'s ``max|Q|`` and ``max|dO|``, at least ``2**-100``
-    (so that a slot's scaled ``[dS; P]`` stays finite in bf16), for the warp-specialized kernel's scaled fp16 pieces."""
-    tokens, heads = q.shape[:2]
-    blocks = -(-heads // 64)
-    out = torch.zeros((tokens, blocks * 64, 2), dtype=torch.float32, device=q.device)
-    # The largest magnitude in one read of each input (q.abs() would write a copy of q first: 2.3 ms at T = 16384).
-    out[:, :heads, 0] = torch.linalg.vector_norm(q, float("inf"), dim=-1).float()
-    out[:, :heads, 1] = torch.linalg.vector_norm(dout, float("inf"), dim=-1).float()
-    return out.view(tokens, blocks, 64, 2).amax(2).clamp_min_(2.0**-100)
 
 
 def dkv_reduce_keys(

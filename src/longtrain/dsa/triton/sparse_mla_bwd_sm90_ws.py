@@ -121,12 +121,13 @@ def _item(idx_ptr, len_ptr, row_offset, K_slots, item, H: gl.constexpr, HAS_LEN:
 
 @gluon.jit
 def _producer(ptrs, sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr,
-              HAS_LEN: gl.constexpr, RUN: gl.constexpr, PREFETCH_IDX: gl.constexpr):  # fmt: skip
+              HAS_LEN: gl.constexpr, RUN: gl.constexpr, PREFETCH_IDX: gl.constexpr, SCALED: gl.constexpr):  # fmt: skip
     """Worker partition: per item, its first tile, delta, then ``[Q_v; dO]`` and ``Q_r`` column chunk by column chunk
     as the previous item's last tile releases them, then the item's other tiles."""
     q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr = ptrs
     row_offset, n_rows, T_k, K_slots, sm_scale, qk_scale = sc
-    s_v, q_r, v_buf, r_buf, y_smem, delta_smem, ready, free, y_ready, y_free, q_ready, col_free, delta_bar = sm
+    s_v, q_r, v_buf, r_buf, y_smem, delta_smem, bound_smem = sm[:7]
+    ready, free, y_ready, y_free, q_ready, col_free, delta_bar = sm[7:]
     s_v, q_r, v_buf, r_buf = s_v.index(0), q_r.index(0), v_buf.index(0), r_buf.index(0)
     D_QK: gl.constexpr = D_V + D_R
     NUM_C: gl.constexpr = D_V // _CHUNK
@@ -173,10 +174,16 @@ def _producer(ptrs, sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexp
                     idx_r = nxt_r
             if i == 0:  # while the first tile lands
                 # delta from global memory: the staged dO may still hold the previous item's columns.
-                delta = _row_delta(out_ptr + t * (H * D_V), dout_ptr + t * (H * D_V), hb, H, D_V)  # [64]
+                delta, max_q, max_do = _row_delta(
+                    out_ptr + t * (H * D_V), dout_ptr + t * (H * D_V), q_ptr + t * (H * D_QK), hb, H, D_V, D_QK, SCALED
+                )  # [64] x 3
                 offs_h = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=delta.type.layout)
                 gl.store(delta_ptr + t * H + offs_h, delta, mask=offs_h < H)
                 delta_smem.store(delta)
+                if SCALED:  # the dkv warpgroup's: one slot per item parity (it reads them during the whole item)
+                    maxima = bound_smem.index(k & 1)
+                    maxima.slice(0, _BLOCK_H).store(max_q)
+                    maxima.slice(_BLOCK_H, _BLOCK_H).store(max_do)
                 _cta_barrier()  # every producer thread's part is in shared memory
                 mbarrier.arrive(delta_bar)
                 # [Q_v; dO] a column chunk at a time, each as soon as the previous item's last tile has read it.
@@ -198,19 +205,32 @@ def _producer(ptrs, sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexp
 
 
 @gluon.jit
-def _row_delta(o_row, do_row, hb, H: gl.constexpr, D_V: gl.constexpr):
+def _row_delta(o_row, do_row, q_row, hb, H: gl.constexpr, D_V: gl.constexpr, D_QK: gl.constexpr,
+               MAXIMA: gl.constexpr):  # fmt: skip
     """``delta[h] = sum_d O[h, d] dO[h, d]`` (fp32) for the block's 64 heads, from global memory in column chunks of
-    64 (heads past ``H`` give 0)."""
+    64 (heads past ``H`` give 0); with ``MAXIMA`` also each head's ``max|Q[h]|`` and ``max|dO[h]|`` (fp32, at least
+    ``2**-100`` so that a slot's scaled ``[dS; P]`` stays finite in bf16), the scaled fp16 pieces' bounds."""
     L: gl.constexpr = _gather_layout(64, 4)
     hh = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, L))
     cols = gl.arange(0, 64, layout=gl.SliceLayout(0, L))
     acc = gl.zeros([_BLOCK_H], gl.float32, layout=gl.SliceLayout(1, L))
+    max_q = gl.full([_BLOCK_H], 2.0**-100, gl.float32, layout=gl.SliceLayout(1, L))
+    max_do = gl.full([_BLOCK_H], 2.0**-100, gl.float32, layout=gl.SliceLayout(1, L))
     for c in range(D_V // 64):  # not unrolled: 16 chunk loads in flight spilled the producer's 96 registers
         offs = hh[:, None] * D_V + (c * 64 + cols)[None, :]
         o = gl.load(o_row + offs, mask=(hh < H)[:, None], other=0.0)  # [64, 64]
         d = gl.load(do_row + offs, mask=(hh < H)[:, None], other=0.0)  # [64, 64]
         acc += gl.sum(o.to(gl.float32) * d.to(gl.float32), axis=1)
-    return acc
+        if MAXIMA:
+            max_do = gl.maximum(max_do, gl.max(gl.abs(d.to(gl.float32)), axis=1))
+    if MAXIMA:
+        for c in range(gl.cdiv(D_QK, 64)):  # every column of Q, the rope part's too
+            col = c * 64 + cols
+            x = gl.load(
+                q_row + hh[:, None] * D_QK + col[None, :], mask=(hh < H)[:, None] & (col < D_QK)[None, :], other=0.0
+            )  # [64, 64]
+            max_q = gl.maximum(max_q, gl.max(gl.abs(x.to(gl.float32)), axis=1))
+    return acc, max_q, max_do
 
 
 @gluon.jit
@@ -219,7 +239,8 @@ def _probabilities(ptrs, sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.con
     """Worker partition: per tile, ``S`` and ``dP``, then ``P`` and ``dS``; ``dS`` stored, ``[dS; P]`` handed over."""
     q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr = ptrs
     row_offset, n_rows, T_k, K_slots, sm_scale, qk_scale = sc
-    s_v, q_r, v_buf, r_buf, y_smem, delta_smem, ready, free, y_ready, y_free, q_ready, col_free, delta_bar = sm
+    s_v, q_r, v_buf, r_buf, y_smem, delta_smem, bound_smem = sm[:7]
+    ready, free, y_ready, y_free, q_ready, col_free, delta_bar = sm[7:]
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     s_layout: gl.constexpr = _mma_layout(BLOCK_K)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -314,39 +335,40 @@ def _staged_out(dkv_ptr, acc, stage, rows, valid, col0, DETERMINISTIC: gl.conste
 
 
 @gluon.jit
-def _scale_slots(y_smem, bound_ptr, scale_rows, valid, NUM_GROUPS: gl.constexpr):
-    """Scaled fp16 pieces: each slot's column of ``y = [dS; P]`` (``[128, BLOCK_K]`` in shared memory) divided by a
-    power of two, its scale, stored at ``scale_rows + g`` for every group ``g``. The scale puts a bound on the slot's
-    whole dkv piece in ``[2**14, 2**15)``: ``|sum_h dS[h] Q[h, c] + P[h] dO[h, c]| <= max|Q| sum_h |dS[h]| + max|dO|
-    sum_h P[h]``, with the item's ``max|Q|`` and ``max|dO|`` (at least ``2**-100``) at ``bound_ptr``. The wgmma then
-    forms the scaled piece itself (a power of two commutes with every rounding), so no element is inspected."""
-    YL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    y = y_smem.load(YL).to(gl.float32)  # [128, BLOCK_K]: dS rows, then P rows
-    is_ds = gl.arange(0, 2 * _BLOCK_H, layout=gl.SliceLayout(1, YL)) < _BLOCK_H
-    weight = gl.where(is_ds, gl.load(bound_ptr), gl.load(bound_ptr + 1))  # [128]
-    bound = gl.sum(gl.abs(y) * weight[:, None], axis=0)  # [BLOCK_K]
+def _scale_slots(a, maxima, scale_rows, valid, NUM_GROUPS: gl.constexpr):
+    """Scaled fp16 pieces: each slot's row of the dkv operand ``a = [dS; P]^T`` (``[BLOCK_K, 128]`` in registers,
+    the wgmma's A layout) divided by a power of two, its scale, stored at ``scale_rows + g`` for every group ``g``.
+    The scale puts a bound on the slot's whole dkv piece in ``[2**14, 2**15)``: ``|sum_h dS[h] Q[h, c] + P[h] dO[h,
+    c]| <= sum_h |dS[h]| max|Q[h]| + P[h] max|dO[h]|``, with the item's head maxima ``maxima = [max|Q[h]|;
+    max|dO[h]|]`` (``[128]`` fp32 in shared memory, from the producer). A row of the A layout lives in one quad of a
+    warp, so the sums need no shared memory. The wgmma then forms the scaled piece itself (a power of two commutes
+    with every rounding), so no element is inspected. Returns the scaled operand and the inverse scales
+    (``[BLOCK_K]``, for ``dS^T``'s rope operand)."""
+    x = a.to(gl.float32)  # [BLOCK_K, 128]: dS columns, then P columns
+    weight = maxima.load(gl.SliceLayout(0, a.type.layout))  # [128]
+    bound = gl.sum(gl.abs(x) * weight[None, :], axis=1)  # [BLOCK_K]
     bits = gl.maximum((bound.to(gl.int32, bitcast=True) & 0x7F800000) - (14 << 23), 1 << 23)  # [BLOCK_K]
     inv = ((254 << 23) - bits).to(gl.float32, bitcast=True)
-    _cta_barrier()  # every warp has read y before any overwrites it
-    y_smem.store((y * inv[None, :]).to(y_smem.dtype))
     scale = gl.convert_layout(bits.to(gl.float32, bitcast=True), valid.type.layout)
     for g in gl.static_range(NUM_GROUPS):
         gl.store(scale_rows + g, scale, mask=valid)
-    _cta_barrier()  # the scaled y is in place for every warp's loads
+    return (x * inv[:, None]).to(a.dtype), inv
 
 
 @gluon.jit
-def _dkv(ptrs, sc, sm, scale_ptr, bound_ptr, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
+def _dkv(ptrs, sc, sm, scale_ptr, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
          BLOCK_K: gl.constexpr, HAS_LEN: gl.constexpr, RUN: gl.constexpr, DETERMINISTIC: gl.constexpr,
          SCALED: gl.constexpr, GROUP_COLS: gl.constexpr):  # fmt: skip
     """Default partition: per tile, ``dkv[idx] += [dS; P]^T [Q_v; dO]`` (value columns) and ``dS^T Q_r`` (rope
     columns) in column chunks of 64, each chunk's wgmma issued before the previous chunk's piece is turned into whole
     row segments through the ``[dS; P]`` buffer (read into registers first, released at the end of the tile) and
     added. On an item's last tile each column chunk of ``[Q_v; dO]`` (and ``Q_r``) goes back to the producer as soon
-    as its wgmma has read it. ``SCALED``: each slot's column of ``[dS; P]`` scaled first (``_scale_slots``)."""
+    as its wgmma has read it. ``SCALED``: each slot's row of the operand ``[dS; P]^T`` scaled first
+    (``_scale_slots``)."""
     q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr = ptrs
     row_offset, n_rows, T_k, K_slots, sm_scale, qk_scale = sc
-    s_v, q_r, v_buf, r_buf, y_smem, delta_smem, ready, free, y_ready, y_free, q_ready, col_free, delta_bar = sm
+    s_v, q_r, v_buf, r_buf, y_smem, delta_smem, bound_smem = sm[:7]
+    ready, free, y_ready, y_free, q_ready, col_free, delta_bar = sm[7:]
     s_v, q_r = s_v.index(0), q_r.index(0)
     D_QK: gl.constexpr = D_V + D_R
     NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
@@ -386,11 +408,14 @@ def _dkv(ptrs, sc, sm, scale_ptr, bound_ptr, H: gl.constexpr, D_V: gl.constexpr,
             if i == 0:  # the item's [Q_v; dO] and Q_r
                 mbarrier.wait(q_ready, k & 1)
                 fence_async_shared()
-            if SCALED:
-                _scale_slots(y_smem, bound_ptr + (t * NUM_HB + hb) * 2, scales, valid, NUM_GROUPS)
             a = y_smem.permute((1, 0)).load(a_layout)  # [BLOCK_K, 128]: [dS; P]^T
+            if SCALED:  # the item's head maxima: written before delta_bar, which y_ready follows
+                a, inv = _scale_slots(a, bound_smem.index(k & 1), scales, valid, NUM_GROUPS)
             if D_R > 0:
                 a_r = y_smem.slice(0, _BLOCK_H, dim=0).permute((1, 0)).load(ar_layout)  # [BLOCK_K, 64]: dS^T
+                if SCALED:  # the same scales (exact: powers of two)
+                    inv_r = gl.convert_layout(inv, gl.SliceLayout(1, ar_layout))
+                    a_r = (a_r.to(gl.float32) * inv_r[:, None]).to(a_r.dtype)
 
             acc = warpgroup_mma(a, s_v.slice(0, _CHUNK, dim=1), zero, use_acc=False, is_async=True)  # [BLOCK_K, 64]
             for c in gl.static_range(1, NUM_C):
@@ -430,7 +455,7 @@ def _dkv(ptrs, sc, sm, scale_ptr, bound_ptr, H: gl.constexpr, D_V: gl.constexpr,
 
 @gluon.jit(do_not_specialize=["row_offset", "n_rows", "T_k", "K_slots"])
 def sparse_mla_bwd_sm90_ws_kernel(
-    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, lse2_ptr, delta_ptr, ds_ptr, dkv_ptr, scale_ptr, bound_ptr,
+    q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, lse2_ptr, delta_ptr, ds_ptr, dkv_ptr, scale_ptr,
     row_offset, n_rows, T_k, K_slots, sm_scale, qk_scale,
     H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_LEN: gl.constexpr, DETERMINISTIC: gl.constexpr,
     REGS_PROB: gl.constexpr, REGS_PRODUCER: gl.constexpr, num_warps: gl.constexpr, PREFETCH_IDX: gl.constexpr = False,
@@ -441,8 +466,8 @@ def sparse_mla_bwd_sm90_ws_kernel(
     ``pid`` takes the ``RUN`` items from ``pid * RUN`` (``RUN = 1``: one program per item), or with ``RUN = 0`` the
     items ``pid, pid + G, ...`` for ``G`` programs (see :func:`ws_bwd_schedule`). ``SCALED`` (deterministic mode):
     the pieces as scaled fp16 rows, one scale per piece row (repeated at ``scale_ptr[scratch row, group]`` for each
-    group of ``GROUP_COLS`` columns), from a bound on the piece: ``bound_ptr[t, head block] = (max|Q|, max|dO|)``
-    fp32 (``_scale_slots``)."""
+    group of ``GROUP_COLS`` columns), from a bound on the piece with the item's ``max|Q|`` and ``max|dO|``
+    (``_scale_slots``)."""
     BLOCK_K: gl.constexpr = _BLOCK_K
     NUM_COLS: gl.constexpr = D_V // _CHUNK + (1 if D_R > 0 else 0)  # column chunks of [Q_v; dO], then Q_r
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -465,6 +490,10 @@ def sparse_mla_bwd_sm90_ws_kernel(
         r_buf = v_buf
     y_smem = gl.allocate_shared_memory(dtype, [2 * _BLOCK_H, BLOCK_K], y_sl)
     delta_smem = gl.allocate_shared_memory(gl.float32, [_BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    if SCALED:  # the item's head maxima [max|Q|; max|dO|], one slot per item parity
+        bound_smem = gl.allocate_shared_memory(gl.float32, [2, 2 * _BLOCK_H], delta_smem.layout)  # indexed: 1-D
+    else:
+        bound_smem = delta_smem
     ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     y_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -483,13 +512,14 @@ def sparse_mla_bwd_sm90_ws_kernel(
 
     ptrs = (q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr)
     sc = (row_offset, n_rows, T_k, K_slots, sm_scale, qk_scale)
-    sm = (s_v, q_r, v_buf, r_buf, y_smem, delta_smem, ready, free, y_ready, y_free, q_ready, col_free, delta_bar)
+    sm = (s_v, q_r, v_buf, r_buf, y_smem, delta_smem, bound_smem, ready, free, y_ready, y_free, q_ready, col_free,
+          delta_bar)  # fmt: skip
     gl.warp_specialize(
         [
-            (_dkv, (ptrs, sc, sm, scale_ptr, bound_ptr, H, D_V, D_R, BLOCK_K, HAS_LEN, RUN, DETERMINISTIC, SCALED,
+            (_dkv, (ptrs, sc, sm, scale_ptr, H, D_V, D_R, BLOCK_K, HAS_LEN, RUN, DETERMINISTIC, SCALED,
                     GROUP_COLS)),
             (_probabilities, (ptrs, sc, sm, H, D_V, D_R, BLOCK_K, HAS_LEN, RUN, STAGED_DS)),
-            (_producer, (ptrs, sc, sm, H, D_V, D_R, BLOCK_K, HAS_LEN, RUN, PREFETCH_IDX)),
+            (_producer, (ptrs, sc, sm, H, D_V, D_R, BLOCK_K, HAS_LEN, RUN, PREFETCH_IDX, SCALED)),
         ],
         [4, 4],
         [REGS_PROB, REGS_PRODUCER],
