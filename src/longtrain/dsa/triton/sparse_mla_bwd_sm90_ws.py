@@ -127,7 +127,7 @@ def _producer(ptrs, sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexp
     q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr = ptrs
     row_offset, n_rows, T_k, K_slots, sm_scale, qk_scale = sc
     s_v, q_r, v_buf, r_buf, y_smem, delta_smem, bound_smem = sm[:7]
-    ready, free, y_ready, y_free, q_ready, col_free, delta_bar = sm[7:]
+    ready, free, y_ready, y_free, q_ready, col_free, delta_bar, max_bar = sm[7:]
     s_v, q_r, v_buf, r_buf = s_v.index(0), q_r.index(0), v_buf.index(0), r_buf.index(0)
     D_QK: gl.constexpr = D_V + D_R
     NUM_C: gl.constexpr = D_V // _CHUNK
@@ -174,16 +174,12 @@ def _producer(ptrs, sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexp
                     idx_r = nxt_r
             if i == 0:  # while the first tile lands
                 # delta from global memory: the staged dO may still hold the previous item's columns.
-                delta, max_q, max_do = _row_delta(
-                    out_ptr + t * (H * D_V), dout_ptr + t * (H * D_V), q_ptr + t * (H * D_QK), hb, H, D_V, D_QK, SCALED
-                )  # [64] x 3
+                delta, max_do = _row_delta(
+                    out_ptr + t * (H * D_V), dout_ptr + t * (H * D_V), hb, H, D_V, SCALED
+                )  # [64] x 2
                 offs_h = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=delta.type.layout)
                 gl.store(delta_ptr + t * H + offs_h, delta, mask=offs_h < H)
                 delta_smem.store(delta)
-                if SCALED:  # the dkv warpgroup's: one slot per item parity (it reads them during the whole item)
-                    maxima = bound_smem.index(k & 1)
-                    maxima.slice(0, _BLOCK_H).store(max_q)
-                    maxima.slice(_BLOCK_H, _BLOCK_H).store(max_do)
                 _cta_barrier()  # every producer thread's part is in shared memory
                 mbarrier.arrive(delta_bar)
                 # [Q_v; dO] a column chunk at a time, each as soon as the previous item's last tile has read it.
@@ -200,37 +196,51 @@ def _producer(ptrs, sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexp
                     hr = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=rl_r)
                     _gather(q_r, q_ptr + t * (H * D_QK), hr * D_QK, hr < H, D_V, D_R, LR)  # [64, D_R]
                 cp.mbarrier_arrive(q_ready, increment_count=False)
+                if SCALED:  # the head maxima, once the queries are on their way: the dkv warpgroup needs them later
+                    maxima = bound_smem.index(k & 1)  # one slot per item parity, read during the whole item
+                    maxima.slice(0, _BLOCK_H).store(_row_max(q_ptr + t * (H * D_QK), hb, H, D_QK))
+                    maxima.slice(_BLOCK_H, _BLOCK_H).store(max_do)
+                    _cta_barrier()
+                    mbarrier.arrive(max_bar)
         g += n_tiles
         k += (n_tiles > 0).to(gl.int32)
 
 
 @gluon.jit
-def _row_delta(o_row, do_row, q_row, hb, H: gl.constexpr, D_V: gl.constexpr, D_QK: gl.constexpr,
-               MAXIMA: gl.constexpr):  # fmt: skip
+def _row_delta(o_row, do_row, hb, H: gl.constexpr, D_V: gl.constexpr, MAX_DO: gl.constexpr):
     """``delta[h] = sum_d O[h, d] dO[h, d]`` (fp32) for the block's 64 heads, from global memory in column chunks of
-    64 (heads past ``H`` give 0); with ``MAXIMA`` also each head's ``max|Q[h]|`` and ``max|dO[h]|`` (fp32, at least
-    ``2**-100`` so that a slot's scaled ``[dS; P]`` stays finite in bf16), the scaled fp16 pieces' bounds."""
+    64 (heads past ``H`` give 0); with ``MAX_DO`` also each head's ``max|dO[h]|`` (at least ``2**-100``, see
+    :func:`_row_max`)."""
     L: gl.constexpr = _gather_layout(64, 4)
     hh = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, L))
     cols = gl.arange(0, 64, layout=gl.SliceLayout(0, L))
     acc = gl.zeros([_BLOCK_H], gl.float32, layout=gl.SliceLayout(1, L))
-    max_q = gl.full([_BLOCK_H], 2.0**-100, gl.float32, layout=gl.SliceLayout(1, L))
     max_do = gl.full([_BLOCK_H], 2.0**-100, gl.float32, layout=gl.SliceLayout(1, L))
     for c in range(D_V // 64):  # not unrolled: 16 chunk loads in flight spilled the producer's 96 registers
         offs = hh[:, None] * D_V + (c * 64 + cols)[None, :]
         o = gl.load(o_row + offs, mask=(hh < H)[:, None], other=0.0)  # [64, 64]
         d = gl.load(do_row + offs, mask=(hh < H)[:, None], other=0.0)  # [64, 64]
         acc += gl.sum(o.to(gl.float32) * d.to(gl.float32), axis=1)
-        if MAXIMA:
+        if MAX_DO:
             max_do = gl.maximum(max_do, gl.max(gl.abs(d.to(gl.float32)), axis=1))
-    if MAXIMA:
-        for c in range(gl.cdiv(D_QK, 64)):  # every column of Q, the rope part's too
-            col = c * 64 + cols
-            x = gl.load(
-                q_row + hh[:, None] * D_QK + col[None, :], mask=(hh < H)[:, None] & (col < D_QK)[None, :], other=0.0
-            )  # [64, 64]
-            max_q = gl.maximum(max_q, gl.max(gl.abs(x.to(gl.float32)), axis=1))
-    return acc, max_q, max_do
+    return acc, max_do
+
+
+@gluon.jit
+def _row_max(q_row, hb, H: gl.constexpr, D_QK: gl.constexpr):
+    """Each of the block's 64 heads' ``max|Q[h]|`` over every column (fp32, heads past ``H`` 0), at least ``2**-100``
+    so that a slot's scale stays finite: the scaled fp16 pieces' bounds."""
+    L: gl.constexpr = _gather_layout(64, 4)
+    hh = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, L))
+    cols = gl.arange(0, 64, layout=gl.SliceLayout(0, L))
+    max_q = gl.full([_BLOCK_H], 2.0**-100, gl.float32, layout=gl.SliceLayout(1, L))
+    for c in range(gl.cdiv(D_QK, 64)):
+        col = c * 64 + cols
+        x = gl.load(
+            q_row + hh[:, None] * D_QK + col[None, :], mask=(hh < H)[:, None] & (col < D_QK)[None, :], other=0.0
+        )  # [64, 64]
+        max_q = gl.maximum(max_q, gl.max(gl.abs(x.to(gl.float32)), axis=1))
+    return max_q
 
 
 @gluon.jit
@@ -240,7 +250,7 @@ def _probabilities(ptrs, sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.con
     q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr = ptrs
     row_offset, n_rows, T_k, K_slots, sm_scale, qk_scale = sc
     s_v, q_r, v_buf, r_buf, y_smem, delta_smem, bound_smem = sm[:7]
-    ready, free, y_ready, y_free, q_ready, col_free, delta_bar = sm[7:]
+    ready, free, y_ready, y_free, q_ready, col_free, delta_bar, max_bar = sm[7:]
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     s_layout: gl.constexpr = _mma_layout(BLOCK_K)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -315,11 +325,14 @@ def _probabilities(ptrs, sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.con
 
 
 @gluon.jit
-def _staged_out(dkv_ptr, acc, stage, rows, valid, col0, DETERMINISTIC: gl.constexpr):
+def _staged_out(dkv_ptr, acc, stage, rows, valid, col0, DETERMINISTIC: gl.constexpr, inv, SCALED: gl.constexpr):
     """Add (or store) a ``[BLOCK_K, W]`` dkv piece through shared memory: the wgmma accumulator's threads hold 8
-    rows x 32 bytes per warp-wide access, a blocked layout one whole row segment, which the L2 reduces faster."""
+    rows x 32 bytes per warp-wide access, a blocked layout one whole row segment, which the L2 reduces faster.
+    ``SCALED``: each row multiplied by its ``inv`` (``[BLOCK_K]``, a power of two) first."""
     W: gl.constexpr = acc.type.shape[1]
     BLOCK_K: gl.constexpr = acc.type.shape[0]
+    if SCALED:
+        acc = acc * gl.convert_layout(inv, gl.SliceLayout(1, acc.type.layout))[:, None]
     L: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // W, W // 4], [4, 1], [1, 0])
     # 32-byte vectors, row r's XOR-ed by r % 8: the accumulator's 8 rows x 32 bytes per store and the blocked
     # layout's row segments per load each hit distinct banks (8-byte vectors conflicted 4-way on the store, ncu).
@@ -336,23 +349,23 @@ def _staged_out(dkv_ptr, acc, stage, rows, valid, col0, DETERMINISTIC: gl.conste
 
 @gluon.jit
 def _scale_slots(a, maxima, scale_rows, valid, NUM_GROUPS: gl.constexpr):
-    """Scaled fp16 pieces: each slot's row of the dkv operand ``a = [dS; P]^T`` (``[BLOCK_K, 128]`` in registers,
-    the wgmma's A layout) divided by a power of two, its scale, stored at ``scale_rows + g`` for every group ``g``.
-    The scale puts a bound on the slot's whole dkv piece in ``[2**14, 2**15)``: ``|sum_h dS[h] Q[h, c] + P[h] dO[h,
-    c]| <= sum_h |dS[h]| max|Q[h]| + P[h] max|dO[h]|``, with the item's head maxima ``maxima = [max|Q[h]|;
-    max|dO[h]|]`` (``[128]`` fp32 in shared memory, from the producer). A row of the A layout lives in one quad of a
-    warp, so the sums need no shared memory. The wgmma then forms the scaled piece itself (a power of two commutes
-    with every rounding), so no element is inspected. Returns the scaled operand and the inverse scales
-    (``[BLOCK_K]``, for ``dS^T``'s rope operand)."""
+    """Scaled fp16 pieces: each slot's scale, a power of two stored at ``scale_rows + g`` for every group ``g``, and
+    its inverse (``[BLOCK_K]`` fp32, returned), by which ``_staged_out`` multiplies the slot's row of each fp32 piece
+    before it is rounded to fp16. The scale puts a bound on the slot's whole dkv piece in ``[2**14, 2**15)``:
+    ``|sum_h dS[h] Q[h, c] + P[h] dO[h, c]| <= sum_h |dS[h]| max|Q[h]| + P[h] max|dO[h]|``, from the dkv operand
+    ``a = [dS; P]^T`` (``[BLOCK_K, 128]`` in registers, the wgmma's A layout: a row lives in one quad of a warp, so the
+    sums need no shared memory) and the item's head maxima ``maxima = [max|Q[h]|; max|dO[h]|]`` (``[128]`` fp32 in
+    shared memory, from the producer). No element of the piece is inspected, and a power of two commutes with every
+    rounding, so the stored value is the fp32 piece's, scaled and rounded once."""
     x = a.to(gl.float32)  # [BLOCK_K, 128]: dS columns, then P columns
     weight = maxima.load(gl.SliceLayout(0, a.type.layout))  # [128]
     bound = gl.sum(gl.abs(x) * weight[None, :], axis=1)  # [BLOCK_K]
     bits = gl.maximum((bound.to(gl.int32, bitcast=True) & 0x7F800000) - (14 << 23), 1 << 23)  # [BLOCK_K]
-    inv = ((254 << 23) - bits).to(gl.float32, bitcast=True)
-    scale = gl.convert_layout(bits.to(gl.float32, bitcast=True), valid.type.layout)
+    bits = gl.convert_layout(bits, valid.type.layout)
+    scale = bits.to(gl.float32, bitcast=True)
     for g in gl.static_range(NUM_GROUPS):
         gl.store(scale_rows + g, scale, mask=valid)
-    return (x * inv[:, None]).to(a.dtype), inv
+    return ((254 << 23) - bits).to(gl.float32, bitcast=True)
 
 
 @gluon.jit
@@ -368,7 +381,7 @@ def _dkv(ptrs, sc, sm, scale_ptr, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.co
     q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr = ptrs
     row_offset, n_rows, T_k, K_slots, sm_scale, qk_scale = sc
     s_v, q_r, v_buf, r_buf, y_smem, delta_smem, bound_smem = sm[:7]
-    ready, free, y_ready, y_free, q_ready, col_free, delta_bar = sm[7:]
+    ready, free, y_ready, y_free, q_ready, col_free, delta_bar, max_bar = sm[7:]
     s_v, q_r = s_v.index(0), q_r.index(0)
     D_QK: gl.constexpr = D_V + D_R
     NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
@@ -409,21 +422,21 @@ def _dkv(ptrs, sc, sm, scale_ptr, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.co
                 mbarrier.wait(q_ready, k & 1)
                 fence_async_shared()
             a = y_smem.permute((1, 0)).load(a_layout)  # [BLOCK_K, 128]: [dS; P]^T
-            if SCALED:  # the item's head maxima: written before delta_bar, which y_ready follows
-                a, inv = _scale_slots(a, bound_smem.index(k & 1), scales, valid, NUM_GROUPS)
             if D_R > 0:
                 a_r = y_smem.slice(0, _BLOCK_H, dim=0).permute((1, 0)).load(ar_layout)  # [BLOCK_K, 64]: dS^T
-                if SCALED:  # the same scales (exact: powers of two)
-                    inv_r = gl.convert_layout(inv, gl.SliceLayout(1, ar_layout))
-                    a_r = (a_r.to(gl.float32) * inv_r[:, None]).to(a_r.dtype)
 
             acc = warpgroup_mma(a, s_v.slice(0, _CHUNK, dim=1), zero, use_acc=False, is_async=True)  # [BLOCK_K, 64]
+            inv = 1.0
+            if SCALED:  # while the first chunk's wgmma runs
+                if i == 0:  # the item's head maxima
+                    mbarrier.wait(max_bar, k & 1)
+                inv = _scale_slots(a, bound_smem.index(k & 1), scales, valid, NUM_GROUPS)
             for c in gl.static_range(1, NUM_C):
                 nxt = warpgroup_mma(a, s_v.slice(c * _CHUNK, _CHUNK, dim=1), zero, use_acc=False, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 if last:
                     mbarrier.arrive(col_free.index(c - 1))
-                _staged_out(dkv_ptr, acc, y_smem, rows, valid, (c - 1) * _CHUNK, DETERMINISTIC)
+                _staged_out(dkv_ptr, acc, y_smem, rows, valid, (c - 1) * _CHUNK, DETERMINISTIC, inv, SCALED)
                 acc = nxt
             if D_R > 0:
                 acc_r = zero_r
@@ -433,20 +446,20 @@ def _dkv(ptrs, sc, sm, scale_ptr, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.co
                         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                         if last:
                             mbarrier.arrive(col_free.index(NUM_C - 1))
-                        _staged_out(dkv_ptr, acc, y_smem, rows, valid, (NUM_C - 1) * _CHUNK, DETERMINISTIC)
+                        _staged_out(dkv_ptr, acc, y_smem, rows, valid, (NUM_C - 1) * _CHUNK, DETERMINISTIC, inv, SCALED)
                     else:
                         acc_r = warpgroup_mma_wait(num_outstanding=1, deps=(acc_r,))
-                        _staged_out(dkv_ptr, acc_r, y_smem, rows, valid, D_V + (c - 1) * RW, DETERMINISTIC)
+                        _staged_out(dkv_ptr, acc_r, y_smem, rows, valid, D_V + (c - 1) * RW, DETERMINISTIC, inv, SCALED)
                     acc_r = nxt_r
                 acc_r = warpgroup_mma_wait(num_outstanding=0, deps=(acc_r,))
                 if last:
                     mbarrier.arrive(col_free.index(NUM_C))
-                _staged_out(dkv_ptr, acc_r, y_smem, rows, valid, D_V + (NUM_R - 1) * RW, DETERMINISTIC)
+                _staged_out(dkv_ptr, acc_r, y_smem, rows, valid, D_V + (NUM_R - 1) * RW, DETERMINISTIC, inv, SCALED)
             else:
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 if last:
                     mbarrier.arrive(col_free.index(NUM_C - 1))
-                _staged_out(dkv_ptr, acc, y_smem, rows, valid, (NUM_C - 1) * _CHUNK, DETERMINISTIC)
+                _staged_out(dkv_ptr, acc, y_smem, rows, valid, (NUM_C - 1) * _CHUNK, DETERMINISTIC, inv, SCALED)
             _cta_barrier()  # every warp has read back its last piece
             mbarrier.arrive(y_free)
         g += n_tiles
@@ -490,10 +503,6 @@ def sparse_mla_bwd_sm90_ws_kernel(
         r_buf = v_buf
     y_smem = gl.allocate_shared_memory(dtype, [2 * _BLOCK_H, BLOCK_K], y_sl)
     delta_smem = gl.allocate_shared_memory(gl.float32, [_BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    if SCALED:  # the item's head maxima [max|Q|; max|dO|], one slot per item parity
-        bound_smem = gl.allocate_shared_memory(gl.float32, [2, 2 * _BLOCK_H], delta_smem.layout)  # indexed: 1-D
-    else:
-        bound_smem = delta_smem
     ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     y_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -509,11 +518,18 @@ def sparse_mla_bwd_sm90_ws_kernel(
     for c in gl.static_range(NUM_COLS):
         mbarrier.init(col_free.index(c), count=1)  # the dkv warpgroup, once the item's last tile has read the chunk
     mbarrier.init(delta_bar, count=1)  # the producer, once delta is in shared memory
+    if SCALED:  # the item's head maxima [max|Q|; max|dO|], one slot per item parity
+        bound_smem = gl.allocate_shared_memory(gl.float32, [2, 2 * _BLOCK_H], delta_smem.layout)  # indexed: 1-D
+        max_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(max_bar, count=1)  # the producer, once the maxima are in shared memory
+    else:  # unused
+        bound_smem = delta_smem
+        max_bar = delta_bar
 
     ptrs = (q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr)
     sc = (row_offset, n_rows, T_k, K_slots, sm_scale, qk_scale)
     sm = (s_v, q_r, v_buf, r_buf, y_smem, delta_smem, bound_smem, ready, free, y_ready, y_free, q_ready, col_free,
-          delta_bar)  # fmt: skip
+          delta_bar, max_bar)  # fmt: skip
     gl.warp_specialize(
         [
             (_dkv, (ptrs, sc, sm, scale_ptr, H, D_V, D_R, BLOCK_K, HAS_LEN, RUN, DETERMINISTIC, SCALED,
