@@ -13,7 +13,8 @@ different warps:
   landed); while it lands it forms ``delta = rowsum(O * dO)`` for the block's heads from global memory, stores it (for
   ``dsink``) and hands it over in shared memory, so no preprocess pass reads ``O`` and ``dO``; then the stacked
   operand ``[Q_v; dO]`` (``[128, D_V]``) in column chunks of 64 and the rope queries ``Q_r`` (``[64, D_R]``), each as
-  soon as the previous item's last tile has read it (``col_free``); then the item's other tiles;
+  soon as the previous item's last tile has read it (``col_free``); with scaled fp16 pieces it then forms the
+  item's per-head ``max|Q|`` and ``max|dO|`` for the dkv warpgroup (``max_bar``); then the item's other tiles;
 * the **probabilities warpgroup** (a worker) computes ``S = Q K^T`` (``[64, BLOCK_K]``: the value and rope parts,
   one wgmma chain) and ``dP = dO V^T`` (a second chain on the same tile), releases the tile to the producer as soon
   as both have completed, forms ``P = exp2(S * qk_scale - lse2)`` and ``dS = sm_scale * P * (dP - delta)`` in
@@ -29,7 +30,7 @@ programs: the tile barriers' phases run on across items, the column barriers' on
 item's first tile, delta and queries load under the current item's last reductions.
 
 Shared memory at the GLM shape (64 heads, D_qk 576, one tile of 64 rows): 128 + 8 + 72 + 16 KiB and delta's 256
-bytes.
+bytes (with scaled fp16 pieces 1 KiB more: two items' head maxima).
 
 Gluon kernels do not run in Triton's CPU interpreter; ``sparse_mla_bwd_plan.sm90_backward_plan`` says where this
 kernel applies; its routing and sm_90a compilation are tested on CPU, its numerics on the GPU.
@@ -376,8 +377,8 @@ def _dkv(ptrs, sc, sm, scale_ptr, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.co
     columns) in column chunks of 64, each chunk's wgmma issued before the previous chunk's piece is turned into whole
     row segments through the ``[dS; P]`` buffer (read into registers first, released at the end of the tile) and
     added. On an item's last tile each column chunk of ``[Q_v; dO]`` (and ``Q_r``) goes back to the producer as soon
-    as its wgmma has read it. ``SCALED``: each slot's row of the operand ``[dS; P]^T`` scaled first
-    (``_scale_slots``)."""
+    as its wgmma has read it. ``SCALED``: each slot's scale formed while the first chunk's wgmma runs
+    (``_scale_slots``), each fp32 piece row multiplied by its inverse before it is rounded to fp16."""
     q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr = ptrs
     row_offset, n_rows, T_k, K_slots, sm_scale, qk_scale = sc
     s_v, q_r, v_buf, r_buf, y_smem, delta_smem, bound_smem = sm[:7]
@@ -479,8 +480,8 @@ def sparse_mla_bwd_sm90_ws_kernel(
     ``pid`` takes the ``RUN`` items from ``pid * RUN`` (``RUN = 1``: one program per item), or with ``RUN = 0`` the
     items ``pid, pid + G, ...`` for ``G`` programs (see :func:`ws_bwd_schedule`). ``SCALED`` (deterministic mode):
     the pieces as scaled fp16 rows, one scale per piece row (repeated at ``scale_ptr[scratch row, group]`` for each
-    group of ``GROUP_COLS`` columns), from a bound on the piece with the item's ``max|Q|`` and ``max|dO|``
-    (``_scale_slots``)."""
+    group of ``GROUP_COLS`` columns), from a bound on the piece with the item's per-head ``max|Q|`` and ``max|dO|``
+    (``_scale_slots``; the producer forms them, ``_row_max`` and ``_row_delta``)."""
     BLOCK_K: gl.constexpr = _BLOCK_K
     NUM_COLS: gl.constexpr = D_V // _CHUNK + (1 if D_R > 0 else 0)  # column chunks of [Q_v; dO], then Q_r
     dtype: gl.constexpr = q_ptr.dtype.element_ty
