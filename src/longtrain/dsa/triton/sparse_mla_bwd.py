@@ -121,8 +121,8 @@ DET_REDUCE_OVERLAP = False
 #: dkv stays the same bit for bit on every run and schedule but differs from the fp32 pieces' by up to one bf16
 #: rounding per piece. ``"fp16"``: each piece row divided by a power of two (its scale, stored beside it in fp32; see
 #: :mod:`~longtrain.dsa.triton.sparse_mla_bwd_reduce`) and rounded to fp16, 11 significant bits at any gradient
-#: magnitude, for 3 % more bytes than bf16 and the scales' work (9-15 % slower than bf16 pieces on an H100, 8x closer to
-#: the fp32 pieces' dkv). Read at each call.
+#: magnitude, for up to 3 % more bytes than bf16 and the scales' work (3-13 % slower than bf16 pieces on an H100 at
+#: issue 17's four shapes, 8x closer to the fp32 pieces' dkv). Read at each call.
 DET_PIECES = "fp32"
 DET_PIECES_MODES = ("fp32", "bf16", "fp16")
 #: Slots (a power of two) the deterministic reduction reads at a time per key row, their loads in flight together;
