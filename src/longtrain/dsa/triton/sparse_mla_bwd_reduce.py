@@ -14,8 +14,7 @@ a whole piece row from a bound on it (one group per reduction block, ``G = min(1
 reduction reads each piece as ``[groups, G]`` with one scale per group and adds ``fp16 value * scale``: the division
 and the multiplication by a power of two are exact, so each piece carries fp16's 11 significant bits relative to each
 element (bf16's 8), over fp16's whole exponent range below the row's largest element, whatever the gradients'
-magnitude. Infinities and NaN are kept (they
-take no part in the scale).
+magnitude. Infinities and NaN are kept (they take no part in the scale).
 """
 
 from __future__ import annotations

@@ -229,8 +229,8 @@ def _row_delta(o_row, do_row, hb, H: gl.constexpr, D_V: gl.constexpr, MAX_DO: gl
 
 @gluon.jit
 def _row_max(q_row, hb, H: gl.constexpr, D_QK: gl.constexpr):
-    """Each of the block's 64 heads' ``max|Q[h]|`` over every column (fp32, heads past ``H`` 0), at least ``2**-100``
-    so that a slot's scale stays finite: the scaled fp16 pieces' bounds."""
+    """Each of the block's 64 heads' ``max|Q[h]|`` over every column (fp32), at least ``2**-100`` (also for heads past
+    ``H``) so that a slot's scale stays finite: the scaled fp16 pieces' bounds."""
     L: gl.constexpr = _gather_layout(64, 4)
     hh = hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, L))
     cols = gl.arange(0, 64, layout=gl.SliceLayout(0, L))
