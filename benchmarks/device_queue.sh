@@ -2,7 +2,7 @@
 # H200 runs in one call of at most ~9 minutes, run from the repository root on the GPU machine. Logs and reports go
 # under $OUT/queue, tarred into $OUT/queue.tgz at the end (one file comes back).
 #
-#   LONGTRAIN_COMMIT=$(git log -1 --format=%h) bash benchmarks/device_queue.sh [indexer|mla|bars|det|overlap|partition|rsweep|fp16]
+#   LONGTRAIN_COMMIT=$(git log -1 --format=%h) bash benchmarks/device_queue.sh [indexer|mla|bars|det|overlap|partition|rsweep|fp16|ahead]
 #
 # indexer (default): GPU tests of the indexer, compute-sanitizer memcheck, the SM90 scoring kernel's sweep of
 #   dsa_indexer_variants.py (INDEXER_SWEEP=defaults: the selection settings' sweep instead) and dsa.py's indexer
@@ -28,6 +28,9 @@
 # fp16: the deterministic mode's scaled fp16 pieces (DET_PIECES = "fp16"): the deterministic GPU tests,
 #   dsa_bwd_deterministic.py --fp16-pieces at issue 17's four shapes, dsa_breakdown.py --fp16-pieces at the first and
 #   memcheck through dsa_bwd_deterministic.py --memcheck.
+# ahead: the deterministic reduction's runs formed a chunk ahead (DET_RUNS_AHEAD) against in line, in one call of at
+#   most 9.5 minutes: the deterministic GPU tests, dsa_bwd_deterministic.py --fp16-pieces --runs-in-line at two of issue
+#   17's shapes, dsa_breakdown.py --fp16-pieces at the first and memcheck through dsa_bwd_deterministic.py --memcheck.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -101,8 +104,14 @@ case "${1:-indexer}" in
     run dsa_bwd_det_fp16 300 benchmarks/dsa_bwd_deterministic.py --fp16-pieces --out-dir "$Q"
     run dsa_breakdown_fp16 100 benchmarks/dsa_breakdown.py --fp16-pieces --case 16384,64,2048 --out-dir "$Q"
     memcheck 100 benchmarks/dsa_bwd_deterministic.py ;;
+  ahead)
+    run gpu_det_tests "$(left 560 130)" -m pytest -q -p no:cacheprovider tests/gpu/test_dsa_triton_gpu.py -k deterministic
+    run dsa_bwd_det_ahead "$(left 560 230)" benchmarks/dsa_bwd_deterministic.py --fp16-pieces --runs-in-line \
+      --case 16384,64,2048 --case 4096,128,512 --out-dir "$Q"
+    run dsa_breakdown_fp16 "$(left 560 100)" benchmarks/dsa_breakdown.py --fp16-pieces --case 16384,64,2048 --out-dir "$Q"
+    memcheck "$(left 560 90)" benchmarks/dsa_bwd_deterministic.py ;;
   *)
-    echo "usage: $0 [indexer|mla|bars|det|overlap|partition|rsweep|fp16]"; exit 2 ;;
+    echo "usage: $0 [indexer|mla|bars|det|overlap|partition|rsweep|fp16|ahead]"; exit 2 ;;
 esac
 tar czf "$OUT/queue.tgz" -C "$OUT" queue && rm -rf "$Q"
 echo "done after $(since)"

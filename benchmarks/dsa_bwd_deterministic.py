@@ -8,9 +8,10 @@ largest difference of its dq and dkv from the default's relative to their larges
 float64 is the GPU tests' (``tests/gpu/test_dsa_triton_gpu.py -k deterministic``).
 
 ``--bf16-pieces`` adds the bf16 pieces' variants, ``--fp16-pieces`` the scaled fp16 pieces' (``DET_PIECES = "fp16"``)
-beside bf16's at 2 GiB, ``--reduce-sweep`` the reduction's slots at a time and warps. ``--memcheck`` runs small
-deterministic backwards with scaled fp16 pieces through every producer of pieces for ``compute-sanitizer`` (no
-report).
+beside bf16's at 2 GiB, ``--reduce-sweep`` the reduction's slots at a time and warps, ``--runs-in-line`` 2 GiB
+variants with each chunk's sort and search formed in line on the caller's stream (``DET_RUNS_AHEAD = False``).
+``--memcheck`` runs small deterministic backwards with scaled fp16 pieces through every producer of pieces for
+``compute-sanitizer`` (no report).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def _mean_rel(a: torch.Tensor, b: torch.Tensor) -> float:
 BF16_PIECES = False  # --bf16-pieces: also the bf16 pieces' variants
 FP16_PIECES = False  # --fp16-pieces: also the scaled fp16 pieces' variants, beside bf16's at 2 GiB
 REDUCE_SWEEP = False  # --reduce-sweep: the reduction's slots at a time and warps, with bf16 pieces and 2 GiB
+RUNS_IN_LINE = False  # --runs-in-line: also the variants with each chunk's sort formed in line (DET_RUNS_AHEAD off)
 
 
 def _variants() -> dict[str, tuple[bool, dict]]:
@@ -71,6 +73,14 @@ def _variants() -> dict[str, tuple[bool, dict]]:
             "deterministic, scaled fp16 pieces (default elements)": (True, fp16),
             "deterministic, scaled fp16 pieces 2 GiB": (True, {**fp16, "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 30}),
             "deterministic, scaled fp16 pieces 4 GiB": (True, {**fp16, "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 31}),
+        })  # fmt: skip
+    if RUNS_IN_LINE:
+        in_line = {"DET_RUNS_AHEAD": False}
+        big = {"DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 30}
+        variants.update({
+            "deterministic, per-slot scratch 2 GiB, runs in line": (True, {**big, **in_line}),
+            "deterministic, bf16 pieces 2 GiB, runs in line": (True, {**big, **in_line, "DET_PIECES": "bf16"}),
+            "deterministic, scaled fp16 pieces 2 GiB, runs in line": (True, {**big, **in_line, "DET_PIECES": "fp16"}),
         })  # fmt: skip
     if BF16_PIECES:
         bf16 = {"DET_PIECES": "bf16"}
@@ -175,6 +185,11 @@ if __name__ == "__main__":
     parser.add_argument("--bf16-pieces", action="store_true", help="also the bf16 pieces (DET_PIECES) variants")
     parser.add_argument("--fp16-pieces", action="store_true", help="also the scaled fp16 pieces' variants")
     parser.add_argument("--memcheck", action="store_true", help="small scaled fp16 backwards for compute-sanitizer")
+    parser.add_argument(
+        "--runs-in-line",
+        action="store_true",
+        help="also 2 GiB variants with each chunk's sort formed in line (DET_RUNS_AHEAD off)",
+    )
     parser.add_argument("--reduce-sweep", action="store_true",
                         help="also the reduction's slots at a time and warps (DKV_REDUCE_BATCH, DKV_REDUCE_NUM_WARPS), "
                              "bf16 pieces, 2 GiB")  # fmt: skip
@@ -182,6 +197,7 @@ if __name__ == "__main__":
     BF16_PIECES = args.bf16_pieces
     FP16_PIECES = args.fp16_pieces
     REDUCE_SWEEP = args.reduce_sweep
+    RUNS_IN_LINE = args.runs_in_line
     if args.memcheck:
         memcheck()
         sys.exit(0)

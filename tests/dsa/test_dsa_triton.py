@@ -379,7 +379,12 @@ def test_deterministic_reduce_sums_each_key_in_row_slot_order(
     and unselected keys keep their value."""
     from longtrain.dsa.triton import sparse_mla_bwd as smb
     from longtrain.dsa.triton.sparse_mla_bwd import _reduce_batch
-    from longtrain.dsa.triton.sparse_mla_bwd_reduce import dkv_reduce_chunk, dkv_reduce_keys, piece_group_cols
+    from longtrain.dsa.triton.sparse_mla_bwd_reduce import (
+        ChunkRuns,
+        dkv_reduce_chunk,
+        dkv_reduce_keys,
+        piece_group_cols,
+    )
 
     monkeypatch.setattr(smb, "DKV_REDUCE_BATCH", batch)
     assert _reduce_batch(pieces) == batch
@@ -413,10 +418,9 @@ def test_deterministic_reduce_sums_each_key_in_row_slot_order(
                 continue
             for hb in range(num_hb):
                 expected[key] += values[(t * K + s) * num_hb + hb]
-    reduce_keys = dkv_reduce_keys(idx, length, num_keys)
-    assert reduce_keys[0].dtype == (torch.int16 if num_keys <= 32767 else torch.int32)
-    dkv_reduce_chunk(reduce_keys, K, contrib, dkv, row0, rows, d_qk, num_hb, _reduce_batch(pieces), 4, piece_scales,
-                     group_cols)  # fmt: skip
+    assert dkv_reduce_keys(idx, length, num_keys)[0].dtype == (torch.int16 if num_keys <= 32767 else torch.int32)
+    runs = ChunkRuns(idx, length, num_keys, K, [(0, row0), (row0, rows), (row0 + rows, T - row0 - rows)]).take(1)
+    dkv_reduce_chunk(runs, K, contrib, dkv, rows, d_qk, num_hb, _reduce_batch(pieces), 4, piece_scales, group_cols)
     assert torch.equal(dkv, expected)
 
 
@@ -450,6 +454,34 @@ def test_deterministic_reduce_batch_default_follows_the_pieces(monkeypatch):
     assert smb._reduce_batch(torch.float16) == 8 and smb._reduce_batch(torch.float16, 2) == 16
     monkeypatch.setattr(smb, "DKV_REDUCE_BATCH", 2)
     assert smb._reduce_batch(torch.bfloat16) == 2 and smb._reduce_batch(torch.float32, 3) == 2
+
+
+def test_chunk_runs_sort_each_chunks_slots_by_key_in_row_slot_order():
+    """``ChunkRuns.take(i)``: chunk i's slots (flat positions within the chunk) grouped by key, each key's run in
+    ascending (row, slot) order, key j's run ``order[run_start[j] : run_start[j + 1]]``, invalid slots after the last
+    run; on the current stream without a side stream (the CPU path), in any order of chunks."""
+    from longtrain.dsa.triton.sparse_mla_bwd_reduce import ChunkRuns
+
+    g = torch.Generator().manual_seed(5)
+    T, K, num_keys = 7, 6, 9
+    idx = torch.randint(-2, num_keys + 2, (T, K), generator=g, dtype=torch.int32)
+    length = torch.randint(0, K + 1, (T,), generator=g, dtype=torch.int32)
+    chunks = [(0, 3), (3, 3), (6, 1)]
+    runs = ChunkRuns(idx, length, num_keys, K, chunks)
+    for i in (2, 0, 1):
+        row0, rows = chunks[i]
+        order, run_start = runs.take(i)
+        assert run_start.numel() == num_keys + 1
+        for key in range(num_keys):
+            expected = [t * K + s for t in range(rows) for s in range(K)
+                        if int(idx[row0 + t, s]) == key and s < int(length[row0 + t])]  # fmt: skip
+            assert order[run_start[key] : run_start[key + 1]].tolist() == expected
+        assert int(run_start[-1]) == sum(
+            1
+            for t in range(rows)
+            for s in range(K)
+            if 0 <= int(idx[row0 + t, s]) < num_keys and s < int(length[row0 + t])
+        )
 
 
 @pytest.mark.parametrize("num_keys,dtype", [(32767, torch.int16), (32768, torch.int32)], ids=["int16-max", "int32"])

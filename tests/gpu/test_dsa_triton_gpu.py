@@ -712,6 +712,37 @@ def test_sparse_mla_bwd_ws_deterministic_bitwise(H):
     torch.testing.assert_close(runs[0][1].float(), runs[2][1].float(), rtol=2**-7, atol=2**-7)
 
 
+@pytest.mark.parametrize(
+    "H,K,pieces,overlap", [(64, 700, "fp32", None), (64, 700, "bf16", "high"), (128, 520, "fp16", None)],
+    ids=["64-fp32", "64-bf16-reduce-overlap", "H128-fp16"],
+)  # fmt: skip
+def test_deterministic_runs_ahead_equal_runs_in_line(monkeypatch, H, K, pieces, overlap):
+    """``DET_RUNS_AHEAD``: each chunk's sort and search formed a chunk ahead on a side stream give dq and dkv equal bit
+    for bit to forming them in line on the caller's stream, over many chunks (more than the two runs alive at a
+    time), ragged lengths, invalid and repeated indices, with the reductions on the caller's stream or (with
+    ``DQ_OVERLAP``) on the second stream; the result is ready on the caller's stream. A bad value is a ValueError."""
+    from longtrain.dsa.triton import sparse_mla_bwd as smb
+    from longtrain.dsa.triton import sparse_mla_triton
+
+    q, kv, idx, length, dout = _bwd_case(600, 2048, H, K, H + K + 11, bad_row=3)
+    monkeypatch.setattr(smb, "DETERMINISTIC_SCRATCH_ELEMENTS", 1)  # one SM wave of rows per chunk: several chunks
+    monkeypatch.setattr(smb, "DET_PIECES", pieces)
+    monkeypatch.setattr(smb, "DQ_OVERLAP", overlap)
+    monkeypatch.setattr(smb, "DET_REDUCE_OVERLAP", overlap is not None)
+    grads = []
+    for ahead in (False, True):
+        monkeypatch.setattr(smb, "DET_RUNS_AHEAD", ahead)
+        out = sparse_mla_triton(q, kv, idx, 192**-0.5, d_v=512, topk_length=length, deterministic=True)
+        dq, dkv = torch.autograd.grad(out, (q, kv), dout)
+        grads.append((dq.clone(), dkv.clone()))  # copied on the caller's stream, at once
+    assert torch.isfinite(grads[1][0]).all() and torch.isfinite(grads[1][1]).all()
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+    monkeypatch.setattr(smb, "DET_RUNS_AHEAD", "yes")
+    with pytest.raises(ValueError, match="DET_RUNS_AHEAD must be True or False"):
+        out = sparse_mla_triton(q, kv, idx, 192**-0.5, d_v=512, topk_length=length, deterministic=True)
+        torch.autograd.grad(out, (q, kv), dout)
+
+
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 def test_sparse_mla_nan_in_one_document_stays_there(deterministic):
     """Two packed documents, each row selecting keys of its own document only; a NaN in one key row of document A.

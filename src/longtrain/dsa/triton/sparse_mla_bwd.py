@@ -44,8 +44,8 @@ from longtrain.dsa.triton import sparse_mla_bwd_plan as bwd_plan
 from longtrain.dsa.triton._common import KernelConfig, dot_precision, interpreting, next_pow2, sm_count
 from longtrain.dsa.triton.sparse_mla_bwd_plan import sm90_backward_plan, sm90_dq_plan
 from longtrain.dsa.triton.sparse_mla_bwd_reduce import (
+    ChunkRuns,
     dkv_reduce_chunk,
-    dkv_reduce_keys,
     piece_group_cols,
     scale_piece_rows,
     sparse_mla_bwd_kernel_dkv_reduce,
@@ -57,6 +57,7 @@ __all__ = [
     "DET_PIECES",
     "DET_PIECES_MODES",
     "DET_REDUCE_OVERLAP",
+    "DET_RUNS_AHEAD",
     "DKV_COL_GROUPS",
     "DKV_REDUCE_BATCH",
     "DKV_REDUCE_NUM_WARPS",
@@ -124,6 +125,11 @@ DET_REDUCE_OVERLAP = False
 #: magnitude, for up to 3 % more bytes than bf16 and the scales' work (3-13 % slower than bf16 pieces on an H100 at
 #: issue 17's four shapes, 8x closer to the fp32 pieces' dkv). Read at each call.
 DET_PIECES = "fp32"
+#: In deterministic mode on CUDA: whether each row chunk's runs of slots by key (a stable sort of its keys and a
+#: search, many small kernels) are formed a chunk ahead on a side stream, beside the probabilities kernels and the
+#: reductions, instead of between them on the caller's stream. The runs, and every bit of dkv, are the same either
+#: way. Read at each call.
+DET_RUNS_AHEAD = True
 DET_PIECES_MODES = ("fp32", "bf16", "fp16")
 #: Slots (a power of two) the deterministic reduction reads at a time per key row, their loads in flight together;
 #: the sum is the sequential one whatever the value. ``None``: the measured choice, with bf16 pieces 8 where a slot has
@@ -617,11 +623,12 @@ def sparse_mla_bwd(
             n_groups = triton.cdiv(d_qk, group_cols)
             scale_bufs = [torch.empty((n_pieces, n_groups), dtype=torch.float32, device=dev) for _ in range(bufs)]
             scales = scale_bufs[0]
-        reduce_keys = dkv_reduce_keys(idx, topk_length, num_keys)
+        chunks = [(r0, min(rows_per_chunk, num_tokens - r0)) for r0 in range(0, num_tokens, rows_per_chunk)]
+        chunk_runs = ChunkRuns(idx, topk_length, num_keys, k_slots, chunks, _runs_stream(dev))
 
         def reduce_chunk(row0: int, rows: int) -> None:  # the current chunk's pieces (and scales) into dkv_acc
-            dkv_reduce_chunk(reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, n_hb[2], batch, warps, scales,
-                             group_cols)  # fmt: skip
+            runs = chunk_runs.take(row0 // rows_per_chunk)
+            dkv_reduce_chunk(runs, k_slots, contrib, dkv_acc, rows, d_qk, n_hb[2], batch, warps, scales, group_cols)
 
     for chunk, row0 in enumerate(range(0, num_tokens, rows_per_chunk)):
         rows = min(rows_per_chunk, num_tokens - row0)
@@ -735,6 +742,19 @@ def _dq_streams(applies: bool, device: torch.device) -> tuple[torch.cuda.Stream,
     if DQ_OVERLAP == "partition":  # the kernel's own high-priority stream, then the caller's for everything else
         return _SIDE_STREAMS[key], torch.cuda.current_stream(device)
     return torch.cuda.current_stream(device), _SIDE_STREAMS[key]
+
+
+def _runs_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The side stream on which the deterministic reduction's runs are formed ahead (:data:`DET_RUNS_AHEAD`, CUDA
+    outside the interpreter), else None."""
+    if not isinstance(DET_RUNS_AHEAD, bool):
+        raise ValueError(f"sparse_mla_bwd.DET_RUNS_AHEAD must be True or False, got {DET_RUNS_AHEAD!r}")
+    if not DET_RUNS_AHEAD or device.type != "cuda" or interpreting():
+        return None
+    key = (device.index if device.index is not None else torch.cuda.current_device(), "runs")
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=key[0])
+    return _SIDE_STREAMS[key]
 
 
 def _partition_sms(device: torch.device) -> int:

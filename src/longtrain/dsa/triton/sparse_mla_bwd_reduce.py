@@ -1,8 +1,9 @@
 """The deterministic sparse MLA backward's reduction of dkv: each row chunk's per-slot pieces (stored by the
 probabilities + dkv kernel in ``(row, slot, head block)`` order, fp32, bf16 or scaled fp16) summed key by key in a
 fixed order, without atomics, onto the running dkv, so the result is the same bit for bit on every run, row chunk and
-schedule. :func:`dkv_reduce_keys` forms the sort keys once per backward, :func:`dkv_reduce_chunk` reduces one chunk (a
-stable sort, a search, one launch of ``sparse_mla_bwd_kernel_dkv_reduce``). The knobs stay in
+schedule. :func:`dkv_reduce_keys` forms the sort keys once per backward, :func:`dkv_reduce_runs` each chunk's runs
+of slots by key (a stable sort and a search; :class:`ChunkRuns` forms them a chunk ahead, on a side stream on CUDA),
+:func:`dkv_reduce_chunk` reduces one chunk (one launch of ``sparse_mla_bwd_kernel_dkv_reduce``). The knobs stay in
 :mod:`longtrain.dsa.triton.sparse_mla_bwd` (``DKV_REDUCE_BATCH`` arrives here as ``batch``).
 
 Scaled fp16 pieces: the columns fall into groups of ``G`` columns and every piece row has one fp32 scale per group,
@@ -28,8 +29,10 @@ import triton.language as tl
 from longtrain.dsa.triton._common import next_pow2
 
 __all__ = [
+    "ChunkRuns",
     "dkv_reduce_chunk",
     "dkv_reduce_keys",
+    "dkv_reduce_runs",
     "piece_group_cols",
     "scale_piece_rows",
     "sparse_mla_bwd_kernel_dkv_reduce",
@@ -133,18 +136,67 @@ def dkv_reduce_keys(
     return keys, torch.arange(num_keys + 1, device=idx.device, dtype=dtype)
 
 
-def dkv_reduce_chunk(
-    reduce_keys, k_slots, contrib, dkv_acc, row0, rows, d_qk, num_hb, batch, num_warps=4, scales=None, group_cols=0
-) -> None:
-    """Sum one row chunk's per-slot dkv pieces key by key, in a fixed order (no atomics): each key's slots in
-    ascending ``(row, slot)`` order (a stable sort of the chunk's keys, ``reduce_keys`` from :func:`dkv_reduce_keys`),
-    each key row summed by one program. Scaled fp16 pieces come with their ``scales [pieces, ceil(d_qk / G)]`` fp32
-    and ``group_cols`` G (:func:`piece_group_cols`)."""
+def dkv_reduce_runs(reduce_keys, k_slots: int, row0: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(order [rows * K] int64, run_start [num_keys + 1])`` of one row chunk: a stable sort of the chunk's keys
+    (``reduce_keys`` from :func:`dkv_reduce_keys`), so that each key's slots come in ascending ``(row, slot)`` order,
+    and key ``j``'s run ``order[run_start[j] : run_start[j + 1]]``. They depend on the index sets alone, so they may be
+    formed before the chunk's pieces exist (on another stream)."""
     keys, key_ids = reduce_keys
-    num_keys = dkv_acc.shape[0]
     sorted_keys, order = torch.sort(keys[row0 * k_slots : (row0 + rows) * k_slots], stable=True)
     # Key j's run is [run_start[j], run_start[j + 1]): the first sorted position of each key 0..num_keys.
-    run_start = torch.searchsorted(sorted_keys, key_ids)
+    return order, torch.searchsorted(sorted_keys, key_ids)
+
+
+class ChunkRuns:
+    """Each row chunk's runs of slots by key (:func:`dkv_reduce_runs`) for its reduction, ``take(i)`` for chunk ``i`` of
+    ``chunks [(row0, rows), ...]``. They depend on the index sets alone. With a side ``stream`` (CUDA), the keys and
+    chunk 0's runs are formed there at once, and chunk ``i + 1``'s when chunk ``i``'s are taken (at most two chunks'
+    runs alive); the taking stream waits on them. So their sorts and searches (many small kernels) run beside the
+    probabilities kernels and the reductions, on the SMs those leave idle, instead of between them. Without a stream
+    the keys are formed at once and each chunk's runs when taken, on the current stream."""
+
+    def __init__(self, idx, topk_length, num_keys: int, k_slots: int, chunks, stream=None) -> None:
+        self._k_slots, self._chunks, self._stream = k_slots, list(chunks), stream
+        self._ahead: dict[int, tuple] = {}
+        if stream is None:
+            self._keys = dkv_reduce_keys(idx, topk_length, num_keys)
+            return
+        stream.wait_stream(torch.cuda.current_stream(stream.device))  # the index sets are written on the caller's
+        with torch.cuda.stream(stream):
+            self._keys = dkv_reduce_keys(idx, topk_length, num_keys)
+        self._issue(0)
+
+    def _issue(self, i: int) -> None:
+        if i >= len(self._chunks):
+            return
+        with torch.cuda.stream(self._stream):
+            runs = dkv_reduce_runs(self._keys, self._k_slots, *self._chunks[i])
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        self._ahead[i] = (runs, done)
+
+    def take(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chunk ``i``'s ``(order, run_start)``, ready for work queued next on the current stream."""
+        if self._stream is None:
+            return dkv_reduce_runs(self._keys, self._k_slots, *self._chunks[i])
+        runs, done = self._ahead.pop(i)
+        taker = torch.cuda.current_stream(self._stream.device)
+        taker.wait_event(done)
+        for t in runs:  # allocated on the side stream, read on the taker's: not reused before the taker is done
+            t.record_stream(taker)
+        self._issue(i + 1)
+        return runs
+
+
+def dkv_reduce_chunk(
+    runs, k_slots, contrib, dkv_acc, rows, d_qk, num_hb, batch, num_warps=4, scales=None, group_cols=0
+) -> None:
+    """Sum one row chunk's per-slot dkv pieces key by key, in a fixed order (no atomics): each key's slots in
+    ascending ``(row, slot)`` order (``runs`` from :func:`dkv_reduce_runs`), each key row summed by one program.
+    Scaled fp16 pieces come with their ``scales [pieces, ceil(d_qk / G)]`` fp32 and ``group_cols`` G
+    (:func:`piece_group_cols`)."""
+    order, run_start = runs
+    num_keys = dkv_acc.shape[0]
     # At most one program per key and per slot: a chunk selects at most rows * K distinct keys.
     grid = (max(1, min(num_keys, rows * k_slots)),)
     block_d = min(1024, next_pow2(d_qk))
