@@ -37,6 +37,7 @@ OUT=${OUT:-/tmp/out}
 Q=$OUT/queue
 mkdir -p "$Q"
 start=$(date +%s)
+TOTAL=${QUEUE_TOTAL:-560}  # bars, ahead: the seconds the queue keeps within (a call's limit less the tar)
 since() { echo "$(( $(date +%s) - start )) s"; }
 left() {  # left TOTAL CAP: seconds a step may take, at most CAP, so that the queue ends within TOTAL seconds (at least 1)
   local rest=$(( $1 - ($(date +%s) - start) ))
@@ -75,12 +76,12 @@ case "${1:-indexer}" in
     run dsa_mla 450 benchmarks/dsa.py --case 16384,64,2048,1doc --case 16384,128,2048,1doc \
       ${MLA_EXTRA_CASES---case 4096,64,2048,1doc --case 4096,128,512,1doc} --out-dir "$Q" ;;
   bars)
-    # Each step's limit is what is left of 560 s (a call's 600 s less the tar), so the reports always come back.
-    run gpu_det_tests "$(left 560 90)" -m pytest -q -p no:cacheprovider tests/gpu/test_dsa_triton_gpu.py -k deterministic
-    run dsa_bwd_det "$(left 560 200)" benchmarks/dsa_bwd_deterministic.py --fp16-pieces --out-dir "$Q"
-    run dsa_mla "$(left 560 300)" benchmarks/dsa.py --case 16384,64,2048,1doc --case 16384,128,2048,1doc \
+    # Each step's limit is what is left of $TOTAL s (a call's 600 s less the tar), so the reports always come back.
+    run gpu_det_tests "$(left "$TOTAL" 90)" -m pytest -q -p no:cacheprovider tests/gpu/test_dsa_triton_gpu.py -k deterministic
+    run dsa_bwd_det "$(left "$TOTAL" 200)" benchmarks/dsa_bwd_deterministic.py --fp16-pieces --out-dir "$Q"
+    run dsa_mla "$(left "$TOTAL" 300)" benchmarks/dsa.py --case 16384,64,2048,1doc --case 16384,128,2048,1doc \
       --case 4096,64,2048,1doc --case 4096,128,512,1doc --out-dir "$Q"
-    run dsa_bwd_item_runs "$(left 560 150)" benchmarks/dsa_bwd_ws.py --runs 1,2,4,0 --rounds 2 --out-dir "$Q" ;;
+    run dsa_bwd_item_runs "$(left "$TOTAL" 150)" benchmarks/dsa_bwd_ws.py --runs 1,2,4,0 --rounds 2 --out-dir "$Q" ;;
   det)
     run gpu_det_tests 120 -m pytest -q -p no:cacheprovider tests/gpu/test_dsa_triton_gpu.py -k deterministic
     run dsa_bwd_det 150 benchmarks/dsa_bwd_deterministic.py --out-dir "$Q"
@@ -105,11 +106,11 @@ case "${1:-indexer}" in
     run dsa_breakdown_fp16 100 benchmarks/dsa_breakdown.py --fp16-pieces --case 16384,64,2048 --out-dir "$Q"
     memcheck 100 benchmarks/dsa_bwd_deterministic.py ;;
   ahead)
-    run gpu_det_tests "$(left 560 130)" -m pytest -q -p no:cacheprovider tests/gpu/test_dsa_triton_gpu.py -k deterministic
-    run dsa_bwd_det_ahead "$(left 560 230)" benchmarks/dsa_bwd_deterministic.py --fp16-pieces --runs-in-line \
+    run gpu_det_tests "$(left "$TOTAL" 130)" -m pytest -q -p no:cacheprovider tests/gpu/test_dsa_triton_gpu.py -k deterministic
+    run dsa_bwd_det_ahead "$(left "$TOTAL" 230)" benchmarks/dsa_bwd_deterministic.py --fp16-pieces --runs-in-line \
       --case 16384,64,2048 --case 4096,128,512 --out-dir "$Q"
-    run dsa_breakdown_fp16 "$(left 560 100)" benchmarks/dsa_breakdown.py --fp16-pieces --case 16384,64,2048 --out-dir "$Q"
-    memcheck "$(left 560 90)" benchmarks/dsa_bwd_deterministic.py ;;
+    run dsa_breakdown_fp16 "$(left "$TOTAL" 100)" benchmarks/dsa_breakdown.py --fp16-pieces --case 16384,64,2048 --out-dir "$Q"
+    memcheck "$(left "$TOTAL" 90)" benchmarks/dsa_bwd_deterministic.py ;;
   *)
     echo "usage: $0 [indexer|mla|bars|det|overlap|partition|rsweep|fp16|ahead]"; exit 2 ;;
 esac
