@@ -67,10 +67,9 @@ def sm90_ds_dkv_smem_bytes(d_qk: int, d_v: int, itemsize: int) -> int:
 def sm90_ws_bwd_smem_bytes(d_qk: int, d_v: int, itemsize: int) -> int:
     """Shared memory of the warp-specialized fused kernel: the stacked ``[Q_v; dO]`` operand (128 rows of ``d_v``), the
     rope queries (64 rows), one gathered tile of 64 rows, the ``[dS; P]`` tile (128 x 64), delta (64 fp32), the
-    scaled fp16 pieces' head maxima (two items' 128 fp32) and slot bounds (64 fp32), the barriers and the compiler's
-    layout-conversion scratch."""
+    scaled fp16 pieces' head maxima (two items' 128 fp32), the barriers and the compiler's layout-conversion scratch."""
     elements = 2 * _STACK_H * d_v + _STACK_H * (d_qk - d_v) + _DKV_BLOCK_K * d_qk + 2 * _STACK_H * _DKV_BLOCK_K
-    return elements * itemsize + _STACK_H * 4 + 2 * 2 * _STACK_H * 4 + _DKV_BLOCK_K * 4 + 1024
+    return elements * itemsize + _STACK_H * 4 + 2 * 2 * _STACK_H * 4 + 1024
 
 
 def sm90_dq_smem_bytes(

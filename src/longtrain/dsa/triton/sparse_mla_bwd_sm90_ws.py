@@ -14,14 +14,12 @@ different warps:
   ``dsink``) and hands it over in shared memory, so no preprocess pass reads ``O`` and ``dO``; then the stacked
   operand ``[Q_v; dO]`` (``[128, D_V]``) in column chunks of 64 and the rope queries ``Q_r`` (``[64, D_R]``), each as
   soon as the previous item's last tile has read it (``col_free``); with scaled fp16 pieces it then forms the
-  item's per-head ``max|Q|`` and ``max|dO|`` for the probabilities warpgroup (``max_bar``); then the item's other
-  tiles;
+  item's per-head ``max|Q|`` and ``max|dO|`` for the dkv warpgroup (``max_bar``); then the item's other tiles;
 * the **probabilities warpgroup** (a worker) computes ``S = Q K^T`` (``[64, BLOCK_K]``: the value and rope parts,
   one wgmma chain) and ``dP = dO V^T`` (a second chain on the same tile), releases the tile to the producer as soon
   as both have completed, forms ``P = exp2(S * qk_scale - lse2)`` and ``dS = sm_scale * P * (dP - delta)`` in
   registers (the two accumulators hold the same (head, slot) pairs in the same threads), stores ``dS`` (the dq
-  kernel's input) and hands ``y = [dS; P]`` (``[128, BLOCK_K]``) to the dkv warpgroup through shared memory (with
-  scaled fp16 pieces each slot's bound with it, ``_slot_bounds``);
+  kernel's input) and hands ``y = [dS; P]`` (``[128, BLOCK_K]``) to the dkv warpgroup through shared memory;
 * the **dkv warpgroup** (the default partition) loads ``y^T`` into registers, releases ``y``, and computes
   ``dkv = y^T [Q_v; dO]`` in column chunks of 64 (K = 128) and ``y[:64]^T Q_r`` for the rope columns, each chunk's
   atomics issued while the next chunk's wgmma runs. Its atomics run while the other warps compute the next tile.
@@ -32,7 +30,7 @@ programs: the tile barriers' phases run on across items, the column barriers' on
 item's first tile, delta and queries load under the current item's last reductions.
 
 Shared memory at the GLM shape (64 heads, D_qk 576, one tile of 64 rows): 128 + 8 + 72 + 16 KiB and delta's 256
-bytes (with scaled fp16 pieces 1.25 KiB more: two items' head maxima and the tile's slot bounds).
+bytes (with scaled fp16 pieces 1 KiB more: two items' head maxima).
 
 Gluon kernels do not run in Triton's CPU interpreter; ``sparse_mla_bwd_plan.sm90_backward_plan`` says where this
 kernel applies; its routing and sm_90a compilation are tested on CPU, its numerics on the GPU.
@@ -129,8 +127,8 @@ def _producer(ptrs, sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexp
     as the previous item's last tile releases them, then the item's other tiles."""
     q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr = ptrs
     row_offset, n_rows, T_k, K_slots, sm_scale, qk_scale = sc
-    s_v, q_r, v_buf, r_buf, y_smem, delta_smem, max_smem, bound_smem = sm[:8]
-    ready, free, y_ready, y_free, q_ready, col_free, delta_bar, max_bar = sm[8:]
+    s_v, q_r, v_buf, r_buf, y_smem, delta_smem, bound_smem = sm[:7]
+    ready, free, y_ready, y_free, q_ready, col_free, delta_bar, max_bar = sm[7:]
     s_v, q_r, v_buf, r_buf = s_v.index(0), q_r.index(0), v_buf.index(0), r_buf.index(0)
     D_QK: gl.constexpr = D_V + D_R
     NUM_C: gl.constexpr = D_V // _CHUNK
@@ -200,7 +198,7 @@ def _producer(ptrs, sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexp
                     _gather(q_r, q_ptr + t * (H * D_QK), hr * D_QK, hr < H, D_V, D_R, LR)  # [64, D_R]
                 cp.mbarrier_arrive(q_ready, increment_count=False)
                 if SCALED:  # the head maxima, once the queries are on their way: the dkv warpgroup needs them later
-                    maxima = max_smem.index(k & 1)  # one slot per item parity, read during the whole item
+                    maxima = bound_smem.index(k & 1)  # one slot per item parity, read during the whole item
                     maxima.slice(0, _BLOCK_H).store(_row_max(q_ptr + t * (H * D_QK), hb, H, D_QK))
                     maxima.slice(_BLOCK_H, _BLOCK_H).store(max_do)
                     _cta_barrier()
@@ -248,13 +246,12 @@ def _row_max(q_row, hb, H: gl.constexpr, D_QK: gl.constexpr):
 
 @gluon.jit
 def _probabilities(ptrs, sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr,
-                   HAS_LEN: gl.constexpr, RUN: gl.constexpr, STAGED_DS: gl.constexpr,
-                   SCALED: gl.constexpr):  # fmt: skip
+                   HAS_LEN: gl.constexpr, RUN: gl.constexpr, STAGED_DS: gl.constexpr):  # fmt: skip
     """Worker partition: per tile, ``S`` and ``dP``, then ``P`` and ``dS``; ``dS`` stored, ``[dS; P]`` handed over."""
     q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr = ptrs
     row_offset, n_rows, T_k, K_slots, sm_scale, qk_scale = sc
-    s_v, q_r, v_buf, r_buf, y_smem, delta_smem, max_smem, bound_smem = sm[:8]
-    ready, free, y_ready, y_free, q_ready, col_free, delta_bar, max_bar = sm[8:]
+    s_v, q_r, v_buf, r_buf, y_smem, delta_smem, bound_smem = sm[:7]
+    ready, free, y_ready, y_free, q_ready, col_free, delta_bar, max_bar = sm[7:]
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     s_layout: gl.constexpr = _mma_layout(BLOCK_K)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -311,18 +308,12 @@ def _probabilities(ptrs, sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.con
             mbarrier.wait(y_free, (r & 1) ^ 1)
             y_smem.slice(0, _BLOCK_H, dim=0).store(ds)
             y_smem.slice(_BLOCK_H, _BLOCK_H, dim=0).store(p.to(dtype))
-            if STAGED_DS or SCALED:
-                # Read back before the hand-over: the dkv warpgroup stages its fp32 pieces in this buffer once it has
-                # loaded the tile.
-                _cta_barrier()  # every warp's [dS; P] is in shared memory
-                if STAGED_DS:
-                    # dS for the dq kernel as whole 16-byte row segments per thread (the accumulator's 4-byte pairs
-                    # write every 32-byte sector in two halves).
-                    d = y_smem.slice(0, _BLOCK_H, dim=0).load(LB)  # [64, BLOCK_K]
-                if SCALED:  # each slot's bound, for its scale (_scale_slots)
-                    if i == 0:  # the item's head maxima
-                        mbarrier.wait(max_bar, k & 1)
-                    _slot_bounds(y_smem, max_smem.index(k & 1), bound_smem, BLOCK_K)
+            if STAGED_DS:
+                # dS for the dq kernel read back from the tile, as whole 16-byte row segments per thread (the
+                # accumulator's 4-byte pairs write every 32-byte sector in two halves). Read before the hand-over: the
+                # dkv warpgroup stages its fp32 pieces in this buffer once it has loaded the tile.
+                _cta_barrier()  # every warp's dS is in shared memory
+                d = y_smem.slice(0, _BLOCK_H, dim=0).load(LB)  # [64, BLOCK_K]
                 _cta_barrier()  # ... and read back by every warp
             fence_async_shared()
             mbarrier.arrive(y_ready)
@@ -332,21 +323,6 @@ def _probabilities(ptrs, sc, sm, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.con
                 gl.store(ds_item + (ds_rows_b[:, None] + offs_kb[None, :]), d, mask=mask_b)
         g += n_tiles
         k += (n_tiles > 0).to(gl.int32)
-
-
-@gluon.jit
-def _slot_bounds(y_smem, maxima, bound_smem, BLOCK_K: gl.constexpr):
-    """Each slot's bound on its whole dkv piece, ``sum_h |dS[h]| max|Q[h]| + P[h] max|dO[h]|`` (``|sum_h dS[h] Q[h, c]
-    + P[h] dO[h, c]|`` is at most that in every column ``c``), into ``bound_smem`` (``[BLOCK_K]`` fp32), from ``y =
-    [dS; P]`` as the dkv wgmma reads it (``[128, BLOCK_K]`` in shared memory) and the item's head maxima ``maxima =
-    [max|Q[h]|; max|dO[h]|]`` (``[128]`` fp32 in shared memory). Each warp reads a quarter of the slots, so the sums
-    over the heads stay within a warp (16-byte loads, shuffles, no shared-memory scratch)."""
-    L: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_K // 32), BLOCK_K // 32], [1, 4], [1, 0])
-    w_q = maxima.slice(0, _BLOCK_H).load(gl.SliceLayout(1, L))  # [64]
-    w_do = maxima.slice(_BLOCK_H, _BLOCK_H).load(gl.SliceLayout(1, L))  # [64]
-    ds = gl.abs(y_smem.slice(0, _BLOCK_H, dim=0).load(L).to(gl.float32))  # [64, BLOCK_K]
-    p = y_smem.slice(_BLOCK_H, _BLOCK_H, dim=0).load(L).to(gl.float32)  # [64, BLOCK_K]
-    bound_smem.store(gl.sum(ds * w_q[:, None] + p * w_do[:, None], axis=0))
 
 
 @gluon.jit
@@ -373,15 +349,20 @@ def _staged_out(dkv_ptr, acc, stage, rows, valid, col0, DETERMINISTIC: gl.conste
 
 
 @gluon.jit
-def _scale_slots(bound_smem, scale_rows, valid, NUM_GROUPS: gl.constexpr):
+def _scale_slots(a, maxima, scale_rows, valid, NUM_GROUPS: gl.constexpr):
     """Scaled fp16 pieces: each slot's scale, a power of two stored at ``scale_rows + g`` for every group ``g``, and
     its inverse (``[BLOCK_K]`` fp32, returned), by which ``_staged_out`` multiplies the slot's row of each fp32 piece
-    before it is rounded to fp16. The scale puts the slot's bound (``bound_smem``, handed over with ``[dS; P]`` by
-    the probabilities warpgroup: :func:`_slot_bounds`) in ``[2**14, 2**15)``. No element of the piece is inspected,
-    and a power of two commutes with every rounding, so the stored value is the fp32 piece's, scaled and rounded
-    once."""
-    bound = bound_smem.load(valid.type.layout)  # [BLOCK_K]
+    before it is rounded to fp16. The scale puts a bound on the slot's whole dkv piece in ``[2**14, 2**15)``:
+    ``|sum_h dS[h] Q[h, c] + P[h] dO[h, c]| <= sum_h |dS[h]| max|Q[h]| + P[h] max|dO[h]|``, from the dkv operand
+    ``a = [dS; P]^T`` (``[BLOCK_K, 128]`` in registers, the wgmma's A layout: a row lives in one quad of a warp, so the
+    sums need no shared memory) and the item's head maxima ``maxima = [max|Q[h]|; max|dO[h]|]`` (``[128]`` fp32 in
+    shared memory, from the producer). No element of the piece is inspected, and a power of two commutes with every
+    rounding, so the stored value is the fp32 piece's, scaled and rounded once."""
+    x = a.to(gl.float32)  # [BLOCK_K, 128]: dS columns, then P columns
+    weight = maxima.load(gl.SliceLayout(0, a.type.layout))  # [128]
+    bound = gl.sum(gl.abs(x) * weight[None, :], axis=1)  # [BLOCK_K]
     bits = gl.maximum((bound.to(gl.int32, bitcast=True) & 0x7F800000) - (14 << 23), 1 << 23)  # [BLOCK_K]
+    bits = gl.convert_layout(bits, valid.type.layout)
     scale = bits.to(gl.float32, bitcast=True)
     for g in gl.static_range(NUM_GROUPS):
         gl.store(scale_rows + g, scale, mask=valid)
@@ -400,8 +381,8 @@ def _dkv(ptrs, sc, sm, scale_ptr, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.co
     (``_scale_slots``), each fp32 piece row multiplied by its inverse before it is rounded to fp16."""
     q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr = ptrs
     row_offset, n_rows, T_k, K_slots, sm_scale, qk_scale = sc
-    s_v, q_r, v_buf, r_buf, y_smem, delta_smem, max_smem, bound_smem = sm[:8]
-    ready, free, y_ready, y_free, q_ready, col_free, delta_bar, max_bar = sm[8:]
+    s_v, q_r, v_buf, r_buf, y_smem, delta_smem, bound_smem = sm[:7]
+    ready, free, y_ready, y_free, q_ready, col_free, delta_bar, max_bar = sm[7:]
     s_v, q_r = s_v.index(0), q_r.index(0)
     D_QK: gl.constexpr = D_V + D_R
     NUM_HB: gl.constexpr = (H + _BLOCK_H - 1) // _BLOCK_H
@@ -448,7 +429,9 @@ def _dkv(ptrs, sc, sm, scale_ptr, H: gl.constexpr, D_V: gl.constexpr, D_R: gl.co
             acc = warpgroup_mma(a, s_v.slice(0, _CHUNK, dim=1), zero, use_acc=False, is_async=True)  # [BLOCK_K, 64]
             inv = 1.0
             if SCALED:  # while the first chunk's wgmma runs
-                inv = _scale_slots(bound_smem, scales, valid, NUM_GROUPS)
+                if i == 0:  # the item's head maxima
+                    mbarrier.wait(max_bar, k & 1)
+                inv = _scale_slots(a, bound_smem.index(k & 1), scales, valid, NUM_GROUPS)
             for c in gl.static_range(1, NUM_C):
                 nxt = warpgroup_mma(a, s_v.slice(c * _CHUNK, _CHUNK, dim=1), zero, use_acc=False, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
@@ -498,8 +481,7 @@ def sparse_mla_bwd_sm90_ws_kernel(
     items ``pid, pid + G, ...`` for ``G`` programs (see :func:`ws_bwd_schedule`). ``SCALED`` (deterministic mode):
     the pieces as scaled fp16 rows, one scale per piece row (repeated at ``scale_ptr[scratch row, group]`` for each
     group of ``GROUP_COLS`` columns), from a bound on the piece with the item's per-head ``max|Q|`` and ``max|dO|``
-    (the producer forms them: ``_row_max``, ``_row_delta``; the probabilities warpgroup each slot's bound:
-    ``_slot_bounds``; the dkv warpgroup the scales: ``_scale_slots``)."""
+    (``_scale_slots``; the producer forms them, ``_row_max`` and ``_row_delta``)."""
     BLOCK_K: gl.constexpr = _BLOCK_K
     NUM_COLS: gl.constexpr = D_V // _CHUNK + (1 if D_R > 0 else 0)  # column chunks of [Q_v; dO], then Q_r
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -538,24 +520,22 @@ def sparse_mla_bwd_sm90_ws_kernel(
         mbarrier.init(col_free.index(c), count=1)  # the dkv warpgroup, once the item's last tile has read the chunk
     mbarrier.init(delta_bar, count=1)  # the producer, once delta is in shared memory
     if SCALED:  # the item's head maxima [max|Q|; max|dO|], one slot per item parity
-        max_smem = gl.allocate_shared_memory(gl.float32, [2, 2 * _BLOCK_H], delta_smem.layout)  # indexed: 1-D
-        bound_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_K], delta_smem.layout)  # the slots' bounds
+        bound_smem = gl.allocate_shared_memory(gl.float32, [2, 2 * _BLOCK_H], delta_smem.layout)  # indexed: 1-D
         max_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(max_bar, count=1)  # the producer, once the maxima are in shared memory
     else:  # unused
-        max_smem = delta_smem
         bound_smem = delta_smem
         max_bar = delta_bar
 
     ptrs = (q_ptr, kv_ptr, dout_ptr, out_ptr, idx_ptr, len_ptr, ds_ptr, dkv_ptr, lse2_ptr, delta_ptr)
     sc = (row_offset, n_rows, T_k, K_slots, sm_scale, qk_scale)
-    sm = (s_v, q_r, v_buf, r_buf, y_smem, delta_smem, max_smem, bound_smem, ready, free, y_ready, y_free, q_ready,
-          col_free, delta_bar, max_bar)  # fmt: skip
+    sm = (s_v, q_r, v_buf, r_buf, y_smem, delta_smem, bound_smem, ready, free, y_ready, y_free, q_ready, col_free,
+          delta_bar, max_bar)  # fmt: skip
     gl.warp_specialize(
         [
             (_dkv, (ptrs, sc, sm, scale_ptr, H, D_V, D_R, BLOCK_K, HAS_LEN, RUN, DETERMINISTIC, SCALED,
                     GROUP_COLS)),
-            (_probabilities, (ptrs, sc, sm, H, D_V, D_R, BLOCK_K, HAS_LEN, RUN, STAGED_DS, SCALED)),
+            (_probabilities, (ptrs, sc, sm, H, D_V, D_R, BLOCK_K, HAS_LEN, RUN, STAGED_DS)),
             (_producer, (ptrs, sc, sm, H, D_V, D_R, BLOCK_K, HAS_LEN, RUN, PREFETCH_IDX, SCALED)),
         ],
         [4, 4],
