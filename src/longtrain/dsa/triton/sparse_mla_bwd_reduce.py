@@ -153,7 +153,8 @@ class ChunkRuns:
     chunk 0's runs are formed there at once, and chunk ``i + 1``'s when chunk ``i``'s are taken (at most two chunks'
     runs alive); the taking stream waits on them. So their sorts and searches (many small kernels) run beside the
     probabilities kernels and the reductions, on the SMs those leave idle, instead of between them. Without a stream
-    the keys are formed at once and each chunk's runs when taken, on the current stream."""
+    the keys are formed at once and each chunk's runs when taken, on the current stream, in any order; with a stream
+    the chunks are taken in order, 0, 1, 2, ... (as the backward's chunk loop does)."""
 
     def __init__(self, idx, topk_length, num_keys: int, k_slots: int, chunks, stream=None) -> None:
         self._k_slots, self._chunks, self._stream = k_slots, list(chunks), stream
