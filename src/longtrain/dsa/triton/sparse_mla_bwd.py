@@ -735,14 +735,11 @@ def _dq_streams(applies: bool, device: torch.device) -> tuple[torch.cuda.Stream,
         raise ValueError(f"sparse_mla_bwd.DQ_OVERLAP must be one of {DQ_OVERLAP_MODES}, got {DQ_OVERLAP!r}")
     if DQ_OVERLAP is None or not applies or device.type != "cuda" or interpreting():
         return None
-    key = (device.index if device.index is not None else torch.cuda.current_device(), DQ_OVERLAP)
-    if key not in _SIDE_STREAMS:
-        # Lower numbers are higher priorities; -1 is valid on every device and torch version this library supports.
-        priority = -1 if DQ_OVERLAP in ("high", "partition") else 0
-        _SIDE_STREAMS[key] = torch.cuda.Stream(device=key[0], priority=priority)
+    # Lower numbers are higher priorities; -1 is valid on every device and torch version this library supports.
+    side = _side_stream(device, DQ_OVERLAP, -1 if DQ_OVERLAP in ("high", "partition") else 0)
     if DQ_OVERLAP == "partition":  # the kernel's own high-priority stream, then the caller's for everything else
-        return _SIDE_STREAMS[key], torch.cuda.current_stream(device)
-    return torch.cuda.current_stream(device), _SIDE_STREAMS[key]
+        return side, torch.cuda.current_stream(device)
+    return torch.cuda.current_stream(device), side
 
 
 def _runs_stream(device: torch.device) -> torch.cuda.Stream | None:
@@ -752,9 +749,14 @@ def _runs_stream(device: torch.device) -> torch.cuda.Stream | None:
         raise ValueError(f"sparse_mla_bwd.DET_RUNS_AHEAD must be True or False, got {DET_RUNS_AHEAD!r}")
     if not DET_RUNS_AHEAD or device.type != "cuda" or interpreting():
         return None
-    key = (device.index if device.index is not None else torch.cuda.current_device(), "runs")
+    return _side_stream(device, "runs")
+
+
+def _side_stream(device: torch.device, name: str, priority: int = 0) -> torch.cuda.Stream:
+    """``device``'s side stream ``name`` (created once, with ``priority``, and kept in :data:`_SIDE_STREAMS`)."""
+    key = (device.index if device.index is not None else torch.cuda.current_device(), name)
     if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(device=key[0])
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=key[0], priority=priority)
     return _SIDE_STREAMS[key]
 
 
