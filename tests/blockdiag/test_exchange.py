@@ -44,6 +44,22 @@ def test_allgather_backward_is_reduce_scatter_with_stubs(monkeypatch, world):
     assert calls == ["all_gather", "reduce_scatter"]
 
 
+def test_allgather_second_order_gradient_raises_with_stubs(monkeypatch):
+    """The exchange's backward is a collective, not a graph: differentiating its gradient again (create_graph=True)
+    raises instead of leaving the exchange's term out; the first-order gradient is unchanged."""
+    world = 2
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: world)
+    monkeypatch.setattr(dist, "all_gather", lambda bufs, x, group=None, async_op=False: [b.copy_(x) for b in bufs])
+    monkeypatch.setattr(
+        dist, "reduce_scatter", lambda out, chunks, op=None, group=None, async_op=False: out.copy_(sum(chunks))
+    )
+    x = torch.randn(1, 4, 3, 2, requires_grad=True)
+    (grad,) = torch.autograd.grad(exchange._AllGatherSeqDiff.apply(x, None, 2).square().sum(), x, create_graph=True)
+    torch.testing.assert_close(grad, 2 * world * x.detach(), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="the CP all-gather of K/V is differentiable once"):
+        torch.autograd.grad(grad.sum() + x.sum(), x)
+
+
 def test_reduce_scatter_emulation_when_backend_lacks_it(monkeypatch):
     """A backend answering "unsupported" switches to all_reduce + slice, once, for good."""
     world, rank = 3, 1

@@ -97,6 +97,14 @@ def test_softmax_scale():
         (dict(softmax_scale=math.nan), "softmax_scale"),
         (dict(rope_scaling=[1]), "rope_scaling must be a dict"),
         (dict(rope_scaling=dict(factor=0)), "factor"),
+        (dict(rope_scaling=dict(factor=math.nan, original_max_position_embeddings=64)), r"'factor'\] must be a finite"),
+        (dict(rope_scaling=dict(factor=math.inf, mscale=1.0)), r"'factor'\] must be a finite"),
+        (dict(rope_scaling=dict(factor=None)), r"'factor'\] must be a finite"),
+        (dict(rope_scaling=dict(factor=4.0, original_max_position_embeddings=0)), "original_max_position_embeddings"),
+        (dict(rope_scaling=dict(factor=4.0, original_max_position_embeddings=64, beta_fast=0)), "beta_fast"),
+        (dict(rope_scaling=dict(factor=4.0, beta_slow=-1)), "beta_slow"),
+        (dict(rope_scaling=dict(factor=4.0, mscale="x")), r"'mscale'\] must be a finite number >= 0"),
+        (dict(rope_scaling=dict(factor=4.0, mscale_all_dim=True)), "mscale_all_dim"),
     ],
 )
 def test_config_validation(changes, match):

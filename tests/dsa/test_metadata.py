@@ -167,8 +167,9 @@ def _naive(real_lens, pad_lens, first, count, mask):
     window=st.tuples(st.floats(0, 1), st.floats(0, 1)),
     mask_bits=st.integers(0, 2**40),
     use_mask=st.booleans(),
+    tails=st.booleans(),
 )
-def test_random_layouts_match_the_definitions(docs, window, mask_bits, use_mask):
+def test_random_layouts_match_the_definitions(docs, window, mask_bits, use_mask, tails):
     real_lens = [r for r, _ in docs]
     pad_lens = [r + p for r, p in docs]
     total = sum(pad_lens)
@@ -177,14 +178,24 @@ def test_random_layouts_match_the_definitions(docs, window, mask_bits, use_mask)
     mask = [bool(mask_bits >> i & 1) and use_mask for i in range(count)]
     cu = i32([0, *torch.tensor(real_lens).cumsum(0).tolist()])
     padded = i32([0, *torch.tensor(pad_lens).cumsum(0).tolist()])
-    m = prepare_dsa_metadata(
-        cu,
-        total,
+    bounds = [0, *torch.tensor(pad_lens).cumsum(0).tolist()]
+    doc_of = [max(d for d in range(len(pad_lens)) if bounds[d] <= first + t) for t in range(count)]
+    if tails:  # every marked row's document marked from there on: padding as a tail, always accepted
+        mask = [any(mask[u] and doc_of[u] == doc_of[t] for u in range(t + 1)) for t in range(count)]
+    bounds, rows, seg = _naive(real_lens, pad_lens, first, count, mask)
+    kwargs = dict(
         query_indices=torch.arange(first, first + count, dtype=torch.int32),
         cu_seqlens_padded=padded,
         padding_mask=torch.tensor(mask) if use_mask else None,
     )
-    bounds, rows, seg = _naive(real_lens, pad_lens, first, count, mask)
+    # A marked row followed by a real row of its document would stay that row's key: refused, never built.
+    holes = [t for t in range(count - 1) if mask[t] and rows[t + 1][2] and doc_of[t] == doc_of[t + 1]]
+    assert not (tails and holes)
+    if holes:
+        with pytest.raises(ValueError, match=f"marks local row {holes[0]} as padding but row {holes[0] + 1}"):
+            prepare_dsa_metadata(cu, total, **kwargs)
+        return
+    m = prepare_dsa_metadata(cu, total, **kwargs)
     assert m.starts.tolist() == [r[0] for r in rows]
     assert m.causal_lengths.tolist() == [r[1] for r in rows]
     assert m.query_valid.tolist() == [r[2] for r in rows]
@@ -290,3 +301,18 @@ def test_metadata_is_frozen():
         "total_key_tokens",
         "all_rows_nonempty",
     ]
+
+
+def test_padding_mask_inside_a_document_is_refused():
+    """A padding row with a real row of its document after it would stay that row's key (a row's keys are a prefix
+    of its document): a ValueError naming the rows, where a tail of padding rows is accepted."""
+    cu = i32([0, 6])
+    hole = torch.tensor([False, False, True, False, False, False])
+    with pytest.raises(ValueError, match="marks local row 2 as padding but row 3 of the same document is real"):
+        prepare_dsa_metadata(cu, 6, padding_mask=hole)
+    tail = torch.tensor([False, False, False, False, True, True])
+    m = prepare_dsa_metadata(cu, 6, padding_mask=tail)
+    assert m.causal_lengths.tolist() == [1, 2, 3, 4, 0, 0]
+    # A marked row ending one document before a real row of the next is a tail too.
+    m = prepare_dsa_metadata(i32([0, 3, 6]), 6, padding_mask=torch.tensor([False, False, True, False, False, False]))
+    assert m.causal_lengths.tolist() == [1, 2, 0, 1, 2, 3]

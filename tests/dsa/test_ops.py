@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from longtrain.dsa import ops, routes
+from longtrain.dsa import cudnn_dsa, ops, routes
 from longtrain.dsa import reference as ref
 from longtrain.dsa.metadata import prepare_dsa_metadata
 
@@ -38,6 +38,10 @@ def packed_layouts(draw):
     first = min(rank * per_rank, total - 1)
     count = max(1, min(per_rank, total - first))
     mask = draw(st.lists(st.booleans(), min_size=count, max_size=count)) if draw(st.booleans()) else None
+    if mask is not None:  # padding rows as a tail of their document (prepare_dsa_metadata refuses a hole)
+        bounds = [0, *torch.tensor(padded).cumsum(0).tolist()]
+        doc = [max(d for d in range(len(padded)) if bounds[d] <= first + t) for t in range(count)]
+        mask = [any(mask[u] and doc[u] == doc[t] for u in range(t + 1)) for t in range(count)]
     return dict(
         cu_seqlens=i32([0, *torch.tensor(real).cumsum(0).tolist()]),
         cu_seqlens_padded=i32([0, *torch.tensor(padded).cumsum(0).tolist()]),
@@ -157,6 +161,9 @@ _BAD_INDEXER = [
     ("rows_mismatch", dict(index_q=torch.randn(3, 2, 8), head_weights=torch.randn(3, 2)), ValueError, "query rows"),
     ("cu_int64", dict(cu_seqlens=torch.tensor([0, 4])), TypeError, "int32"),
     ("device", dict(index_k=torch.randn(4, 8, device="meta")), ValueError, "one device"),
+    ("cu_device", dict(cu_seqlens=i32([0, 4]).to("meta")), ValueError, "cu_seqlens is on meta but index_q is on cpu"),
+    ("no_heads", dict(index_q=torch.randn(4, 0, 8), head_weights=torch.randn(4, 0)), ValueError, "at least one head"),
+    ("no_dims", dict(index_q=torch.randn(4, 2, 0), index_k=torch.randn(4, 0)), ValueError, "one dimension"),
 ]
 
 
@@ -389,8 +396,10 @@ def test_explicit_triton_without_kernels_is_a_clear_error(monkeypatch):
         ops.indexer_topk(**_indexer_args(), backend="triton")
 
 
-def test_explicit_cudnn_on_cpu_raises_runtime_error():
-    with pytest.raises(RuntimeError, match="requires both nvidia-cudnn-frontend"):
+def test_explicit_cudnn_on_cpu_raises_runtime_error(monkeypatch):
+    # The indexer needs only the frontend (no FlashMLA kernel): its error names only that.
+    monkeypatch.setattr(cudnn_dsa, "_HAS_CUDNN_DSA", False)
+    with pytest.raises(RuntimeError, match=r"indexer_topk requires nvidia-cudnn-frontend\[cutedsl\] \("):
         ops.indexer_topk(**_indexer_args(), backend="cudnn")
     with pytest.raises(RuntimeError, match="requires both nvidia-cudnn-frontend"):
         ops.sparse_mla_attention(**_sparse_args(), d_v=8, backend="cudnn")
@@ -471,3 +480,35 @@ def test_triton_backend_through_ops_matches_torch(triton_interpret):
     want = ops.sparse_mla_attention(query, kv, topk, 0.2, d_v=32, backend="torch")
     # fp32 kernel vs fp32 torch: blockwise online softmax reorders fp32 sums.
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _second_order(backend):
+    q = torch.randn(4, 2, 16, requires_grad=True)
+    kv = torch.randn(6, 1, 16, requires_grad=True)
+    idx = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 4]], dtype=torch.int32)
+    for loss in (torch.Tensor.sum, lambda out: out.square().sum()):  # dO constant, then dO depending on q
+        out = ops.sparse_mla_attention(q, kv, idx, 0.25, d_v=16, backend=backend)
+        (grad_q,) = torch.autograd.grad(loss(out), q, create_graph=True)
+        with pytest.raises(RuntimeError, match="sparse_mla_attention .* is differentiable once"):
+            torch.autograd.grad(grad_q.square().sum() + q.square().sum(), q)
+    # First-order gradients under create_graph=True still equal the plain ones.
+    out = ops.sparse_mla_attention(q, kv, idx, 0.25, d_v=16, backend=backend)
+    graph = torch.autograd.grad(out.square().sum(), (q, kv), create_graph=True)
+    out = ops.sparse_mla_attention(q, kv, idx, 0.25, d_v=16, backend=backend)
+    plain = torch.autograd.grad(out.square().sum(), (q, kv))
+    assert all(torch.equal(a, b) for a, b in zip(graph, plain))
+
+
+def test_sparse_mla_second_order_gradients_raise_instead_of_dropping_the_term():
+    """The backward is a kernel, not a graph: a second-order gradient (a gradient penalty) raises at once rather
+    than silently leaving the attention's term out."""
+    _second_order("torch")
+
+
+@pytest.mark.interpret
+def test_triton_second_order_gradients_raise(triton_interpret):
+    triton_ops = pytest.importorskip("longtrain.dsa.triton")
+    ok, why = triton_ops.availability(torch.device("cpu"))
+    if not ok:
+        pytest.skip(why)
+    _second_order("triton")

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.distributed
 
+from longtrain._autograd import differentiable_once
+
 __all__ = ["GroupRef", "all_gather_tokens", "global_rank", "left_halo", "needed_a2a", "zero_touch"]
 
 
@@ -169,6 +171,7 @@ class _AllGatherSeqDiff(torch.autograd.Function):
         return torch.cat(bufs, dim=seq_dim)
 
     @staticmethod
+    @differentiable_once("the CP all-gather of K/V")
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         chunks = [c.contiguous() for c in grad.chunk(ctx.world, dim=ctx.seq_dim)]
         out = torch.empty_like(chunks[0])
@@ -207,6 +210,7 @@ class _LeftHaloExchange(torch.autograd.Function):
         return recv
 
     @staticmethod
+    @differentiable_once("the CP halo exchange of K/V")
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         length = ctx.shape[ctx.dim]
         out = grad.new_zeros(ctx.shape)
@@ -265,6 +269,7 @@ class _NeededKVExchange(torch.autograd.Function):
         return recv.movedim(0, dim).contiguous()
 
     @staticmethod
+    @differentiable_once("the CP all-to-all-v exchange of K/V")
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (send_index,) = ctx.saved_tensors
         grad_tokens = grad.movedim(ctx.dim, 0).contiguous()

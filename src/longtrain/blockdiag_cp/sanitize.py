@@ -90,7 +90,8 @@ class _FillRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (flags,) = ctx.saved_tensors
-        return _fill(grad, flags, 0.0, ctx.kernel), None, None, None
+        # Through the Function again, so that a second-order gradient (create_graph=True) sees the same masking.
+        return _FillRows.apply(grad, flags, 0.0, ctx.kernel), None, None, None
 
 
 def fill_rows(x: torch.Tensor, flags: torch.Tensor, value: float, *, kernel: bool | None = None) -> torch.Tensor:

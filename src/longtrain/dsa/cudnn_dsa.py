@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from longtrain._autograd import differentiable_once
 from longtrain.dsa.metadata import CudnnDsaPackedMetadata, check_dsa_metadata, prepare_dsa_metadata
 
 __all__ = [
@@ -363,6 +364,7 @@ class _CudnnSparseAttention(torch.autograd.Function):
         )  # fmt: skip
 
     @staticmethod
+    @differentiable_once("sparse_mla_attention (cudnn backend)")
     def backward(ctx, grad_output: torch.Tensor):
         """Map output gradients ``[T_q, H, 512]`` bf16 to query ``[T_q, H, 576]`` and latent-KV ``[T_k, 1, 576]``.
 
@@ -753,5 +755,6 @@ class _CudnnSparseAttentionWithForward(_CudnnSparseAttention):
         )  # fmt: skip
 
     @staticmethod
+    @differentiable_once("sparse_mla_attention (cudnn backend)")
     def backward(ctx, grad_output: torch.Tensor):
         return (*_CudnnSparseAttention.backward(ctx, grad_output), None)

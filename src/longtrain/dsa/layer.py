@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from longtrain._autograd import differentiable_once
 from longtrain.dsa import ops
 from longtrain.dsa.metadata import CudnnDsaPackedMetadata, check_dsa_metadata, prepare_dsa_metadata
 
@@ -152,14 +153,32 @@ class DSAConfig:
                 raise ValueError(
                     f"DSAConfig.rope_scaling must be a dict or None, got {type(self.rope_scaling).__name__}."
                 )
-            factor = self.rope_scaling.get("factor", 1.0)
-            if not isinstance(factor, (int, float)) or factor <= 0:
-                raise ValueError(f"DSAConfig.rope_scaling['factor'] must be a positive number, got {factor!r}.")
+            _check_rope_scaling(self.rope_scaling)
 
     @property
     def qk_head_dim(self) -> int:
         """Full query/key head width ``nope + rope`` (drives the softmax scale)."""
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+def _check_rope_scaling(scaling: dict[str, Any]) -> None:
+    """Every field the YaRN code reads is a finite number in its range, so a bad checkpoint config is a ValueError
+    here and never a NaN (or a math error) in the first forward."""
+
+    def number(key: str, default: float | None, *, low: float, open_low: bool, what: str) -> None:
+        value = scaling.get(key, default)
+        if value is None and default is None:  # absent or None: the feature is off
+            return
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok or value < low or (open_low and value == low):
+            raise ValueError(f"DSAConfig.rope_scaling[{key!r}] must be {what}, got {value!r}.")
+
+    number("factor", 1.0, low=0, open_low=True, what="a finite positive number")
+    number("original_max_position_embeddings", None, low=0, open_low=True, what="a positive number")
+    number("beta_fast", 32, low=0, open_low=True, what="a finite positive number")
+    number("beta_slow", 1, low=0, open_low=True, what="a finite positive number")
+    for key in ("mscale", "mscale_all_dim"):
+        number(key, None, low=0, open_low=False, what="a finite number >= 0")
 
 
 def _yarn_mscale(factor: float, mscale: float) -> float:
@@ -293,6 +312,7 @@ class _GatherTokens(torch.autograd.Function):
         return torch.cat(parts, dim=0)
 
     @staticmethod
+    @differentiable_once("DSAAttention's key all-gather")
     def backward(ctx, grad: torch.Tensor):
         group = ctx.group()
         world, rank = dist.get_world_size(group), dist.get_rank(group)

@@ -16,7 +16,7 @@ For local query row ``t`` with global coordinate ``g_t`` in document ``d``:
   document, causal (self included), never a padding key. Every valid row has at least one key.
 
 :func:`prepare_dsa_metadata` builds and validates all of it with exactly one batched device-to-host copy
-(20 scalars), once per step; layers reuse the object and :func:`check_dsa_metadata` re-validates it with
+(21 scalars), once per step; layers reuse the object and :func:`check_dsa_metadata` re-validates it with
 host-side attributes only (no synchronization).
 """
 
@@ -192,8 +192,15 @@ def prepare_dsa_metadata(
     starts = padded[sdoc]
     real_end = starts + real_len[sdoc]
     query_valid = g < real_end
+    big = torch.iinfo(torch.int64).max
+    first_hole = torch.full((), big, device=device, dtype=torch.int64)
     if padding_mask is not None:
         query_valid = query_valid & ~padding_mask
+        # A marked row followed by a real row of the same document would stay an eligible key of that row (a row's
+        # keys are a contiguous prefix of its document): marked rows must be a tail of their document.
+        hole = padding_mask[:-1] & query_valid[1:] & (doc[:-1] == doc[1:])
+        if hole.numel():
+            first_hole = torch.where(hole, torch.arange(num_queries - 1, device=device), big).min()
 
     # Segments are computed per document with fixed-size arithmetic (no data-dependent shapes, so no
     # extra synchronization): document D holds the local queries [max(P[D], g0), min(P[D+1], g_last+1)).
@@ -203,7 +210,6 @@ def prepare_dsa_metadata(
     key_counts = seg_first + seg_count - padded[:-1]
     doc_ids = torch.arange(num_docs, device=device)
     in_range = (doc_ids >= sdoc[0]) & (doc_ids <= sdoc[-1])
-    big = torch.iinfo(torch.int64).max
     deltas = g[1:] - g[:-1] if num_queries > 1 else torch.ones(1, device=device, dtype=torch.int64)
     if isinstance(max_seqlen, torch.Tensor):
         provided = max_seqlen.reshape(()).to(device=device, dtype=torch.int64)
@@ -233,6 +239,7 @@ def prepare_dsa_metadata(
             torch.where(in_range, key_counts, 0).sum(),
             provided,
             query_valid.sum(),
+            first_hole,
         ]
     ).tolist()  # the single device-to-host synchronization
     (
@@ -256,6 +263,7 @@ def prepare_dsa_metadata(
         total_seg_k,
         provided_max,
         num_valid,
+        hole_row,
     ) = stats
 
     if r0 != 0 or min_real <= 0:
@@ -284,6 +292,13 @@ def prepare_dsa_metadata(
         raise ValueError("internal: a query segment has no queries or no keys; the packed layout is inconsistent.")
     if provided_max != max_real:
         raise ValueError(f"max_seqlen={provided_max} does not match the longest real document {max_real}.")
+    if hole_row != big:
+        raise ValueError(
+            f"padding_mask marks local row {hole_row} as padding but row {hole_row + 1} of the same document is real: "
+            "a padding row there would stay an eligible key of the rows after it. Padding may only be a tail of a "
+            "document; drop the padding rows or move them to the document's end (or give them a document of "
+            "their own in cu_seqlens_padded)."
+        )
 
     causal_lengths = torch.where(query_valid, torch.minimum(g + 1, real_end) - starts, 0)
     first_doc, last_doc = min_doc, max_doc

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from longtrain._autograd import differentiable_once
 from longtrain.dsa import cudnn_dsa, reference, routes
 from longtrain.dsa._checks import INT32_LIMIT, check_float, check_int, check_same_device
 from longtrain.dsa.cudnn_dsa import _MAX_TOPK as MAX_TOPK
@@ -131,9 +132,15 @@ def indexer_topk(
     device = index_q.device
     check_same_device(device, "index_q", index_k=index_k, head_weights=head_weights)
     num_queries, num_heads, head_dim = index_q.shape
+    if num_heads == 0 or head_dim == 0:
+        raise ValueError(
+            f"index_q must have at least one head and one dimension, got [T_q, H_I, D_I] = {tuple(index_q.shape)}."
+        )
     total_keys = index_k.shape[0]
     if total_keys == 0 or total_keys >= INT32_LIMIT:
         raise ValueError(f"index_k must have between 1 and 2**31 - 2 rows, got {total_keys}.")
+    if packed_metadata is None and isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device != device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but index_q is on {device}; move it to {device}.")
     route, call = backend, None
     if backend != "torch":
         call = routes.CallShape(
@@ -147,7 +154,12 @@ def indexer_topk(
             _raise_unfit(routes.route_unfit("cudnn", call))
         # The indexer uses no FlashMLA kernel: the cuDNN frontend DSA alone is enough.
         if not cudnn_dsa._has_cudnn_dsa():
-            cudnn_dsa._require_available()
+            from longtrain import _optional
+
+            raise RuntimeError(
+                "backend='cudnn' for indexer_topk requires nvidia-cudnn-frontend[cutedsl] "
+                f"({_optional.cudnn_dsa()[1] or 'cudnn.DSA unavailable'}). Use backend='triton' or 'torch' instead."
+            )
         layout = () if packed_metadata is not None else (cu_seqlens,)
         major, _minor = cudnn_dsa._require_cuda_tensors("cuDNN DSA indexer", index_q, index_k, head_weights, *layout)
         _raise_unfit(routes.route_unfit("cudnn", call, major))
@@ -298,7 +310,8 @@ def sparse_mla_attention(
         topk_indices: ``[T_q, K]`` or ``[T_q, 1, K]`` int32/int64 global key rows, ``-1`` for unused slots.
         softmax_scale: the logit scale (finite, > 0); pass the model's MLA scale, never a kernel default.
         d_v: value width, ``<= D_qk`` (512 for GLM-5.2).
-        topk_length: optional ``[T_q]`` int32/int64 number of leading slots to use.
+        topk_length: optional ``[T_q]`` int32/int64 number of leading slots to use, taken as ``clamp(topk_length,
+            0, K)`` on every backend (checking the values would cost a synchronization per call).
         attn_sink: optional ``[H]`` float per-head sink logits (``-inf`` = no sink).
         backend: ``"auto" | "triton" | "cudnn" | "torch"``.
 
@@ -477,6 +490,7 @@ class _SparseMLATorch(torch.autograd.Function):
         return sparse_mla_torch_fwd(q, kv, indices, softmax_scale, d_v, topk_length, attn_sink)
 
     @staticmethod
+    @differentiable_once("sparse_mla_attention (torch backend)")
     def backward(ctx, grad_out):
         q, kv, indices, topk_length, attn_sink = ctx.saved_tensors
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[6])

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from longtrain import _optional
+from longtrain._autograd import differentiable_once
 
 from ..meta import VarlenMeta
 
@@ -409,6 +410,7 @@ class _CudnnVarlen(torch.autograd.Function):
         return out
 
     @staticmethod
+    @differentiable_once("the cudnn varlen attention")
     def backward(ctx, dout):
         q, k, v, out, stats = ctx.saved_tensors
         name, dout = ctx.p["backward"], dout.contiguous()

@@ -14,6 +14,7 @@ import sys
 import torch
 
 from longtrain import _optional
+from longtrain._autograd import differentiable_once
 
 from ..meta import VarlenMeta
 
@@ -149,6 +150,7 @@ class _TorchFlashVarlen(torch.autograd.Function):
         return out
 
     @staticmethod
+    @differentiable_once("the flash varlen attention")
     def backward(ctx, dout):
         q, k, v, out, lse, rng_a, rng_b, cu_q, cu_k = ctx.saved_tensors
         max_q, max_k, scale, dropout_p, deterministic, causal = ctx.args

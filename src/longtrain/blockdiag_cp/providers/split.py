@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from longtrain._autograd import differentiable_once
+
 from ..meta import VarlenMeta
 from . import cudnn, cudnn_cute, fa4
 
@@ -49,6 +51,7 @@ class _Split(torch.autograd.Function):
         return out
 
     @staticmethod
+    @differentiable_once("the split-provider varlen attention")
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         meta, scale, causal, deterministic, backward = ctx.args

@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from longtrain._autograd import differentiable_once
 from longtrain.dsa._checks import check_float, check_int, check_same_device
 from longtrain.dsa.triton._common import (
     TRITON_DTYPES,
@@ -36,6 +37,7 @@ class SparseMLAFunction(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @differentiable_once("sparse_mla_attention (triton backend)")
     def backward(ctx, dout, _dlse):
         from longtrain.dsa.triton.sparse_mla_bwd import sparse_mla_bwd
 
