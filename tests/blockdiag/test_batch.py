@@ -213,6 +213,32 @@ def test_doc_ids_sources():
     ]
 
 
+@pytest.mark.parametrize("kind", ["sliding_window", "bidirectional", "extra_key", "one_head_differs"])
+def test_a_4d_mask_other_than_per_document_causal_is_refused(kind):
+    """The CP step computes per-document causal attention: a 4-D mask that is anything else on a real row (a
+    window, a bidirectional span, a key of another document, heads that differ) is a ValueError, never recomputed as
+    the causal documents on its diagonal."""
+    s = 8
+    tril = torch.ones(s, s, dtype=torch.bool).tril()
+    ids = torch.tensor([1, 1, 1, 2, 2, 2, 2, 2])
+    causal = (ids[:, None] == ids[None, :]) & tril
+    mask = {
+        "sliding_window": tril & ~torch.ones(s, s, dtype=torch.bool).tril(-3),
+        "bidirectional": ids[:, None] == ids[None, :],
+        "extra_key": causal | (torch.arange(s)[:, None] == 6) & (torch.arange(s)[None, :] == 1),
+    }.get(kind)
+    mask = (
+        mask[None, None]
+        if mask is not None
+        else torch.stack([causal, causal & ~torch.eye(s, dtype=torch.bool).roll(1, 0)])[None]
+    )
+    with pytest.raises(ValueError, match="is not per-document causal"):
+        batch_mod._cp_blockdiag_doc_ids({"attention_mask": mask}, s, "cpu", 1)
+    for style in (mask.float(), torch.where(mask, 0.0, float("-inf"))):
+        with pytest.raises(ValueError, match="is not per-document causal"):
+            batch_mod._cp_blockdiag_doc_ids({"attention_mask": style}, s, "cpu", 1)
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 40), st.integers(2, 5), st.integers(0, 8))
 def test_shards_concatenate_to_the_padded_sequence(seq_len, world, n_pad):

@@ -41,6 +41,8 @@ def _mask(ids=IDS):
         ({"cu_seq_lens_q": torch.tensor(CU, dtype=torch.int32)}, IDS),
         ({"cu_seqlens": torch.tensor(CU)}, IDS),
         ({"position_ids": torch.tensor([POS]), "attention_mask": _mask()}, IDS),
+        # float position ids restart documents as integer ones do (the rule every reader shares)
+        ({"position_ids": torch.tensor([POS], dtype=torch.float32), "attention_mask": _mask()}, IDS),
         ({"position_ids": torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 0, 1]])}, [1, 1, 1, 2, 2, 3, 3, 3, 4, 4]),
         ({"position_ids": torch.stack([torch.tensor([POS])] * 3), "attention_mask": _mask()}, IDS),  # mRoPE
         # transformers' packed mRoPE layout: text positions first, then temporal/height/width (an image of 2x2
@@ -78,6 +80,7 @@ def _mask(ids=IDS):
         "cu_seq_lens_q",
         "cu_seqlens",
         "position_ids+mask",
+        "float_position_ids+mask",
         "position_ids_only",
         "mrope",
         "mrope_text_plane_first",
@@ -115,6 +118,11 @@ def test_sources_and_precedence(batch, want):
             {"_packed_seq_ids": torch.tensor([IDS]), "attention_mask": torch.tensor([[1, 1, 1, 1, 1, 1, 1, 0, 0, 0]])},
             r"attention_mask'\] marks position 7 .* as padding",
         ),
+        (
+            {"cu_seq_lens_q": torch.tensor([0, 3, 8]), "cu_seqlens": torch.tensor([0, 5, 8])},
+            r"position 3 .*'cu_seq_lens_q'",
+        ),
+        ({"cu_seq_lens_q": torch.tensor(CU), "cu_seq_lens_k": torch.tensor([0, 3, 8])}, r"'cu_seq_lens_k'\] does not"),
         ({"cu_seq_lens_q": torch.tensor([0, 3, 5, 10])}, None),  # no padding marked: ok
         ({"cu_seq_lens_q": torch.tensor([0, 3, 5, 10]), "attention_mask": _mask()}, r"marks position 8"),
         ({"cu_seq_lens_q": torch.tensor([0, 3, 2, 8])}, r"non-decreasing"),
@@ -126,6 +134,8 @@ def test_sources_and_precedence(batch, want):
         "ids_vs_cu",
         "cu_vs_positions",
         "mask_pads_a_real_token",
+        "cu_q_vs_cu_seqlens",
+        "cu_q_vs_cu_k",
         "cu_ok",
         "cu_vs_mask",
         "cu_decreasing",

@@ -207,3 +207,20 @@ def test_cp_varlen_attention_checks_its_arguments():
         cp_varlen_attention(q, k[:, :0], k[:, :0], step)
     with pytest.raises(ValueError, match="head dims"):
         cp_varlen_attention(q, k[..., :4], k[..., :4], step)
+
+
+@pytest.mark.parametrize("backend", ["reference", "dense"])
+def test_the_step_keeps_its_own_ids(backend):
+    """A frozen step copies the caller's ids: reusing the ids buffer for the next row changes neither the step's
+    ``doc_ids`` nor its answer (the dense path reads ``doc_ids``, the varlen path the metadata)."""
+    from longtrain.blockdiag_cp import build_cp_step, cp_varlen_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(12, 2, 8, dtype=torch.float64, generator=gen) for _ in range(3))
+    ids = torch.tensor([1] * 5 + [2] * 7)
+    step = build_cp_step(ids, None, attn_backend=backend)
+    before = cp_varlen_attention(q, k, v, step)
+    ids.fill_(1)
+    assert step.doc_ids.data_ptr() != ids.data_ptr()
+    assert step.doc_ids[0].tolist() == [1] * 5 + [2] * 7
+    assert torch.equal(cp_varlen_attention(q, k, v, step), before)

@@ -94,6 +94,34 @@ def test_one_process_equals_per_document(source):
     _check_grads(ours, ref_grads)
 
 
+def test_cu_seq_lens_k_disagreeing_with_q_is_refused():
+    """Packed training attends each document to itself: key offsets other than the query offsets are a ValueError,
+    never ignored (the documents came from ``cu_seq_lens_q`` alone)."""
+    ours, _ = _models()
+    ids, pos, _, labels = _row()
+    cu = torch.tensor([0, *LENS, TAIL]).cumsum(0).to(torch.int32)
+    other = cu.clone()
+    other[1] += 1
+    with pytest.raises(ValueError, match="cu_seq_lens_k must equal cu_seq_lens_q"):
+        ours(input_ids=ids, labels=labels, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=other,
+             max_length_q=max(LENS), max_length_k=max(LENS))  # fmt: skip
+
+
+def test_float_position_ids_give_the_same_documents_at_every_world_size():
+    """Float position ids restart documents as integer ones do, with and without a step (``hf_cp_batch`` used to
+    skip them and see one document)."""
+    ours, ref = _models()
+    ids, pos, real, labels = _row()
+    ref_logits, _, _ = _per_document(ref, ids, labels)
+    fpos = pos.to(torch.float32)
+    plain = ours(input_ids=ids, position_ids=fpos, attention_mask=real).logits.detach()
+    _close(plain[:, : sum(LENS)], ref_logits, "cp = 1")
+    ctx, kwargs, _ = hf.hf_cp_batch({"input_ids": ids, "position_ids": fpos, "attention_mask": real}, None)
+    with ctx():
+        stepped = ours(**kwargs).logits.detach()
+    _close(stepped[:, : sum(LENS)], ref_logits, "hf_cp_batch step")
+
+
 def test_a_position_jump_is_a_document_at_every_world_size():
     """A padded row whose second document's positions start at 5, not 0: Hugging Face's rule (and ours at cp = 1)
     makes it a document, and so does the step ``hf_cp_batch`` builds (it used to take only restarts at 0 there)."""
@@ -151,6 +179,30 @@ def _seq_idx_worker(rank, world):
 def test_seq_idx_is_refused_on_several_ranks(gloo):
     for message in gloo(_seq_idx_worker, 2):
         assert "seq_idx" in message and "not exact under CP" in message
+
+
+def _wrong_impl_worker(rank, world):
+    ours, _ = _models()
+    ids, pos, _, labels = _row()
+    ctx, kwargs, _ = hf.hf_cp_batch({"input_ids": ids, "position_ids": pos, "labels": labels}, dist.group.WORLD)
+    messages = []
+    for impl in ("sdpa", hf.ATTN_IMPLEMENTATION):
+        ours.set_attn_implementation(impl)
+        try:
+            with ctx():
+                ours(**kwargs).loss.backward()
+            messages.append("no error")
+        except RuntimeError as exc:
+            messages.append(str(exc))
+    return messages
+
+
+def test_a_model_not_on_the_cp_attention_is_refused_on_several_ranks(gloo):
+    """A model left on 'sdpa' under hf_cp_batch's step attends only inside each rank's shard: the context refuses
+    it on exit, on every rank; the same step with the model on our attention runs."""
+    for sdpa, ours in gloo(_wrong_impl_worker, 2):
+        assert "no attention layer used it" in sdpa and "attn_implementation='longtrain_blockdiag'" in sdpa
+        assert ours == "no error"
 
 
 def test_rows_with_padding_equal_hugging_face():

@@ -87,6 +87,46 @@ def test_qwen2_sliding_window_layers_are_checked():
         ours(input_ids=ids, position_ids=pos)
 
 
+_MASK_ONLY_WINDOWS = {
+    "qwen2_moe": lambda window: transformers.Qwen2MoeForCausalLM(
+        transformers.Qwen2MoeConfig(
+            **COMMON,
+            use_sliding_window=True,
+            sliding_window=window,
+            max_window_layers=2,
+            num_experts=2,
+            num_experts_per_tok=1,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=16,
+        )  # fmt: skip
+    ),
+    "phimoe": lambda window: transformers.PhimoeForCausalLM(
+        transformers.PhimoeConfig(**COMMON, sliding_window=window, num_local_experts=2, num_experts_per_tok=2)
+    ),
+}
+
+
+def _moe_pair(build):
+    pair = _pair(build)
+    for model in pair:  # float64 experts: the eager loop (grouped matmuls take no float64)
+        model.set_experts_implementation("eager")
+    return pair
+
+
+@pytest.mark.parametrize("family", sorted(_MASK_ONLY_WINDOWS))
+def test_sliding_window_built_only_into_the_mask_is_refused(family):
+    """Qwen2-MoE and PhiMoE put their window into the mask and pass no ``sliding_window=`` to the attention
+    function: the window is read from the module or its config, refused when a document is longer, and a window
+    covering every document gives the per-document result."""
+    ours, _ = _moe_pair(lambda: _MASK_ONLY_WINDOWS[family](4))
+    ids, pos = _row()
+    with pytest.raises(ValueError, match=r"sliding_window=4\) and a document here has 12 tokens"):
+        ours(input_ids=ids, position_ids=pos)
+    ours, ref = _moe_pair(lambda: _MASK_ONLY_WINDOWS[family](64))
+    alone = torch.cat([ref(input_ids=ids[:, a : a + n]).logits for a, n in zip([0, 7, 19], LENS)], 1)
+    _close(ours(input_ids=ids, position_ids=pos).logits, alone, "logits")
+
+
 def test_gemma2_softcap_is_refused():
     config = transformers.Gemma2Config(**COMMON, attn_logit_softcapping=50.0, sliding_window=64)
     ours, _ = _pair(lambda: transformers.Gemma2ForCausalLM(config))

@@ -151,15 +151,17 @@ def _boundary_sources(batch: dict, seq_len: int, batch_size: int) -> list[_Sourc
         host = ids.detach().to("cpu", torch.int64)
         host = host[None] if host.dim() == 1 else host
         out.append(_Source("_packed_seq_ids", host, True, host == 0))
-    for key in ("cu_seq_lens_q", "cu_seqlens"):
+    for key in ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens"):  # every one present must agree (training: q == k)
         cu = batch.get(key)
         if isinstance(cu, torch.Tensor):
             docs = _ids_from_offsets(cu, seq_len, batch_size, key)
             out.append(_Source(key, docs, True, docs == 0))
-            break
     pos = batch.get("position_ids")
-    if isinstance(pos, torch.Tensor) and pos.shape[-1] == seq_len and not pos.dtype.is_floating_point:
-        docs = _ids_from_positions(pos.detach().to("cpu", torch.int64), seq_len, batch_size)
+    if isinstance(pos, torch.Tensor) and pos.shape[-1] == seq_len and not pos.dtype.is_complex:
+        # The one rule of every reader (doc_starts_from_positions), on the positions' own dtype: float positions
+        # restart documents as integer ones do.
+        host = pos.detach().cpu()
+        docs = _ids_from_positions(host if host.dtype.is_floating_point else host.to(torch.int64), seq_len, batch_size)
         # position ids that never restart are positions the model wants, not boundaries (e.g. no position reset)
         out.append(_Source("position_ids", docs, bool((docs[:, -1] > 1).any()), None))
     mask = batch.get("attention_mask")
@@ -184,12 +186,12 @@ def _run_starts(ids: torch.Tensor) -> torch.Tensor:
 def _cp_blockdiag_doc_ids(batch: dict, seq_len: int, device: torch.device, batch_size: int) -> torch.Tensor:
     """Per-position document ids ``[B, S] int64`` on ``device`` (0 == padding); reads, never mutates, ``batch``.
 
-    Boundary sources, first present wins: ``_packed_seq_ids``; ``cu_seq_lens_q`` / ``cu_seqlens`` (offsets of one
-    packed row, Hugging Face's flash-attention kwargs); ``position_ids`` (a document starts wherever they are 0,
-    Hugging Face's packing convention; mRoPE ``[3|4, B, S]`` from its first plane; position ids that never
-    restart mark no boundary); ``attention_mask`` (4-D: documents recovered from the diagonal; 2-D: taken as ids
-    when it holds values above 1, else a 0/1 mask: one document plus padding); otherwise one document without
-    padding. Padding is what the winning source marks, else what a 0/1 ``attention_mask`` marks (``== 0``).
+    Boundary sources, first present wins: ``_packed_seq_ids``; ``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``cu_seqlens``
+    (offsets of one packed row, Hugging Face's flash-attention kwargs); ``position_ids`` (a document starts wherever
+    they are 0, Hugging Face's packing convention; mRoPE ``[3|4, B, S]`` from its first plane; position ids that never
+    restart mark no boundary); ``attention_mask`` (4-D: documents recovered from the diagonal; 2-D: taken as ids when it
+    holds values above 1, else a 0/1 mask: one document plus padding); otherwise one document without padding. Padding
+    is what the winning source marks, else what a 0/1 ``attention_mask`` marks (``== 0``).
 
     Every other present source must agree: the same document starts on real tokens (for a boundary source) and
     no real token where it marks padding. A disagreement is a ``ValueError`` naming both keys and the first
@@ -245,18 +247,35 @@ def _name(src: _Source | None) -> str:
 
 
 def _doc_ids_from_4d_mask(mask: torch.Tensor) -> torch.Tensor:
-    head = mask[:, 0]
-    diag = head.diagonal(dim1=-2, dim2=-1)
-    sub = head.diagonal(offset=-1, dim1=-2, dim2=-1)  # sub[b, p-1] = mask[b, p, p-1]
-    if mask.dtype.is_floating_point:
-        allow_style = (diag > 0).any(dim=-1, keepdim=True)
-        valid = torch.where(allow_style, diag > 0, diag == 0)
-        linked = torch.where(allow_style, sub > 0, sub == 0)
+    """Documents read off a 4-D mask's diagonal and sub-diagonal; then every real row of every head is checked to be
+    exactly causal within its document (a sliding window, a bidirectional or any other mask is a ``ValueError``:
+    the CP step computes per-document causal attention and nothing else)."""
+    if mask.dtype.is_floating_point:  # 1 / 0 ("allow") or 0 / -inf (additive), told apart per row by the diagonal
+        diag = mask[:, 0].diagonal(dim1=-2, dim2=-1)
+        allow_style = (diag > 0).any(dim=-1)[:, None, None, None]
+        allowed = torch.where(allow_style, mask > 0, mask == 0)
     else:
-        valid, linked = diag != 0, sub != 0
+        allowed = mask != 0
+    head = allowed[:, 0]
+    valid = head.diagonal(dim1=-2, dim2=-1)
+    linked = head.diagonal(offset=-1, dim1=-2, dim2=-1)  # linked[b, p-1] = mask[b, p, p-1]
     starts = valid.clone()
     starts[:, 1:] &= ~(linked & valid[:, :-1])
-    return torch.where(valid, torch.cumsum(starts.to(torch.int64), dim=-1), 0)
+    docs = torch.where(valid, torch.cumsum(starts.to(torch.int64), dim=-1), 0)
+    seq = docs.shape[-1]
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    want = (docs[:, :, None] == docs[:, None, :]) & causal & (docs[:, :, None] > 0)  # [B, S, S]
+    wrong = (allowed != want[:, None]) & (docs[:, None, :, None] > 0)  # rows of padding may hold anything
+    if bool(wrong.any()):
+        b, h, i, j = (int(x) for x in wrong.nonzero()[0])
+        raise ValueError(
+            f"attention_mask [B, H, S, S] is not per-document causal: at row {b}, head {h}, query {i} "
+            f"{'attends' if bool(allowed[b, h, i, j]) else 'does not attend'} key {j}, unlike causal attention within "
+            "the documents on its diagonal. The CP step computes per-document causal attention only (no "
+            "sliding windows, bidirectional spans or custom masks); pass the documents as _packed_seq_ids, "
+            "cu_seq_lens_q or restarting position_ids instead"
+        )
+    return docs
 
 
 def _validate_sequence_tensors(batch: dict, keys: list[str], batch_size: int, seq_len: int) -> None:
@@ -287,9 +306,9 @@ def make_cp_blockdiag_batch_and_ctx(
 
     ``cp_mesh``: ``None`` (one rank), a ``ProcessGroup``, a 1-D ``DeviceMesh`` (e.g. ``mesh["cp"]``), or anything
     with ``size()``, ``get_local_rank()`` and ``get_group()``. ``tp_mesh`` is unused (sharder contract). ``batch``:
-    one packed row, exactly one of ``input_ids [1, S]`` / ``inputs_embeds [1, S, H]`` (the primary stream),
-    optional ``labels`` (pre-shifted), ``position_ids`` (``[1, S]`` or mRoPE ``[3|4, 1, S]``), ``loss_mask``, and the
-    document boundaries: ``_packed_seq_ids [1, S]``, else ``cu_seq_lens_q``/``cu_seqlens``, else restarting
+    one packed row, exactly one of ``input_ids [1, S]`` / ``inputs_embeds [1, S, H]`` (the primary stream), optional
+    ``labels`` (pre-shifted), ``position_ids`` (``[1, S]`` or mRoPE ``[3|4, 1, S]``), ``loss_mask``, and the document
+    boundaries: ``_packed_seq_ids [1, S]``, else ``cu_seq_lens_q``/``cu_seq_lens_k``/``cu_seqlens``, else restarting
     ``position_ids``, else ``attention_mask``, else one document (see :func:`_cp_blockdiag_doc_ids`; sources that
     disagree are a ``ValueError``).
 

@@ -585,6 +585,8 @@ def cp_varlen_attention(
     backend runs (``"auto"``: the fastest for the call's dtype). Zero host syncs per call on the all-gather path;
     the needed-only paths make one all-reduce per call (the post-kernel consensus).
     """
+    if isinstance(step, CPStep):
+        step.cache["attention_calls"] = True  # hf_cp_batch's context checks that some attention used its step
     return _IMPL["cp_varlen"](q, k, v, step, softmax_scale, dropout_p)
 
 

@@ -335,7 +335,8 @@ def build_cp_step(
         plan, row_offset = None, -1
         token_index = shard_plan.token_index[rank].to(dev)
     runs = runs_cpu.to(dev)
-    ids_dev = row.detach().to(device=dev, dtype=torch.int64).view(1, full_len)
+    # A copy, never a view of the caller's ids: a frozen step must not change when the caller reuses its buffer.
+    ids_dev = row.detach().to(device=dev, dtype=torch.int64, copy=True).view(1, full_len)
     digest = hashlib.blake2b(host.numpy().tobytes() + f"{shard_plan.sharding}/{chunk}".encode(), digest_size=8)
     digest = f"{digest.hexdigest()}/{shard_plan.sharding}"
     return CPStep(

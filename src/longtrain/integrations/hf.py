@@ -22,7 +22,7 @@ and FSDP2 gradients that stay right when the FSDP mesh includes the CP ranks.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -128,4 +128,24 @@ def hf_cp_batch(
         kwargs["shift_labels"] = kwargs["labels"]
         if batch.get("num_items_in_batch") is None:  # a caller's count (e.g. over accumulation steps) stays
             kwargs["num_items_in_batch"] = (shifted != ignore_index).sum()
-    return ctx, kwargs, layout
+
+    def checked_ctx() -> contextlib.AbstractContextManager:
+        return _used_step_context(ctx, layout.step)
+
+    return checked_ctx, kwargs, layout
+
+
+@contextlib.contextmanager
+def _used_step_context(ctx: Callable[[], contextlib.AbstractContextManager], step: Any) -> Iterator[Any]:
+    """``ctx()``, and on a clean exit with several ranks, a RuntimeError when no attention used the step: each rank
+    would then have attended only inside its own shard (a model left on 'sdpa' or 'eager'), a wrong result."""
+    with ctx() as published:
+        yield published
+    if step.world_size > 1 and not step.cache.get("attention_calls"):
+        raise RuntimeError(
+            f"hf_cp_batch's step over {step.world_size} CP ranks was entered, but no attention layer used it: each "
+            "rank attended only inside its own shard, so the outputs and gradients are wrong. Give the model "
+            f"attn_implementation={ATTN_IMPLEMENTATION!r} (longtrain.integrations.hf.register(), then "
+            "model.set_attn_implementation(...)) or apply_dsa(model) for DSA models, and run the forward inside the "
+            "context"
+        )

@@ -162,6 +162,12 @@ def _plan_for(batch_size: int, seq_len: int, device: torch.device, kwargs: dict,
     mask = attention_mask if isinstance(attention_mask, torch.Tensor) else None
     if cu is not None and batch_size != 1:
         raise ValueError(f"cu_seq_lens_q describes one packed row; the batch has {batch_size} rows")
+    cu_k = kwargs.get("cu_seq_lens_k")
+    if isinstance(cu_k, torch.Tensor) and (cu is None or not torch.equal(cu_k.cpu(), cu.cpu())):
+        raise ValueError(
+            "cu_seq_lens_k must equal cu_seq_lens_q for packed training (each document attends to itself); got "
+            f"{cu_k.tolist()} against {None if cu is None else cu.tolist()}"
+        )
     doc_ids = packed_doc_ids(batch_size, seq_len, position_ids=pos, attention_mask=mask, cu_seq_lens=cu)
     plan = _Plan(doc_ids, device)
     _PLANS[key] = ([weakref.ref(t) for t in sources], plan)
@@ -200,6 +206,24 @@ def _longest_document(step, plan) -> int:
     return hit
 
 
+def _sliding_window(module: torch.nn.Module, kwargs: dict) -> int | None:
+    """The layer's attention window: the ``sliding_window=`` it passes, else the one it builds only into its mask
+    (Qwen2-MoE keeps it on the module, PhiMoE and Mixtral-like models in the config for every layer, models with
+    ``layer_types`` for their ``"sliding_attention"`` layers). ``None`` or 0: no window."""
+    if kwargs.get("sliding_window") is not None:
+        return int(kwargs["sliding_window"]) or None
+    if hasattr(module, "sliding_window"):
+        return int(module.sliding_window or 0) or None
+    config = getattr(module, "config", None)
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types, index = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+    if layer_types is not None and index is not None and index < len(layer_types):
+        return int(window) if layer_types[index] == "sliding_attention" else None
+    return int(window)
+
+
 def _refuse_what_changes_the_math(module: torch.nn.Module, kwargs: dict, step, plan) -> None:
     name = type(module).__name__
     for key, what in UNSUPPORTED_KWARGS.items():
@@ -209,7 +233,7 @@ def _refuse_what_changes_the_math(module: torch.nn.Module, kwargs: dict, step, p
                 f"passes {key}= ({what}), which it cannot compute: give this model attn_implementation='sdpa' or "
                 "'eager'"
             )
-    window = kwargs.get("sliding_window")
+    window = _sliding_window(module, kwargs)
     if window is not None:
         longest = _longest_document(step, plan)
         if longest > int(window):

@@ -153,6 +153,7 @@ def _dsa_forward(self, family, kernels, hidden_states, position_embeddings, atte
             raise ValueError(f"inside a CP step the model takes this rank's shard [1, {step.local_len}], got "
                              f"[{batch}, {seq}]")  # fmt: skip
         group = step.group if step.world_size > 1 else None
+        step.cache["attention_calls"] = True
         if torch.is_grad_enabled() and hidden_states.requires_grad:
             step.cache["grad_calls"] = True  # a recompute after the step's context exits is then an error
         parts, cu = DSAAttention.parts_for_step(step), step.packed_cu_seqlens.to(torch.int32)
