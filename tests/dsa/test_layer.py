@@ -211,6 +211,26 @@ def test_shared_layer_reuses_the_previous_topk():
         shared(x, POS, CU, prev_topk=topk[:, :3])
 
 
+def test_shared_layer_attends_only_eligible_keys_of_a_given_topk():
+    """A ``prev_topk`` not from a full layer (a future key, another document's key, out of range) is read as -1
+    for those slots: the shared layer's output never depends on what a row may not see."""
+    shared = _layer("shared", seed=1)
+    x = torch.randn(15, 64, dtype=torch.float64)
+    starts = [0] * 9 + [9] * 5 + [14]  # CU = [0, 9, 14, 15]
+    assert CU.tolist() == [0, 9, 14, 15]
+    bad = torch.full((15, 4), -1, dtype=torch.int32)
+    bad[:, 0] = torch.tensor(starts, dtype=torch.int32)  # the document's first key: eligible
+    bad[0, 1], bad[10, 1], bad[11, 1], bad[2, 2] = 4, 2, 13, 99  # future, other document, future, out of range
+    clean = bad.clone()
+    clean[0, 1], clean[10, 1], clean[11, 1], clean[2, 2] = -1, -1, -1, -1
+    out = shared(x, POS, CU, prev_topk=bad)
+    torch.testing.assert_close(out, shared(x, POS, CU, prev_topk=clean), rtol=0, atol=0)
+    moved = x.clone()
+    moved[4] += 5.0  # only row 4's own output may change (row 0 named it, as a future key)
+    diff = (shared(moved, POS, CU, prev_topk=bad) - out).abs().amax(dim=1)
+    assert diff[:4].max() == 0 and diff[5:].max() == 0
+
+
 def test_padding_rows_give_zero_output_and_zero_gradient():
     layer = _layer()
     padded = torch.tensor([0, 12, 18, 20], dtype=torch.int32)  # documents 9, 5, 1 padded to 12, 6, 2

@@ -316,3 +316,15 @@ def test_padding_mask_inside_a_document_is_refused():
     # A marked row ending one document before a real row of the next is a tail too.
     m = prepare_dsa_metadata(i32([0, 3, 6]), 6, padding_mask=torch.tensor([False, False, True, False, False, False]))
     assert m.causal_lengths.tolist() == [1, 2, 0, 1, 2, 3]
+
+
+def test_mask_ineligible_keeps_exactly_the_eligible_keys():
+    """Indices outside ``[starts[t], starts[t] + causal_lengths[t])`` become -1; the rest, -1 included, stay."""
+    from longtrain.dsa.metadata import mask_ineligible
+
+    m = prepare_dsa_metadata(i32([0, 3, 6]), 6, padding_mask=torch.tensor([False] * 5 + [True]))
+    topk = torch.tensor([[0, 1, -1], [1, 0, 2], [3, 2, 0], [3, 4, 2], [5, 3, 4], [3, 4, 5]], dtype=torch.int32)
+    want = [[0, -1, -1], [1, 0, -1], [-1, 2, 0], [3, -1, -1], [-1, 3, 4], [-1, -1, -1]]
+    got = mask_ineligible(topk, m)
+    assert got.dtype == torch.int32 and got.tolist() == want
+    assert torch.equal(mask_ineligible(torch.tensor(want, dtype=torch.int32), m), got)

@@ -35,7 +35,12 @@ from torch import nn
 
 from longtrain._autograd import differentiable_once
 from longtrain.dsa import ops
-from longtrain.dsa.metadata import CudnnDsaPackedMetadata, check_dsa_metadata, prepare_dsa_metadata
+from longtrain.dsa.metadata import (
+    CudnnDsaPackedMetadata,
+    check_dsa_metadata,
+    mask_ineligible,
+    prepare_dsa_metadata,
+)
 
 __all__ = [
     "DSAAttention",
@@ -584,7 +589,7 @@ class DSAAttention(nn.Module):
         if self.indexer_type == "full":
             topk = self._indexer_topk(x, q_resid, cos, sin, cu_seqlens, parts, cp_group)
         else:
-            topk = prev_topk
+            topk = prev_topk  # handed on as given; attention reads only its eligible indices
 
         weight = self.kv_b_proj.weight.view(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         w_kc, w_vc = weight.split([c.qk_nope_head_dim, c.v_head_dim], dim=1)
@@ -595,7 +600,7 @@ class DSAAttention(nn.Module):
             ops.sparse_mla_attention(
                 query[rows],
                 key_value,
-                topk[rows],
+                topk[rows] if self.indexer_type == "full" else mask_ineligible(topk[rows], meta),
                 self.softmax_scale,
                 d_v=c.kv_lora_rank,
                 topk_length=meta.causal_lengths.clamp(max=c.index_topk),

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CudnnDsaPackedMetadata", "DsaMetadata", "check_dsa_metadata", "prepare_dsa_metadata"]
+__all__ = ["CudnnDsaPackedMetadata", "DsaMetadata", "check_dsa_metadata", "mask_ineligible", "prepare_dsa_metadata"]
 
 _INT32_LIMIT = 2**31 - 1
 
@@ -432,3 +432,14 @@ def check_dsa_metadata(
     if meta.key_source_indices is not None:
         _check_tensor("key_source_indices", meta.key_source_indices, torch.int64, None, device)
     return meta
+
+
+def mask_ineligible(topk: torch.Tensor, metadata: CudnnDsaPackedMetadata) -> torch.Tensor:
+    """``topk: [T_q, K] int`` with every index outside its row's eligible keys (``[starts[t], starts[t] +
+    causal_lengths[t])``: same document, causal, never padding) replaced by -1, which attention ignores. An
+    indexer's own selection comes back unchanged; a top-k from elsewhere (a shared layer's ``prev_topk``) can then
+    never attend across documents or into the future. Elementwise, no synchronization."""
+    index = topk.to(torch.int64)
+    start = metadata.starts.to(torch.int64)[:, None]
+    keep = (index >= start) & (index < start + metadata.causal_lengths.to(torch.int64)[:, None])
+    return torch.where(keep, index, -1).to(topk.dtype)

@@ -29,7 +29,7 @@ from longtrain.blockdiag_cp import current_cp_step
 from longtrain.blockdiag_cp.runtime import check_ranks_agree, check_recompute_outside_context
 from longtrain.dsa import ops
 from longtrain.dsa.layer import DSAAttention, DSAQueryParts, gather_rows
-from longtrain.dsa.metadata import prepare_dsa_metadata
+from longtrain.dsa.metadata import mask_ineligible, prepare_dsa_metadata
 
 __all__ = ["DSA_ATTENTION_CLASSES", "apply_dsa"]
 
@@ -198,7 +198,7 @@ def _dsa_forward(self, family, kernels, hidden_states, position_embeddings, atte
         ops.sparse_mla_attention(
             query[rows],
             key_value,
-            topk[rows],
+            topk[rows] if self.indexer is not None else mask_ineligible(topk[rows], meta),
             self.scaling,
             d_v=lora,
             topk_length=meta.causal_lengths.clamp(max=topk_width),
