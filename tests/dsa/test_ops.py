@@ -463,13 +463,18 @@ def test_backend_status_rows():
         assert "CUDA" in dict(rows)["triton"]
 
 
-@pytest.mark.interpret
-def test_triton_backend_through_ops_matches_torch(triton_interpret):
-    """The real kernel module, under the interpreter, behind the same op contract (small fp32 shapes)."""
+@pytest.fixture
+def triton_on_cpu(triton_interpret):
+    """Our Triton kernels on CPU tensors under the interpreter, or a skip saying why they cannot run."""
     triton_ops = pytest.importorskip("longtrain.dsa.triton")
     ok, why = triton_ops.availability(torch.device("cpu"))
     if not ok:
         pytest.skip(why)
+
+
+@pytest.mark.interpret
+def test_triton_backend_through_ops_matches_torch(triton_on_cpu):
+    """The real kernel module, under the interpreter, behind the same op contract (small fp32 shapes)."""
     cu = i32([0, 20, 21, 32])
     q, keys, w = torch.randn(32, 2, 32), torch.randn(32, 32), torch.rand(32, 2)
     topk = ops.indexer_topk(q, keys, w, cu, 8, backend="triton")
@@ -506,9 +511,5 @@ def test_sparse_mla_second_order_gradients_raise_instead_of_dropping_the_term():
 
 
 @pytest.mark.interpret
-def test_triton_second_order_gradients_raise(triton_interpret):
-    triton_ops = pytest.importorskip("longtrain.dsa.triton")
-    ok, why = triton_ops.availability(torch.device("cpu"))
-    if not ok:
-        pytest.skip(why)
+def test_triton_second_order_gradients_raise(triton_on_cpu):
     _second_order("triton")
