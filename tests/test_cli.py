@@ -50,6 +50,18 @@ def test_bench_unknown_suite_is_an_error(capsys):
     assert "unknown suite(s) ['nope']" in err and "'blockdiag', 'dsa', 'prewarm'" in err
 
 
+@pytest.mark.parametrize("timeout", ["-5", "0", "nan", "inf"])
+def test_bench_bad_timeout_is_an_error_before_any_suite(capsys, timeout):
+    assert cli.main(["bench", f"--timeout={timeout}"]) == 2
+    assert "--timeout must be a positive number of seconds" in capsys.readouterr().err
+
+
+def test_bench_out_that_is_a_file_is_an_error_before_any_suite(tmp_path, capsys):
+    (tmp_path / "taken").write_text("")
+    assert cli.main(["bench", "--out", str(tmp_path / "taken")]) == 2
+    assert "exists and is not a folder" in capsys.readouterr().err
+
+
 def test_bench_suites_resolve_to_the_package_not_the_checkout_folder():
     package = Path(longtrain.__file__).resolve().parent / "bench_suites"
     for suite, (module, _, _) in bench.SUITES.items():

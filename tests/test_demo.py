@@ -174,8 +174,33 @@ def test_demo_config_unknown_key(tmp_path, capsys):
         ("prewarm: {cublas_backwards: true}\n", "prewarm:"),
         ("prewarm: {cublas_backward: 3}\n", "prewarm:"),
         ("model: {hiden_size: 64}\n", "valid keys: ["),
+        ("model: {dsa: {backend: cudnn}}\n", "model.dsa.backend cudnn: not available on cpu"),
+        ("model: {dsa: 5}\n", "model.dsa must be a mapping"),
+        ("seed: abc\n", "seed must be an integer >= 0, got 'abc'"),
+        ("seed: true\n", "seed must be an integer >= 0, got True"),
+        ("seed: 1.5\n", "seed must be an integer >= 0, got 1.5"),
+        ("out:\n", "--out must be a folder path, got None"),
+        ("parity: 'false'\n", "parity must be true or false, got 'false'"),
+        ("progress: 'no'\n", "progress must be true or false, got 'no'"),
+        ("lr: true\n", "--lr must be a positive number, got True"),
+        ("max_pad: true\n", "max_pad must be null or an integer >= 0, got True"),
     ],
-    ids=["prewarm-true", "prewarm-bad-key", "prewarm-bad-value", "model-bad-key"],
+    ids=[
+        "prewarm-true",
+        "prewarm-bad-key",
+        "prewarm-bad-value",
+        "model-bad-key",
+        "dsa-backend-cpu",
+        "dsa-not-mapping",
+        "seed-str",
+        "seed-bool",
+        "seed-float",
+        "out-null",
+        "parity-str",
+        "progress-str",
+        "lr-bool",
+        "max-pad-bool",
+    ],  # fmt: skip
 )
 def test_demo_config_sections_checked_before_any_rank_starts(tmp_path, capsys, yaml_text, message, monkeypatch):
     started = []
@@ -185,6 +210,15 @@ def test_demo_config_sections_checked_before_any_rank_starts(tmp_path, capsys, y
     assert _cli(["demo", "--config", str(cfg)]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and not started
+
+
+def test_demo_out_that_is_a_file_is_refused_before_any_rank_starts(tmp_path, capsys, monkeypatch):
+    started = []
+    monkeypatch.setattr(train, "launch", lambda cfg: started.append(cfg))
+    (tmp_path / "taken").write_text("")
+    assert _cli(["demo", "--out", str(tmp_path / "taken")]) == 2
+    err = capsys.readouterr().err
+    assert "exists and is not a folder" in err and "Traceback" not in err and not started
 
 
 @pytest.mark.parametrize(

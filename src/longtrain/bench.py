@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import subprocess
 import sys
@@ -243,6 +244,13 @@ def main(args: argparse.Namespace) -> int:
     unknown = [s for s in suites if s not in SUITES]
     if unknown:
         print(f"longtrain bench: error: unknown suite(s) {unknown}; valid: {list(SUITES)}", file=sys.stderr)
+        return 2
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        print(f"longtrain bench: error: --timeout must be a positive number of seconds, got {args.timeout}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        print(f"longtrain bench: error: --out {args.out}: exists and is not a folder", file=sys.stderr)
         return 2
     try:
         paths = {suite: suite_path(suite) for suite in suites}

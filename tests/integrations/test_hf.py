@@ -332,6 +332,9 @@ def test_clear_errors():
         hf.hf_cp_batch({"labels": ids}, None)
     with pytest.raises(ValueError, match="no FSDP2 module"):
         hf.set_fsdp_gradient_divide_factor(ours)
+    for factor in (0, -2.0, float("nan"), float("inf"), True, "2"):  # would scale every gradient wrongly
+        with pytest.raises(ValueError, match="factor must be a finite number > 0"):
+            hf.set_fsdp_gradient_divide_factor(ours, factor)
 
 
 def test_from_config_and_doc_ids():

@@ -149,6 +149,14 @@ def test_clear_errors():
         tt.apply_blockdiag(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match=r"\[B, L\]"):
         tt.varlen_masks(torch.arange(4))
+    # masks of fewer tokens than q holds would leave rows with zero output: refused (one row's masks, two rows)
+    q2 = torch.randn(2, 4, 2, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"cover 4 query and 4 key tokens but q holds B \* L = 2 \* 4 = 8"):
+        attn(q2, q2, q2, attention_masks=tt.varlen_masks(torch.arange(4)[None]))
+    with pytest.raises(ValueError, match="cover 3 query"):
+        attn(q, q, q, attention_masks=tt.varlen_masks(torch.arange(3)[None]))
+    with pytest.raises(ValueError, match="q, k and v must share"):
+        attn(q, q2[:1, :3], q2[:1, :3], attention_masks=tt.varlen_masks(torch.arange(4)[None]))
 
 
 def test_varlen_masks_and_skip():

@@ -46,6 +46,11 @@ def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
+def _number(value: Any, kinds: type | tuple[type, ...] = (int, float)) -> bool:
+    """``value`` is one of ``kinds`` and not a bool (YAML's ``true`` is an int to Python)."""
+    return isinstance(value, kinds) and not isinstance(value, bool)
+
+
 @dataclass(kw_only=True)
 class DemoConfig:
     """Options of ``longtrain demo`` (also the keys of its ``--config`` YAML file).
@@ -124,7 +129,7 @@ class DemoConfig:
             raise DemoConfigError(f"--device must be one of cpu, cuda, auto; got {self.device!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise DemoConfigError(f"--dtype must be one of auto, float32, bfloat16; got {self.dtype!r}")
-        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+        if not (_number(self.lr) and math.isfinite(self.lr) and self.lr > 0):
             raise DemoConfigError(f"--lr must be a positive number, got {self.lr!r}")
         from longtrain.corpus import DOCUMENTS
 
@@ -140,14 +145,23 @@ class DemoConfig:
                 f"{self.max_doc if self.max_doc is not None else f'max(32, seq_len // 3) = {self.doc_span_max}'}: "
                 "lower min_doc, or raise max_doc or --seq-len"
             )
-        if self.max_pad is not None and (not isinstance(self.max_pad, int) or self.max_pad < 0):
+        if self.max_pad is not None and (not _number(self.max_pad, int) or self.max_pad < 0):
             raise DemoConfigError(f"max_pad must be null or an integer >= 0, got {self.max_pad!r}")
         if self.peak_tflops is not None and not (
-            isinstance(self.peak_tflops, (int, float)) and math.isfinite(self.peak_tflops) and self.peak_tflops > 0
+            _number(self.peak_tflops) and math.isfinite(self.peak_tflops) and self.peak_tflops > 0
         ):
             raise DemoConfigError(f"--peak-tflops must be a positive number, got {self.peak_tflops!r}")
         if not isinstance(self.model, dict):
             raise DemoConfigError(f"model: must be a mapping of TinyLMConfig fields, got {type(self.model).__name__}")
+        if not _number(self.seed, int) or self.seed < 0:
+            raise DemoConfigError(f"seed must be an integer >= 0, got {self.seed!r}")
+        for name in ("parity", "progress"):  # a YAML string such as 'false' would read as true
+            if not isinstance(getattr(self, name), bool):
+                raise DemoConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.out, (str, os.PathLike)) or not str(self.out):
+            raise DemoConfigError(f"--out must be a folder path, got {self.out!r}")
+        if Path(self.out).exists() and not Path(self.out).is_dir():
+            raise DemoConfigError(f"--out {self.out}: exists and is not a folder; pick another output folder")
 
     @property
     def doc_span_max(self) -> int:
@@ -275,7 +289,12 @@ def check_environment(cfg: DemoConfig) -> None:
     reason = _dsa_backend_reason(cfg.dsa_backend, device)
     if reason is not None:
         raise DemoConfigError(f"--dsa-backend {cfg.dsa_backend}: not available on {device} ({reason})")
-    build_model_config(cfg, device)
+    model_cfg = build_model_config(cfg, device)
+    backend = model_cfg.dsa.get("backend", cfg.dsa_backend) if isinstance(model_cfg.dsa, Mapping) else cfg.dsa_backend
+    if backend != cfg.dsa_backend:  # model.dsa.backend in a --config file: the same checks as --dsa-backend
+        reason = _dsa_backend_reason(backend, device)
+        if reason is not None:
+            raise DemoConfigError(f"model.dsa.backend {backend}: not available on {device} ({reason})")
 
 
 def _dsa_backend_reason(backend: str, device: torch.device) -> str | None:
@@ -299,7 +318,10 @@ def build_model_config(cfg: DemoConfig, device: torch.device):
     overrides = dict(cfg.model)
     with_gdn = device.type == "cuda" and _optional.fla()[0]
     overrides.setdefault("layers", default_layer_pattern(with_gdn))
-    dsa = dict(overrides.pop("dsa", {}) or {})
+    dsa = overrides.pop("dsa", {}) or {}
+    if not isinstance(dsa, Mapping):
+        raise DemoConfigError(f"model.dsa must be a mapping of DSA options (e.g. {{backend: triton}}), got {dsa!r}")
+    dsa = dict(dsa)
     dsa.setdefault("backend", cfg.dsa_backend)
     if isinstance(overrides["layers"], str) and "N" in overrides["layers"] and not with_gdn:
         raise DemoConfigError(

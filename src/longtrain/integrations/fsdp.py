@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = ["set_fsdp_gradient_divide_factor"]
@@ -18,6 +20,11 @@ def set_fsdp_gradient_divide_factor(model: torch.nn.Module, factor: float = 1.0)
     sum) when every rank's loss is already divided by the token count of the whole global batch; without DP both
     are 1.0. Raises a ``ValueError`` when ``model`` holds no FSDP module (call it after ``fully_shard``).
     """
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
+        raise ValueError(
+            f"factor must be a finite number > 0 (the number of data-parallel replicas, or 1.0), got {factor!r}: a "
+            "zero, negative or non-finite factor would scale every gradient wrongly"
+        )
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError as exc:  # torch < 2.6

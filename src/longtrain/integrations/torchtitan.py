@@ -115,6 +115,18 @@ class BlockdiagAttention(torch.nn.Module):
             )
         batch, length = q_BLNH.shape[:2]
         total = batch * length
+        if tuple(k_BLNH.shape[:2]) != (batch, length) or tuple(v_BLNH.shape[:2]) != (batch, length):
+            raise ValueError(
+                f"BlockdiagAttention is self-attention over packed rows: q, k and v must share [B, L] = "
+                f"{(batch, length)}, got k {tuple(k_BLNH.shape[:2])} and v {tuple(v_BLNH.shape[:2])}"
+            )
+        covered = torch.stack([offsets.cu_seq_q[-1], offsets.cu_seq_k[-1]]).tolist()
+        if covered != [total, total]:
+            raise ValueError(
+                f"attention_masks cover {covered[0]} query and {covered[1]} key tokens but q holds B * L = {batch} * "
+                f"{length} = {total}: the rows left over would silently get zero output. Build the masks from this "
+                "batch's positions (model.get_attention_masks(positions) or varlen_masks(positions))"
+            )
         q, k, v = (t.reshape(total, t.shape[2], t.shape[3]) for t in (q_BLNH, k_BLNH, v_BLNH))
         out = varlen_attention(q, k, v, offsets.cu_seq_q, offsets.cu_seq_k, int(offsets.max_q), int(offsets.max_k),
                                causal=True, softmax_scale=scale)  # fmt: skip
