@@ -149,6 +149,8 @@ def test_clear_errors():
         tt.apply_blockdiag(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match=r"\[B, L\]"):
         tt.varlen_masks(torch.arange(4))
+    with pytest.raises(TypeError, match="integer"):
+        tt.varlen_masks(torch.ones(1, 4, dtype=torch.bool))
     # masks of fewer tokens than q holds would leave rows with zero output: refused (one row's masks, two rows)
     q2 = torch.randn(2, 4, 2, 8, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"cover 4 query and 4 key tokens but q holds B \* L = 2 \* 4 = 8"):

@@ -59,6 +59,8 @@ def varlen_masks(positions: torch.Tensor) -> VarlenOffsets:
     exactly 1 (:func:`longtrain.packing.doc_starts_from_positions`), and at every row's first token."""
     if not isinstance(positions, torch.Tensor) or positions.dim() != 2:
         raise ValueError(f"positions must be a [B, L] tensor, got {getattr(positions, 'shape', type(positions))}")
+    if positions.dtype == torch.bool or positions.dtype.is_complex:
+        raise TypeError(f"positions must hold integer (or float) positions, got {positions.dtype}")
     batch, length = positions.shape
     starts = doc_starts_from_positions(positions)
     flat = starts.flatten().nonzero().flatten()
