@@ -279,3 +279,28 @@ def test_disagreeing_ranks_raise_before_the_gather(gloo, sharding):
     results = gloo(_disagreeing, 2, sharding, timeout=60)
     assert all("document layout" in msg for msg, _ in results), results
     assert len({msg for msg, _ in results}) == 1 and all(counts == {} for _, counts in results)
+
+
+def _one_rank_fails(rank: int, world: int, case: str) -> str:
+    full, _ = _stack(0)
+    cu = torch.tensor([0, 12], dtype=torch.int32)
+    rows = 7 if case == "uneven_rows" and rank == 1 else 6
+    mask = None
+    if case == "padding_hole" and rank == 1:  # a padding row followed by a real row of its document: refused there
+        mask = torch.tensor([False, True, False, False, False, False])
+    x = torch.randn(rows, 32, dtype=torch.float64)
+    try:
+        full(x, torch.arange(rows), cu, padding_mask=mask, cp_group=dist.group.WORLD)
+    except ValueError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+@pytest.mark.parametrize("case", ["uneven_rows", "padding_hole"])
+def test_a_check_failing_on_one_rank_fails_every_rank(gloo, case):
+    """With ``cp_group=``, a rank whose rows or layout fail its checks raises its reason, and every other rank a
+    ``CPMismatchError`` naming the disagreement, before the all-gather (never a rank left waiting in it)."""
+    first, second = gloo(_one_rank_fails, 2, case, timeout=60)
+    field = "local_rows" if case == "uneven_rows" else "checks"
+    assert first.startswith("CPMismatchError") and f"CP ranks disagree on {field}" in first, first
+    assert second.startswith("ValueError") and second != "no error", second

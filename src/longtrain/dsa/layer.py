@@ -426,7 +426,28 @@ class DSAAttention(nn.Module):
         Under CP this rank's rows are the global rows ``[rank * T_local, (rank + 1) * T_local)``.
         """
         rank, world = _cp_world(cp_group)
-        return DSAAttention._metadata(cu_seqlens, num_local_tokens, rank, world, cu_seqlens_padded, padding_mask)
+        if world == 1:
+            return DSAAttention._metadata(cu_seqlens, num_local_tokens, rank, world, cu_seqlens_padded, padding_mask)
+        # The ranks agree before any collective: a rank whose rows or layout fail its checks must not leave the
+        # others waiting in the all-gather (one exchange through the process group's store).
+        from longtrain.blockdiag_cp import consensus, state
+
+        error: Exception | None = None
+        try:
+            meta = DSAAttention._metadata(cu_seqlens, num_local_tokens, rank, world, cu_seqlens_padded, padding_mask)
+        except (ValueError, TypeError) as exc:
+            error = exc
+        payload = f"local_rows={num_local_tokens};checks={'failed' if error is not None else 'passed'}"
+        payloads = consensus.exchange_fingerprints(cp_group, rank, world, payload, state.step_timeout_s())
+        if error is not None:
+            raise error
+        disagreement = consensus.mismatch(payloads)
+        if disagreement is not None:
+            raise consensus.CPMismatchError(
+                f"DSAAttention.prepare_metadata: {disagreement}. Every CP rank passes the same number of rows, its "
+                "contiguous block of the padded packed row, and the same cu_seqlens / cu_seqlens_padded"
+            )
+        return meta
 
     @staticmethod
     def parts_for_step(cp_step: Any) -> DSAQueryParts:
