@@ -196,7 +196,8 @@ def test_loss_mask_shape_is_validated(group_world):
     assert _unchanged(batch, snap)
 
 
-def test_doc_ids_sources():
+def test_doc_ids_sources(monkeypatch):
+    monkeypatch.setattr(batch_mod, "_MASK_ROWS", 4)  # a 4-D mask's rows checked a block at a time
     s = 6
     f = batch_mod._cp_blockdiag_doc_ids
     assert f({}, s, "cpu", 1).tolist() == [[1] * s]
@@ -214,10 +215,11 @@ def test_doc_ids_sources():
 
 
 @pytest.mark.parametrize("kind", ["sliding_window", "bidirectional", "extra_key", "one_head_differs"])
-def test_a_4d_mask_other_than_per_document_causal_is_refused(kind):
+def test_a_4d_mask_other_than_per_document_causal_is_refused(kind, monkeypatch):
     """The CP step computes per-document causal attention: a 4-D mask that is anything else on a real row (a
     window, a bidirectional span, a key of another document, heads that differ) is a ValueError, never recomputed as
     the causal documents on its diagonal."""
+    monkeypatch.setattr(batch_mod, "_MASK_ROWS", 3)  # the rows checked a block at a time, the last one shorter
     s = 8
     tril = torch.ones(s, s, dtype=torch.bool).tril()
     ids = torch.tensor([1, 1, 1, 2, 2, 2, 2, 2])

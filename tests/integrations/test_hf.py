@@ -110,25 +110,23 @@ def test_cu_seq_lens_k_disagreeing_with_q_is_refused():
 def test_float_position_ids_give_the_same_documents_at_every_world_size():
     """Float position ids restart documents as integer ones do, with and without a step (``hf_cp_batch`` used to
     skip them and see one document)."""
-    ours, ref = _models()
-    ids, pos, real, labels = _row()
-    ref_logits, _, _ = _per_document(ref, ids, labels)
-    fpos = pos.to(torch.float32)
-    plain = ours(input_ids=ids, position_ids=fpos, attention_mask=real).logits.detach()
-    _close(plain[:, : sum(LENS)], ref_logits, "cp = 1")
-    ctx, kwargs, _ = hf.hf_cp_batch({"input_ids": ids, "position_ids": fpos, "attention_mask": real}, None)
-    with ctx():
-        stepped = ours(**kwargs).logits.detach()
-    _close(stepped[:, : sum(LENS)], ref_logits, "hf_cp_batch step")
+    _, pos, _, _ = _row()
+    _check_per_document_with_and_without_a_step(pos.to(torch.float32))
 
 
 def test_a_position_jump_is_a_document_at_every_world_size():
     """A padded row whose second document's positions start at 5, not 0: Hugging Face's rule (and ours at cp = 1)
     makes it a document, and so does the step ``hf_cp_batch`` builds (it used to take only restarts at 0 there)."""
-    ours, ref = _models()
-    ids, pos, real, labels = _row()
+    _, pos, _, _ = _row()
     pos = pos.clone()
     pos[0, LENS[0] : LENS[0] + LENS[1]] += 5
+    _check_per_document_with_and_without_a_step(pos)
+
+
+def _check_per_document_with_and_without_a_step(pos):
+    """The padded row with ``pos`` gives each document's own logits at cp = 1 and through ``hf_cp_batch``'s step."""
+    ours, ref = _models()
+    ids, _, real, labels = _row()
     ref_logits, _, _ = _per_document(ref, ids, labels)
     plain = ours(input_ids=ids, position_ids=pos, attention_mask=real).logits.detach()
     _close(plain[:, : sum(LENS)], ref_logits, "cp = 1")

@@ -263,19 +263,24 @@ def _doc_ids_from_4d_mask(mask: torch.Tensor) -> torch.Tensor:
     starts[:, 1:] &= ~(linked & valid[:, :-1])
     docs = torch.where(valid, torch.cumsum(starts.to(torch.int64), dim=-1), 0)
     seq = docs.shape[-1]
-    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
-    want = (docs[:, :, None] == docs[:, None, :]) & causal & (docs[:, :, None] > 0)  # [B, S, S]
-    wrong = (allowed != want[:, None]) & (docs[:, None, :, None] > 0)  # rows of padding may hold anything
-    if bool(wrong.any()):
-        b, h, i, j = (int(x) for x in wrong.nonzero()[0])
-        raise ValueError(
-            f"attention_mask [B, H, S, S] is not per-document causal: at row {b}, head {h}, query {i} "
-            f"{'attends' if bool(allowed[b, h, i, j]) else 'does not attend'} key {j}, unlike causal attention within "
-            "the documents on its diagonal. The CP step computes per-document causal attention only (no "
-            "sliding windows, bidirectional spans or custom masks); pass the documents as _packed_seq_ids, "
-            "cu_seq_lens_q or restarting position_ids instead"
-        )
+    keys = torch.arange(seq)
+    for lo in range(0, seq, _MASK_ROWS):  # query rows a block at a time: a few [B, H, rows, S] temporaries at most
+        rows = docs[:, lo : lo + _MASK_ROWS, None]  # [B, rows, 1]
+        want = (rows == docs[:, None, :]) & (keys[None, None, :] <= keys[lo : lo + _MASK_ROWS, None]) & (rows > 0)
+        wrong = (allowed[:, :, lo : lo + _MASK_ROWS] != want[:, None]) & (rows[:, None] > 0)  # padding rows: any
+        if bool(wrong.any()):
+            b, h, i, j = (int(x) for x in wrong.nonzero()[0])
+            raise ValueError(
+                f"attention_mask [B, H, S, S] is not per-document causal: at row {b}, head {h}, query {lo + i} "
+                f"{'attends' if bool(allowed[b, h, lo + i, j]) else 'does not attend'} key {j}, unlike causal "
+                "attention within the documents on its diagonal. The CP step computes per-document causal attention "
+                "only (no sliding windows, bidirectional spans or custom masks); pass the documents as "
+                "_packed_seq_ids, cu_seq_lens_q or restarting position_ids instead"
+            )
     return docs
+
+
+_MASK_ROWS = 1024  # query rows of a 4-D mask checked at a time
 
 
 def _validate_sequence_tensors(batch: dict, keys: list[str], batch_size: int, seq_len: int) -> None:

@@ -423,7 +423,9 @@ class DSAAttention(nn.Module):
     ) -> CudnnDsaPackedMetadata:
         """Metadata for one step (one synchronization); pass it to every layer's ``forward(metadata=...)``.
 
-        Under CP this rank's rows are the global rows ``[rank * T_local, (rank + 1) * T_local)``.
+        Under CP this rank's rows are the global rows ``[rank * T_local, (rank + 1) * T_local)``, and the ranks also
+        exchange their row counts and whether their checks passed through the process group's store (one small
+        exchange), so that a check failing on one rank raises on every rank before any collective.
         """
         rank, world = _cp_world(cp_group)
         if world == 1:
@@ -531,8 +533,8 @@ class DSAAttention(nn.Module):
             cu_seqlens_padded: optional ``[N+1] int32`` global storage offsets (documents padded for CP).
             padding_mask: optional ``[T] bool`` local padding rows (True = padding).
             metadata: optional result of :meth:`prepare_metadata` shared by all layers of the step (saves a
-                synchronization per layer); when given, ``cu_seqlens``/``cu_seqlens_padded``/``padding_mask``
-                are not read again.
+                synchronization per layer, and under CP a store exchange per layer); when given, ``cu_seqlens``,
+                ``cu_seqlens_padded`` and ``padding_mask`` are not read again.
             prev_topk: ``[T, K]`` int top-k of the previous full layer; required by shared layers, ignored by
                 full layers.
             return_topk: also return the top-k used (to thread into following shared layers).

@@ -152,8 +152,9 @@ _PLAN_CACHE_SIZE = 8
 
 def _plan_for(batch_size: int, seq_len: int, device: torch.device, kwargs: dict, attention_mask) -> _Plan:
     cu = kwargs.get("cu_seq_lens_q")
+    cu_k = kwargs.get("cu_seq_lens_k")
     pos = kwargs.get("position_ids")
-    sources = [t for t in (cu, attention_mask, pos) if isinstance(t, torch.Tensor)]
+    sources = [t for t in (cu, cu_k, attention_mask, pos) if isinstance(t, torch.Tensor)]
     key = (batch_size, seq_len, str(device), *((id(t), t._version) for t in sources))
     hit = _PLANS.get(key)
     if hit is not None and all(ref() is t for ref, t in zip(hit[0], sources)):
@@ -162,7 +163,6 @@ def _plan_for(batch_size: int, seq_len: int, device: torch.device, kwargs: dict,
     mask = attention_mask if isinstance(attention_mask, torch.Tensor) else None
     if cu is not None and batch_size != 1:
         raise ValueError(f"cu_seq_lens_q describes one packed row; the batch has {batch_size} rows")
-    cu_k = kwargs.get("cu_seq_lens_k")
     if isinstance(cu_k, torch.Tensor) and (cu is None or not torch.equal(cu_k.cpu(), cu.cpu())):
         raise ValueError(
             "cu_seq_lens_k must equal cu_seq_lens_q for packed training (each document attends to itself); got "

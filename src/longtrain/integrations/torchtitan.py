@@ -21,6 +21,8 @@ does not). The stack is imported lazily: this module imports without torchtitan.
 from __future__ import annotations
 
 import contextlib
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -78,6 +80,30 @@ def _offsets(attention_masks: Any) -> Any:
     return None
 
 
+_COVERED: OrderedDict[tuple, tuple] = OrderedDict()
+
+
+def _check_covered(offsets: Any, batch: int, length: int) -> None:
+    """The masks' offsets end at ``B * L``, else rows would silently get zero output. Checked once per offsets
+    tensor (one host copy), then cached while the same unmodified tensors come back, as every layer of a step does."""
+    cu_q, cu_k = offsets.cu_seq_q, offsets.cu_seq_k
+    total = batch * length
+    key = (id(cu_q), cu_q._version, id(cu_k), cu_k._version, total)
+    hit = _COVERED.get(key)
+    if hit is not None and hit[0]() is cu_q and hit[1]() is cu_k:
+        return
+    covered = torch.stack([cu_q[-1], cu_k[-1]]).tolist()
+    if covered != [total, total]:
+        raise ValueError(
+            f"attention_masks cover {covered[0]} query and {covered[1]} key tokens but q holds B * L = {batch} * "
+            f"{length} = {total}: the rows left over would silently get zero output. Build the masks from this "
+            "batch's positions (model.get_attention_masks(positions) or varlen_masks(positions))"
+        )
+    _COVERED[key] = (weakref.ref(cu_q), weakref.ref(cu_k))
+    while len(_COVERED) > 8:
+        _COVERED.popitem(last=False)
+
+
 class BlockdiagAttention(torch.nn.Module):
     """Per-document causal attention with torchtitan's inner-attention signature (see the module docstring)."""
 
@@ -122,13 +148,7 @@ class BlockdiagAttention(torch.nn.Module):
                 f"BlockdiagAttention is self-attention over packed rows: q, k and v must share [B, L] = "
                 f"{(batch, length)}, got k {tuple(k_BLNH.shape[:2])} and v {tuple(v_BLNH.shape[:2])}"
             )
-        covered = torch.stack([offsets.cu_seq_q[-1], offsets.cu_seq_k[-1]]).tolist()
-        if covered != [total, total]:
-            raise ValueError(
-                f"attention_masks cover {covered[0]} query and {covered[1]} key tokens but q holds B * L = {batch} * "
-                f"{length} = {total}: the rows left over would silently get zero output. Build the masks from this "
-                "batch's positions (model.get_attention_masks(positions) or varlen_masks(positions))"
-            )
+        _check_covered(offsets, batch, length)
         q, k, v = (t.reshape(total, t.shape[2], t.shape[3]) for t in (q_BLNH, k_BLNH, v_BLNH))
         out = varlen_attention(q, k, v, offsets.cu_seq_q, offsets.cu_seq_k, int(offsets.max_q), int(offsets.max_k),
                                causal=True, softmax_scale=scale)  # fmt: skip
