@@ -2,9 +2,10 @@
 
 ``python benchmarks/dsa_breakdown.py [--out-dir DIR] [--case T,H,K ...]`` writes ``dsa_breakdown_<date>.md``: for
 each case (one document, random causal index sets as in ``dsa.py``) and each pass (forward, backward at the
-defaults, deterministic backward), the kernels that ``torch.profiler`` saw over ``ITERS`` calls, with their device
-time per call and share of the pass's kernel time, beside the pass's ``do_bench`` median (the gap is launch and host
-time). Kernel names are shortened to the Triton function's name. For the kernels that add or store dkv's fp32
+defaults, deterministic backward at its defaults, bf16 pieces in 2 GiB here, and with fp32 pieces in 512 MiB, its
+defaults until the thirty-fourth session), the kernels that ``torch.profiler`` saw over ``ITERS`` calls, with their
+device time per call and share of the pass's kernel time, beside the pass's ``do_bench`` median (the gap is launch
+and host time). Kernel names are shortened to the Triton function's name. For the kernels that add or store dkv's fp32
 pieces (the probabilities + dkv kernel, the deterministic reduction) a column gives the rate of those bytes,
 ``valid slots x head blocks x D_qk x 4`` (x 2 for bf16 pieces), to set beside the reduction probe's ceiling
 (``python benchmarks/dsa_bwd_ws.py --pattern-probe``). ``--bf16-pieces`` adds the deterministic backward with bf16
@@ -34,6 +35,8 @@ CASES = ["16384,64,2048", "4096,128,512", "4096,64,2048"]
 # Kernels whose traffic is dkv's fp32 pieces: each (valid slot, block of 64 heads) adds (or stores, or reads back)
 # one D_qk-wide row.
 PIECE_KERNELS = ("sparse_mla_bwd_sm90_ws_kernel", "sparse_mla_bwd_kernel_dkv_reduce")
+DET_PASS = "backward, deterministic (its defaults: bf16 pieces, 2 GiB)"
+FP32_PASS = "backward, deterministic, fp32 pieces, 512 MiB"
 BF16_PASS = "backward, deterministic, bf16 pieces, 2 GiB"
 FP16_PASS = "backward, deterministic, scaled fp16 pieces, 2 GiB"
 
@@ -91,15 +94,16 @@ def main() -> None:
         passes = {
             "forward": partial(run_fwd, q, kv, idx, length, None),
             "backward": partial(run_bwd, q, kv, out, dout, lse, idx, length),
-            "backward, deterministic": partial(run_bwd, q, kv, out, dout, lse, idx, length, deterministic=True),
+            DET_PASS: partial(run_bwd, q, kv, out, dout, lse, idx, length, deterministic=True),
         }
+        passes[FP32_PASS] = _with_settings(passes[DET_PASS], DET_PIECES="fp32", DETERMINISTIC_SCRATCH_ELEMENTS=1 << 27)
         if args.bf16_pieces:
-            det = passes["backward, deterministic"]
+            det = passes[DET_PASS]
             bf16 = dict(DET_PIECES="bf16", DETERMINISTIC_SCRATCH_ELEMENTS=1 << 30)
             passes[BF16_PASS] = _with_settings(det, **bf16)
             passes[BF16_PASS + ", SM partition 32"] = _with_settings(det, **bf16, DQ_OVERLAP="partition")
         if args.fp16_pieces:
-            det = passes["backward, deterministic"]
+            det = passes[DET_PASS]
             passes[BF16_PASS] = _with_settings(det, DET_PIECES="bf16", DETERMINISTIC_SCRATCH_ELEMENTS=1 << 30)
             passes[FP16_PASS] = _with_settings(det, DET_PIECES="fp16", DETERMINISTIC_SCRATCH_ELEMENTS=1 << 30)
         for name, fn in passes.items():
@@ -113,7 +117,7 @@ def main() -> None:
             for kernel, us in sorted(times.items(), key=lambda kv: -kv[1]):
                 row = dict(shape=shape, op=name, kernel=kernel, us=us, share=us / whole)
                 if kernel in PIECE_KERNELS and name != "forward":
-                    two_bytes = name.startswith((BF16_PASS, FP16_PASS))
+                    two_bytes = name.startswith((DET_PASS, BF16_PASS, FP16_PASS))  # bf16 inputs: bf16 pieces
                     row["piece_gbps"] = piece_bytes / (2 if two_bytes else 1) / us / 1e3
                 rows.append(row)
             print(shape, name, f"median {med:.3f} ms, kernels {whole / 1000:.3f} ms", flush=True)

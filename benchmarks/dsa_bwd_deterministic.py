@@ -2,8 +2,9 @@
 
 ``python benchmarks/dsa_bwd_deterministic.py [--out-dir DIR] [--case T,H,K ...]`` writes
 ``dsa_bwd_deterministic_<date>.md``: per shape (one document, random causal index sets as in ``dsa.py``, GLM-5.2
-dims) the backward at the defaults (fp32 atomics) and the deterministic mode (the per-slot scratch at its default
-size and at 2 GiB), each with its time relative to the default's, whether two runs agree bit for bit, and the
+dims) the backward at the defaults (fp32 atomics) and the deterministic mode (at its defaults: pieces in dkv's
+precision, bf16 here, in 2 GiB of scratch; and with fp32 pieces in 512 MiB, its defaults before the thirty-fourth
+session, and in 2 GiB), each with its time relative to the default's, whether two runs agree bit for bit, and the
 largest difference of its dq and dkv from the default's relative to their largest element. Correctness against
 float64 is the GPU tests' (``tests/gpu/test_dsa_triton_gpu.py -k deterministic``).
 
@@ -50,6 +51,8 @@ def _mean_rel(a: torch.Tensor, b: torch.Tensor) -> float:
 BF16_PIECES = False  # --bf16-pieces: also the bf16 pieces' variants
 FP16_PIECES = False  # --fp16-pieces: also the scaled fp16 pieces' variants, beside bf16's at 2 GiB
 REDUCE_SWEEP = False  # --reduce-sweep: the reduction's slots at a time and warps, with bf16 pieces and 2 GiB
+# The deterministic defaults until the thirty-fourth session.
+FP32_512 = {"DET_PIECES": "fp32", "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 27}
 RUNS_IN_LINE = False  # --runs-in-line: also the variants with each chunk's sort formed in line (DET_RUNS_AHEAD off)
 
 
@@ -57,8 +60,9 @@ def _variants() -> dict[str, tuple[bool, dict]]:
     """name: (deterministic, module settings of ``sparse_mla_bwd`` for the run)."""
     variants = {
         "default (fp32 atomics)": (False, {}),
-        "deterministic, per-slot scratch (default size)": (True, {}),
-        "deterministic, per-slot scratch 2 GiB": (True, {"DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 29}),
+        "deterministic, the defaults (bf16 pieces, 2 GiB)": (True, {}),
+        "deterministic, fp32 pieces 512 MiB (the previous defaults)": (True, FP32_512),
+        "deterministic, fp32 pieces 2 GiB": (True, {**FP32_512, "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 29}),
     }
     if REDUCE_SWEEP:
         bf16 = {"DET_PIECES": "bf16", "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 30}
@@ -69,8 +73,7 @@ def _variants() -> dict[str, tuple[bool, dict]]:
     if FP16_PIECES:
         fp16, bf16 = {"DET_PIECES": "fp16"}, {"DET_PIECES": "bf16"}
         variants.update({
-            "deterministic, bf16 pieces 2 GiB": (True, {**bf16, "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 30}),
-            "deterministic, scaled fp16 pieces (default elements)": (True, fp16),
+            "deterministic, scaled fp16 pieces 512 MiB": (True, {**fp16, "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 28}),
             "deterministic, scaled fp16 pieces 2 GiB": (True, {**fp16, "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 30}),
             "deterministic, scaled fp16 pieces 4 GiB": (True, {**fp16, "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 31}),
         })  # fmt: skip
@@ -78,7 +81,8 @@ def _variants() -> dict[str, tuple[bool, dict]]:
         in_line = {"DET_RUNS_AHEAD": False}
         big = {"DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 30}
         variants.update({
-            "deterministic, per-slot scratch 2 GiB, runs in line": (True, {**big, **in_line}),
+            "deterministic, fp32 pieces 2 GiB, runs in line": (
+                True, {**in_line, "DET_PIECES": "fp32", "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 29}),
             "deterministic, bf16 pieces 2 GiB, runs in line": (True, {**big, **in_line, "DET_PIECES": "bf16"}),
             "deterministic, scaled fp16 pieces 2 GiB, runs in line": (True, {**big, **in_line, "DET_PIECES": "fp16"}),
         })  # fmt: skip
@@ -86,7 +90,7 @@ def _variants() -> dict[str, tuple[bool, dict]]:
         bf16 = {"DET_PIECES": "bf16"}
         side = {"DQ_OVERLAP": "high", "DET_REDUCE_OVERLAP": True}
         variants.update({
-            "deterministic, bf16 pieces (default elements: half the bytes)": (True, bf16),
+            "deterministic, bf16 pieces 256 MiB": (True, {**bf16, "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 27}),
             "deterministic, bf16 pieces, 512 MiB": (True, {**bf16, "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 28}),
             "deterministic, bf16 pieces 2 GiB": (True, {**bf16, "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 30}),
             "deterministic, bf16 pieces 2 GiB, reduction one slot at a time": (

@@ -211,7 +211,8 @@ def item_runs(out_dir: Path, runs: tuple[int, ...], shapes: tuple[tuple[int, int
     )  # fmt: skip
 
 
-# label: (deterministic mode only, settings of ``sparse_mla_bwd``); every variant starts from the defaults below.
+# label: (deterministic mode only, settings of ``sparse_mla_bwd``); every variant starts from the settings below (the
+# deterministic mode's fp32 pieces in 512 MiB: its defaults when these experiments ran).
 _BF16_DET = {"DET_PIECES": "bf16", "DETERMINISTIC_SCRATCH_ELEMENTS": 1 << 30}  # the reduction: 8 slots at a time
 OVERLAP_VARIANTS = {
     "off": (False, {}),
@@ -309,7 +310,7 @@ def memcheck_runs() -> None:
     deterministic mode."""
     dev = torch.device("cuda")
     total, topk = 300, 256
-    saved = ws.WS_BWD_RUN
+    saved = ws.WS_BWD_RUN, smb.DQ_OVERLAP, smb.DET_REDUCE_OVERLAP, smb.DET_PIECES
     try:
         for heads in (64, 96, 128):
             q, kv, idx, length, out, lse, dout = small_bwd_case(total, topk, heads, dev)
@@ -324,7 +325,7 @@ def memcheck_runs() -> None:
                         print("memcheck case", heads, run, overlap, with_len, det,
                               bool(dq.isfinite().all() and dkv.isfinite().all()), flush=True)  # fmt: skip
     finally:
-        ws.WS_BWD_RUN, smb.DQ_OVERLAP, smb.DET_REDUCE_OVERLAP, smb.DET_PIECES = saved, None, False, "fp32"
+        ws.WS_BWD_RUN, smb.DQ_OVERLAP, smb.DET_REDUCE_OVERLAP, smb.DET_PIECES = saved
 
 
 def main(out_dir: Path, total: int, heads_list: tuple[int, ...]) -> None:

@@ -311,12 +311,57 @@ def test_sparse_mla_deterministic_two_byte_pieces(triton_interpret, monkeypatch,
     assert (err <= bound).all(), (err - bound).max()
     torch.testing.assert_close(dkv32[:, 0].double(), want, rtol=1e-4, atol=1e-5)
     monkeypatch.setattr(smb, "DET_PIECES", "fp8")
-    with pytest.raises(ValueError, match=r"DET_PIECES must be one of \('fp32', 'bf16', 'fp16'\), got 'fp8'"):
+    with pytest.raises(
+        ValueError,
+        match=r"DET_PIECES must be None \(pieces in dkv's own precision\) or one of "
+        r"\('fp32', 'bf16', 'fp16'\), got 'fp8'",
+    ):
         grads("fp8")
     for bad in (6, 0, True, 8.0):
         monkeypatch.setattr(smb, "DKV_REDUCE_BATCH", bad)
         with pytest.raises(ValueError, match=r"DKV_REDUCE_BATCH must be None \(the measured choice\) or a power"):
             grads(pieces)
+
+
+@pytest.mark.parametrize("dtype,follows", [(torch.float32, "fp32"), (torch.float16, "fp16")], ids=["fp32", "fp16"])
+def test_sparse_mla_deterministic_pieces_follow_dkv_precision_by_default(triton_interpret, monkeypatch, dtype, follows):
+    """``DET_PIECES = None`` (the default) stores the pieces with dkv's own precision: fp32 pieces for fp32 keys,
+    scaled fp16 pieces for fp16 keys (bf16 for bf16 keys: ``_piece_dtype``; the interpreter's bf16 dots are wrong, so
+    bf16 inputs run on the GPU, ``tests/gpu``), bit for bit the gradients of that mode set by name.
+    ``DETERMINISTIC_SCRATCH_ELEMENTS = None`` is ``DETERMINISTIC_SCRATCH_BYTES`` of pieces; the gradients do not
+    depend on it, and a bad size is a ValueError naming the knob."""
+    import longtrain.dsa.triton.sparse_mla_bwd as smb
+    from longtrain.dsa.triton import sparse_mla_triton
+
+    assert smb.DET_PIECES is None and smb.DETERMINISTIC_SCRATCH_ELEMENTS is None
+    assert smb._piece_dtype(torch.bfloat16) == torch.bfloat16 and smb._piece_dtype(torch.float16) == torch.float16
+    assert smb._piece_dtype(torch.float32) == torch.float32
+    assert smb._scratch_elements(torch.bfloat16) == smb.DETERMINISTIC_SCRATCH_BYTES // 2 == 1 << 30
+    assert smb._scratch_elements(torch.float32) == 1 << 29
+    T, H, D, d_v, T_k, K = 6, 4, 48, 32, 9, 24
+    q, kv, idx = _mla_inputs(T, H, D, T_k, K, dtype=dtype, seed=29)
+    idx[:, 3:9] = 4
+    length = torch.tensor([24, 7, 0, 20, 24, 1])
+    dout = torch.randn(T, H, d_v, generator=torch.Generator().manual_seed(3)).to(dtype)
+
+    def grads(**settings):
+        for name, value in settings.items():
+            monkeypatch.setattr(smb, name, value)
+        out = sparse_mla_triton(q, kv, idx, 0.3, d_v=d_v, topk_length=length, config=_CFG, deterministic=True)
+        return torch.autograd.grad(out, (q, kv), dout)
+
+    default = grads()
+    named = grads(DET_PIECES=follows)
+    small = grads(DET_PIECES=None, DETERMINISTIC_SCRATCH_ELEMENTS=K * D)  # one row per chunk
+    for a, b, c in zip(default, named, small):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    if follows == "fp16":  # the pieces were rounded: not the fp32 pieces' dkv
+        assert not torch.equal(default[1], grads(DET_PIECES="fp32")[1])
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(ValueError, match=r"DETERMINISTIC_SCRATCH_ELEMENTS must be an int >= 1"):
+            grads(DET_PIECES=None, DETERMINISTIC_SCRATCH_ELEMENTS=bad)
+    with pytest.raises(ValueError, match=r"DETERMINISTIC_SCRATCH_BYTES // 4 must be an int >= 1"):
+        grads(DET_PIECES="fp32", DETERMINISTIC_SCRATCH_ELEMENTS=None, DETERMINISTIC_SCRATCH_BYTES=3)
 
 
 @pytest.mark.parametrize("col_groups", [1, 2], ids=["one-program-per-row", "two-column-groups"])

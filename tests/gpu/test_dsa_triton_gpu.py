@@ -337,7 +337,8 @@ def test_sparse_mla_deterministic_two_byte_pieces(monkeypatch, T, T_k, H, K, for
     gradient's magnitude bit for bit, over ragged lengths and invalid and repeated indices; on SM90 through the
     warp-specialized kernel (with the reduction on the second stream, ``DET_REDUCE_OVERLAP``) and the two-warpgroup
     fused kernel, elsewhere the portable
-    dkv kernel with two head blocks. A bad mode is a ValueError."""
+    dkv kernel with two head blocks. The default (``None``) gives these bf16 keys the bf16 pieces' gradients bit for
+    bit. A bad mode is a ValueError."""
     from longtrain.dsa.triton import sparse_mla_bwd as smb
     from longtrain.dsa.triton import sparse_mla_triton
 
@@ -349,7 +350,7 @@ def test_sparse_mla_deterministic_two_byte_pieces(monkeypatch, T, T_k, H, K, for
         monkeypatch.setattr(smb, "DQ_OVERLAP", overlap)
         monkeypatch.setattr(smb, "DET_REDUCE_OVERLAP", True)
     runs = {}
-    for pieces in ("fp32", "bf16", "bf16", "fp16", "fp16"):
+    for pieces in ("fp32", "bf16", "bf16", "fp16", "fp16", None):
         monkeypatch.setattr(smb, "DET_PIECES", pieces)
         out = sparse_mla_triton(q, kv, idx, scale, d_v=512, topk_length=length, deterministic=True, config=config)
         runs.setdefault(pieces, []).append(torch.autograd.grad(out, (q, kv), dout))
@@ -365,6 +366,8 @@ def test_sparse_mla_deterministic_two_byte_pieces(monkeypatch, T, T_k, H, K, for
         assert torch.equal(dkv, dkv_b) and torch.equal(dq, dq_b), pieces
         assert torch.equal(dq, dq32), pieces
         _check_rule(f"dkv ({pieces} pieces)", dkv, same_dkv, ref_dkv)
+    # The default (None) stores bf16 pieces for these bf16 keys: the bf16 pieces' gradients bit for bit.
+    assert all(torch.equal(a, b) for a, b in zip(runs[None][0], runs["bf16"][0]))
     off = {p: (runs[p][0][1].float() - dkv32.float()).abs().sum().item() for p in ("bf16", "fp16")}
     assert off["fp16"] < off["bf16"] / 2, off
     # The fp16 pieces' scales follow the gradient's magnitude: dout times 2**-40 gives dkv times 2**-40, bit for bit.
@@ -373,7 +376,11 @@ def test_sparse_mla_deterministic_two_byte_pieces(monkeypatch, T, T_k, H, K, for
     tiny = torch.autograd.grad(out, (kv,), dout * 2.0**-40)[0]
     assert torch.equal(tiny, runs["fp16"][0][1] * 2.0**-40)
     monkeypatch.setattr(smb, "DET_PIECES", "fp8")
-    with pytest.raises(ValueError, match=r"DET_PIECES must be one of \('fp32', 'bf16', 'fp16'\), got 'fp8'"):
+    with pytest.raises(
+        ValueError,
+        match=r"DET_PIECES must be None \(pieces in dkv's own precision\) or one of "
+        r"\('fp32', 'bf16', 'fp16'\), got 'fp8'",
+    ):
         out = sparse_mla_triton(q, kv, idx, scale, d_v=512, topk_length=length, deterministic=True, config=config)
         out.sum().backward()
 
@@ -660,9 +667,13 @@ def _deterministic_case(T, H, seed):
 
 
 @pytest.mark.parametrize("config", [None, "forced"], ids=["defaults", "forced"])
-def test_sparse_mla_deterministic_at_128_heads_matches_the_atomic_sum(config):
-    """H = 128: two dkv head blocks at the default block_h (64). Their per-slot pieces must all be summed."""
+def test_sparse_mla_deterministic_at_128_heads_matches_the_atomic_sum(monkeypatch, config):
+    """H = 128: two dkv head blocks at the default block_h (64). Their per-slot pieces must all be summed (fp32
+    pieces, so that dkv is the atomic sum's up to order; the default bf16 pieces: the two-byte pieces' test)."""
+    from longtrain.dsa.triton import sparse_mla_bwd as smb
     from longtrain.dsa.triton import sparse_mla_triton
+
+    monkeypatch.setattr(smb, "DET_PIECES", "fp32")
 
     q, kv, idx, length, dout = _deterministic_case(48, 128, seed=5)
     cfg = None if config is None else _configs()
@@ -678,8 +689,12 @@ def test_sparse_mla_deterministic_at_128_heads_matches_the_atomic_sum(config):
         torch.testing.assert_close(grads[0][0].float(), grads[1][0].float(), rtol=2**-7, atol=2**-7)
 
 
-def test_sparse_mla_deterministic_bitwise():
+def test_sparse_mla_deterministic_bitwise(monkeypatch):
+    """Two deterministic runs equal bit for bit; with fp32 pieces dkv is the atomic sum's up to order."""
+    from longtrain.dsa.triton import sparse_mla_bwd as smb
     from longtrain.dsa.triton import sparse_mla_triton
+
+    monkeypatch.setattr(smb, "DET_PIECES", "fp32")
 
     q, kv, idx, length, dout = _deterministic_case(64, 64, seed=3)
     for config in (_configs(), None):  # forced (one dkv column group) and the defaults (two groups, autotuned)
@@ -694,10 +709,13 @@ def test_sparse_mla_deterministic_bitwise():
 
 @_SM90
 @pytest.mark.parametrize("H", [64, 128])
-def test_sparse_mla_bwd_ws_deterministic_bitwise(H):
-    """The warp-specialized backward in deterministic mode: two runs equal bit for bit, and dkv equal to the atomic
-    mode's up to the order of its fp32 sums; dq equal bit for bit (the same dS either way)."""
+def test_sparse_mla_bwd_ws_deterministic_bitwise(monkeypatch, H):
+    """The warp-specialized backward in deterministic mode: two runs equal bit for bit, and with fp32 pieces dkv equal
+    to the atomic mode's up to the order of its fp32 sums; dq equal bit for bit (the same dS either way)."""
     from longtrain.dsa.triton import KernelConfig, SparseMLAConfig, sparse_mla_triton
+    from longtrain.dsa.triton import sparse_mla_bwd as smb
+
+    monkeypatch.setattr(smb, "DET_PIECES", "fp32")
 
     q, kv, idx, length, dout = _deterministic_case(64, H, seed=9)
     ws = KernelConfig(impl="sm90", layout="warp_specialized", num_warps=4, block_k=64, num_stages=1)

@@ -587,20 +587,17 @@ def _mla_case(add, total: int, heads: int, topk: int, layout: str) -> None:
         ms = bench(lambda: run_bwd(q, kv, out, dout, lse, idx, length, cfgs=cfgs, deterministic=True), rep_ms=200)
         add(op="sparse_mla_bwd", impl="triton (ours), deterministic, SM90 two-warpgroup fused kernel",
             shape=shape, ms=ms[0], p20=ms[1], p80=ms[2], tflops=bwd_flops / ms[0] / 1e9)  # fmt: skip
-    # The deterministic row chunk is set by its scratch budget (113 rows here, rounded up to a wave of 132 on an SM90
-    # GPU with 132 SMs): a larger one.
+    # The deterministic mode as it was before its pieces followed dkv's precision: fp32 pieces in 512 MiB.
     from longtrain.dsa.triton import sparse_mla_bwd as smb
 
-    default_scratch = smb.DETERMINISTIC_SCRATCH_ELEMENTS
-    for scratch in (default_scratch * 4,):
-        smb.DETERMINISTIC_SCRATCH_ELEMENTS = scratch
-        try:
-            ms = bench(lambda: run_bwd(q, kv, out, dout, lse, idx, length, deterministic=True), rep_ms=200)
-        finally:
-            smb.DETERMINISTIC_SCRATCH_ELEMENTS = default_scratch
-        what = f"{scratch * 4 >> 20} MiB scratch budget"
-        add(op="sparse_mla_bwd", impl=f"triton (ours), deterministic, {what}", shape=shape, ms=ms[0], p20=ms[1],
-            p80=ms[2], tflops=bwd_flops / ms[0] / 1e9)  # fmt: skip
+    saved = smb.DET_PIECES, smb.DETERMINISTIC_SCRATCH_ELEMENTS
+    smb.DET_PIECES, smb.DETERMINISTIC_SCRATCH_ELEMENTS = "fp32", 1 << 27
+    try:
+        ms = bench(lambda: run_bwd(q, kv, out, dout, lse, idx, length, deterministic=True), rep_ms=200)
+    finally:
+        smb.DET_PIECES, smb.DETERMINISTIC_SCRATCH_ELEMENTS = saved
+    add(op="sparse_mla_bwd", impl="triton (ours), deterministic, fp32 pieces, 512 MiB scratch", shape=shape,
+        ms=ms[0], p20=ms[1], p80=ms[2], tflops=bwd_flops / ms[0] / 1e9)  # fmt: skip
 
     def torch_fwd():
         return ops.sparse_mla_torch_fwd(q, kv, idx, D_QK**-0.5, D_V, length, None)

@@ -53,6 +53,7 @@ from longtrain.dsa.triton.sparse_mla_bwd_reduce import (
 from longtrain.dsa.triton.sparse_mla_fwd import LOG2E, _row_col_mask, fwd_block_h
 
 __all__ = [
+    "DETERMINISTIC_SCRATCH_BYTES",
     "DETERMINISTIC_SCRATCH_ELEMENTS",
     "DET_PIECES",
     "DET_PIECES_MODES",
@@ -88,12 +89,18 @@ DKV_COL_GROUPS = 2
 #: Bytes of the bf16 P / dS scratch: rows are processed in chunks of ``PDS_SCRATCH_BYTES // (4 * H * K)`` rows (room
 #: for P and dS; the SM90 fused kernels keep dS alone, so theirs use half of it). Read at each call.
 PDS_SCRATCH_BYTES = 1 << 29
-#: fp32 elements of the deterministic mode's per-slot contribution scratch (``[rows, K, dkv head blocks, D_qk]``): it
-#: sets the row chunk of a deterministic backward (113 rows at K = 2048, D_qk = 576, one head block; on an SM90 GPU,
-#: as for every backward there, the chunk is then rounded up to whole waves of programs: 132 rows on a 132-SM GPU,
-#: 623 MB). Read at each call. The gradients do not depend on it (each chunk's reduction continues the running sum
-#: in (row, slot) order): a larger scratch trades memory for speed only.
-DETERMINISTIC_SCRATCH_ELEMENTS = 1 << 27
+#: Elements (of the pieces' dtype, :data:`DET_PIECES`) of the deterministic mode's per-slot contribution scratch
+#: (``[rows, K, dkv head blocks, D_qk]``): it sets the row chunk of a deterministic backward. ``None`` (the default):
+#: :data:`DETERMINISTIC_SCRATCH_BYTES` of pieces, ``1 << 30`` two-byte or ``1 << 29`` fp32 elements (910 rows at
+#: K = 2048, D_qk = 576, one head block, with two-byte pieces; on an SM90 GPU, as for every backward there, the chunk
+#: is then rounded up to whole waves of programs: 924 rows on a 132-SM GPU). Never more than the backward's rows
+#: need. Read at each call. The gradients do not depend on it (each chunk's reduction continues the running sum in
+#: (row, slot) order): a larger scratch trades memory for speed only. Before the thirty-fourth session the default was
+#: ``1 << 27`` fp32 elements (512 MiB): with bf16 pieces 2 GiB was 6-8 % faster than 512 MiB at issue 17's four
+#: shapes on an H100 (``dsa_bwd_deterministic_d2e2d91_h100_2026-12-07.md``).
+DETERMINISTIC_SCRATCH_ELEMENTS: int | None = None
+#: The scratch's size in bytes where :data:`DETERMINISTIC_SCRATCH_ELEMENTS` is ``None``. Read at each call.
+DETERMINISTIC_SCRATCH_BYTES = 1 << 31
 #: With the SM90 probabilities + dkv kernel on CUDA: whether each row chunk's dq kernel runs on a second stream, beside
 #: the next chunk's probabilities + dkv kernel (two dS buffers in the same scratch budget, chunks of at most
 #: ``1 / DQ_OVERLAP_MIN_CHUNKS`` of the rows), so that the dq kernel's gathers overlap the other kernel's fp32
@@ -123,8 +130,13 @@ DET_REDUCE_OVERLAP = False
 #: rounding per piece. ``"fp16"``: each piece row divided by a power of two (its scale, stored beside it in fp32; see
 #: :mod:`~longtrain.dsa.triton.sparse_mla_bwd_reduce`) and rounded to fp16, 11 significant bits at any gradient
 #: magnitude, for up to 3 % more bytes than bf16 and the scales' work (3-13 % slower than bf16 pieces on an H100 at
-#: issue 17's four shapes, 8x closer to the fp32 pieces' dkv). Read at each call.
-DET_PIECES = "fp32"
+#: issue 17's four shapes, 8x closer to the fp32 pieces' dkv). ``None`` (the default): pieces with as many significant
+#: bits as dkv itself, ``"bf16"`` for a bf16 ``kv``, ``"fp16"`` for an fp16 one and ``"fp32"`` otherwise. On the H200
+#: the bf16 pieces with 2 GiB took the deterministic backward to 0.83x-0.88x of the default's speed at issue 17's four
+#: shapes, against 0.61x-0.64x with fp32 pieces and 512 MiB (``dsa_bwd_deterministic_34a525d_h200_2026-12-07.md``);
+#: their dkv's mean error against float64 is about 1.6x the fp32 pieces' (docs/dsa_triton.md), within the
+#: flash-attention rule that the GPU tests check. Read at each call.
+DET_PIECES: str | None = None
 #: In deterministic mode on CUDA: whether each row chunk's runs of slots by key (a stable sort of its keys and a
 #: search, many small kernels) are formed a chunk ahead on a side stream, beside the probabilities kernels and the
 #: reductions, instead of between them on the caller's stream. The runs, and every bit of dkv, are the same either
@@ -585,7 +597,8 @@ def sparse_mla_bwd(
 
     rows_per_chunk = max(1, PDS_SCRATCH_BYTES // (2 * 2 * num_heads * k_slots))
     if compute_dkv and deterministic:
-        rows_per_chunk = min(rows_per_chunk, max(1, DETERMINISTIC_SCRATCH_ELEMENTS // (k_slots * d_qk * n_hb[2])))
+        piece_dtype = _piece_dtype(kv2d.dtype)
+        rows_per_chunk = min(rows_per_chunk, max(1, _scratch_elements(piece_dtype) // (k_slots * d_qk * n_hb[2])))
     streams = _dq_streams(fused and dq_sm90 is not None, dev)
     if streams is not None:  # two dS buffers (the fused kernels keep no P) in the budget of dS and P
         rows_per_chunk = min(rows_per_chunk, triton.cdiv(num_tokens, DQ_OVERLAP_MIN_CHUNKS))
@@ -608,7 +621,6 @@ def sparse_mla_bwd(
     reduce_side = streams is not None and fused and compute_dkv and deterministic and (DET_REDUCE_OVERLAP or partition)
     scales, group_cols = None, 0  # scaled fp16 pieces: scales, columns per scale group
     if compute_dkv and deterministic:
-        piece_dtype = _piece_dtype()
         batch = _reduce_batch(piece_dtype, n_hb[2])
         warps = _reduce_warps()
         n_pieces = rows_per_chunk * k_slots * n_hb[2]
@@ -772,11 +784,29 @@ def _partition_sms(device: torch.device) -> int:
 _SIDE_STREAMS: dict[tuple[int, str], torch.cuda.Stream] = {}
 
 
-def _piece_dtype() -> torch.dtype:
-    """The deterministic mode's piece dtype from :data:`DET_PIECES` (checked at each call)."""
-    if DET_PIECES not in DET_PIECES_MODES:
-        raise ValueError(f"sparse_mla_bwd.DET_PIECES must be one of {DET_PIECES_MODES}, got {DET_PIECES!r}")
+def _piece_dtype(kv_dtype: torch.dtype) -> torch.dtype:
+    """The deterministic mode's piece dtype from :data:`DET_PIECES` (checked at each call); ``None`` follows
+    ``kv_dtype``: bf16 and fp16 pieces for bf16 and fp16 keys, fp32 pieces otherwise."""
+    if DET_PIECES is not None and DET_PIECES not in DET_PIECES_MODES:
+        raise ValueError(f"sparse_mla_bwd.DET_PIECES must be None (pieces in dkv's own precision) or one of "
+                         f"{DET_PIECES_MODES}, got {DET_PIECES!r}")  # fmt: skip
+    if DET_PIECES is None:
+        return kv_dtype if kv_dtype in (torch.bfloat16, torch.float16) else torch.float32
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[DET_PIECES]
+
+
+def _scratch_elements(piece_dtype: torch.dtype) -> int:
+    """:data:`DETERMINISTIC_SCRATCH_ELEMENTS`, checked, or :data:`DETERMINISTIC_SCRATCH_BYTES` of ``piece_dtype``."""
+    elements = DETERMINISTIC_SCRATCH_ELEMENTS
+    if elements is None:
+        elements = DETERMINISTIC_SCRATCH_BYTES // piece_dtype.itemsize
+        what = f"DETERMINISTIC_SCRATCH_BYTES // {piece_dtype.itemsize}"
+    else:
+        what = "DETERMINISTIC_SCRATCH_ELEMENTS"
+    if not isinstance(elements, int) or isinstance(elements, bool) or elements < 1:
+        raise ValueError(f"sparse_mla_bwd.{what} must be an int >= 1 (None: DETERMINISTIC_SCRATCH_BYTES of pieces), "
+                         f"got {elements!r}")  # fmt: skip
+    return elements
 
 
 def _dq_sm90(plan, kv2d, common, ds_buf, dq, row0, rows, num_keys, k_slots, num_heads, d_v, d_r, has_len) -> None:
