@@ -11,8 +11,10 @@ float64 is the GPU tests' (``tests/gpu/test_dsa_triton_gpu.py -k deterministic``
 ``--bf16-pieces`` adds the bf16 pieces' variants, ``--fp16-pieces`` the scaled fp16 pieces' (``DET_PIECES = "fp16"``)
 beside bf16's at 2 GiB, ``--reduce-sweep`` the reduction's slots at a time and warps, ``--runs-in-line`` 2 GiB
 variants with each chunk's sort and search formed in line on the caller's stream (``DET_RUNS_AHEAD = False``).
-``--memcheck`` runs small deterministic backwards with scaled fp16 pieces through every producer of pieces for
-``compute-sanitizer`` (no report).
+``--accuracy`` writes ``dsa_bwd_deterministic_accuracy_<date>.md`` instead: dkv's error against the float64
+reference for the default backward and each pieces format (T = 2048, H = 64 and 128, K = 512). ``--memcheck`` runs
+small deterministic backwards with scaled fp16 pieces through every producer of pieces for ``compute-sanitizer`` (no
+report).
 """
 
 from __future__ import annotations
@@ -164,6 +166,63 @@ def memcheck() -> None:
                       flush=True)  # fmt: skip
 
 
+ACCURACY_CASES = ((2048, 64, 512), (2048, 128, 512))
+ACCURACY_VARIANTS = {
+    "default (fp32 atomics)": (False, {}),
+    "deterministic, the defaults (bf16 pieces)": (True, {}),
+    "deterministic, fp32 pieces": (True, {"DET_PIECES": "fp32"}),
+    "deterministic, scaled fp16 pieces": (True, {"DET_PIECES": "fp16"}),
+}
+
+
+def accuracy(out_dir: Path, cases) -> None:
+    """dkv's error against the float64 reference (``longtrain.dsa.reference``) per pieces format, beside the default
+    backward's and the float64 dkv's own rounding to bf16: what each format costs in accuracy."""
+    from longtrain.dsa.reference import sparse_mla_reference
+
+    dev = torch.device("cuda")
+    rows: list[dict] = []
+    for total, heads, topk in cases:
+        idx, length, _, _ = causal_index_sets([total], topk, dev)
+        q, kv = mla_inputs(total, heads, dev)
+        out, lse = run_fwd(q, kv, idx, length, None)
+        dout = torch.randn_like(out)
+        leaves = [q.double().requires_grad_(True), kv.double().requires_grad_(True)]
+        ref, _ = sparse_mla_reference(leaves[0], leaves[1], idx, D_QK**-0.5, d_v=D_V, topk_length=length)
+        want = torch.autograd.grad(ref, leaves[1], dout.double())[0].view(total, -1)
+        del ref, leaves
+        scale_mean, scale_max = want.abs().mean().item(), want.abs().max().item()
+        shape = f"T={total} H={heads} K={topk} 1doc"
+        floor = (want.to(torch.bfloat16).double() - want).abs()
+        floor_row = dict(mean_err=floor.mean().item() / scale_mean, max_err=floor.max().item() / scale_max)
+        rows.append(dict(shape=shape, variant="float64 dkv rounded to bf16 (the floor)", **floor_row))
+        base = None
+        for name, (det, settings) in ACCURACY_VARIANTS.items():
+            saved = {k: getattr(smb, k) for k in settings}
+            try:
+                for k, v in settings.items():
+                    setattr(smb, k, v)
+                dkv = run_bwd(q, kv, out, dout, lse, idx, length, deterministic=det)[1].view(total, -1)
+            finally:
+                for k, v in saved.items():
+                    setattr(smb, k, v)
+            err = (dkv.double() - want).abs()
+            row = dict(shape=shape, variant=name, mean_err=err.mean().item() / scale_mean,
+                       max_err=err.max().item() / scale_max)  # fmt: skip
+            base = row["mean_err"] if base is None else base
+            row["of_default"] = row["mean_err"] / base
+            print(row, flush=True)
+            rows.append(row)
+    write_report(
+        "dsa_bwd_deterministic_accuracy", rows, ["shape", "variant", "mean_err", "max_err", "of_default"],
+        "dkv of the sparse MLA backward (bf16 inputs, one document, random causal index sets) against the float64 "
+        "reference's: mean_err = mean |dkv - ref| / mean |ref|, max_err = max |dkv - ref| / max |ref|, of_default = "
+        "mean_err over the default backward's. Reproduce: "
+        f"`python benchmarks/dsa_bwd_deterministic.py {reproduce_args()}`.",
+        out_dir=out_dir, title="Sparse MLA backward: dkv's accuracy per pieces format",
+    )  # fmt: skip
+
+
 def main(out_dir: Path, cases: list[tuple[int, int, int]]) -> None:
     rows: list[dict] = []
     for total, heads, topk in cases:
@@ -189,6 +248,7 @@ if __name__ == "__main__":
     parser.add_argument("--bf16-pieces", action="store_true", help="also the bf16 pieces (DET_PIECES) variants")
     parser.add_argument("--fp16-pieces", action="store_true", help="also the scaled fp16 pieces' variants")
     parser.add_argument("--memcheck", action="store_true", help="small scaled fp16 backwards for compute-sanitizer")
+    parser.add_argument("--accuracy", action="store_true", help="dkv against float64 per pieces format (no timing)")
     parser.add_argument(
         "--runs-in-line",
         action="store_true",
@@ -205,5 +265,8 @@ if __name__ == "__main__":
     if args.memcheck:
         memcheck()
         sys.exit(0)
-    chosen = [tuple(int(x) for x in c.split(",")) for c in args.case] if args.case else list(CASES)
-    main(args.out_dir, chosen)
+    chosen = [tuple(int(x) for x in c.split(",")) for c in args.case] if args.case else None
+    if args.accuracy:
+        accuracy(args.out_dir, chosen or ACCURACY_CASES)
+    else:
+        main(args.out_dir, chosen or list(CASES))
