@@ -449,6 +449,27 @@ def test_ws_backward_schedule(monkeypatch, run, head_blocks, deterministic, expe
     assert ws.ws_bwd_schedule(1000, head_blocks, torch.device("cpu"), deterministic=deterministic) == expected
 
 
+@pytest.mark.parametrize(
+    "name,expected",
+    [("NVIDIA H200", (132, 0)), ("NVIDIA H100 80GB HBM3", (1000, 1)), ("NVIDIA A100-SXM4-80GB", (1000, 1))],
+    ids=["h200-one-program-per-sm", "h100-one-item", "other-one-item"],
+)  # fmt: skip
+def test_ws_backward_schedule_default_for_several_head_blocks_follows_the_gpu(monkeypatch, name, expected):
+    """Where a row has several head blocks, the default (``WS_BWD_RUN = None``) takes the GPU's entry of the measured
+    table ``WS_BWD_RUN_MULTI_BLOCK_BY_GPU`` (one program per SM on an H200), one item per program on any other GPU;
+    a row of one head block keeps runs of 2 and deterministic mode one item per program on every GPU."""
+    from longtrain.dsa.triton import sparse_mla_bwd_sm90_ws as ws
+
+    monkeypatch.setattr(ws, "WS_BWD_RUN", None)
+    monkeypatch.setattr(ws, "gpu_name", lambda device: name)
+    monkeypatch.setattr(ws, "sm_count", lambda device: 132)
+    dev = torch.device("cpu")
+    assert ws.ws_bwd_schedule(1000, 2, dev) == expected
+    assert ws.ws_bwd_schedule(100, 2, dev) == ((100, 0) if expected[1] == 0 else (100, 1))
+    assert ws.ws_bwd_schedule(1000, 1, dev) == (500, 2)
+    assert ws.ws_bwd_schedule(1000, 2, dev, deterministic=True) == (1000, 1)
+
+
 @pytest.mark.parametrize("run", [None, 3])
 def test_ws_backward_schedule_leaves_the_partitions_sms(monkeypatch, run):
     """With SMs reserved (``sparse_mla_bwd.DQ_PARTITION_SMS``), one program per SM on the others (``RUN = 0``), never

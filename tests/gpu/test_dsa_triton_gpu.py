@@ -564,7 +564,7 @@ def test_ws_backward_item_runs_equal_one_program_per_item(monkeypatch, T, H, K, 
     monkeypatch.setattr(ws, "ws_bwd_schedule", lambda *a, **kw: used.append(schedule(*a, **kw)) or used[-1])
     for run in (1, 3, 4, 0, None):
         monkeypatch.setattr(ws, "WS_BWD_RUN", run)
-        eff = (2 if H <= 64 else 1) if run is None else run  # None: the measured default
+        eff = (2 if H <= 64 else ws._multi_block_run(dev)) if run is None else run  # None: the measured default
         assert schedule(items, -(-H // 64), dev) == ((min(items, sms), 0) if eff == 0 else
                                                      (-(-items // eff), eff))  # fmt: skip
         used.clear()

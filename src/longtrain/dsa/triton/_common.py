@@ -19,6 +19,7 @@ __all__ = [
     "Unfit",
     "availability",
     "dot_precision",
+    "gpu_name",
     "indexer_fp8_unfit",
     "indexer_unfit",
     "interpreting",
@@ -47,6 +48,19 @@ def _sm_count_of(device_index: int) -> int:
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of CUDA ``device`` (cached per device): the wave of one-program-per-SM launches."""
     return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _gpu_name_of(device_index: int) -> str:
+    return torch.cuda.get_device_properties(device_index).name
+
+
+def gpu_name(device: torch.device) -> str:
+    """The CUDA ``device``'s name (cached per device; ``""`` for a device that is not CUDA): the key of the few
+    defaults that were measured to differ between GPUs of one architecture."""
+    if device.type != "cuda":
+        return ""
+    return _gpu_name_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def next_pow2(n: int) -> int:

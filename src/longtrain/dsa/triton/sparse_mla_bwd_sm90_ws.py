@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from longtrain.dsa.triton._common import sm_count
+from longtrain.dsa.triton._common import gpu_name, sm_count
 from longtrain.dsa.triton.sparse_mla_bwd_sm90 import _alias, _dkv_out
 from longtrain.dsa.triton.sparse_mla_fwd_sm90 import _cta_barrier, _gather_layout, _load_idx
 from longtrain.dsa.triton.sparse_mla_fwd_sm90_items import _items
@@ -60,6 +60,7 @@ __all__ = [
     "WS_BWD_NUM_REGS",
     "WS_BWD_PREFETCH_IDX",
     "WS_BWD_RUN",
+    "WS_BWD_RUN_MULTI_BLOCK_BY_GPU",
     "WS_BWD_STAGED_DS",
     "sparse_mla_bwd_sm90_ws_kernel",
     "ws_bwd_schedule",
@@ -92,7 +93,8 @@ WS_BWD_STAGED_DS = True
 # Items (query row, block of 64 heads) per program: a program runs WS_BWD_RUN consecutive items (1: one program per
 # item), or with 0 one program per SM takes the items pid, pid + G, ... Within a program the next item's first tile,
 # delta and [Q_v; dO] load under the current item's last tile (each column chunk as soon as that tile's dkv wgmma has
-# read it). None (the default): runs of 2 where a row is one item (at most 64 heads), one item per program otherwise.
+# read it). None (the default): runs of 2 where a row is one item (at most 64 heads), one item per program otherwise
+# (on an H200, one program per SM: WS_BWD_RUN_MULTI_BLOCK_BY_GPU).
 # Measured on an H100 in one run (benchmarks/results/dsa_bwd_item_runs_da4fc54_h100_2026-12-06.md): at T = 16384,
 # H = 64, K = 2048 the backward 36.76 / 37.05 ms with runs of 2 against 39.32 / 39.54 with one item per program (37.46-
 # 37.96 with 4 or 8), at T = 4096, H = 64 7.72 / 7.77 against 8.04 / 8.02; at T = 4096, H = 128, K = 512 runs of 2
@@ -103,6 +105,14 @@ WS_BWD_STAGED_DS = True
 # (dsa_bwd_deterministic_1c6aa75_h100_2026-12-06.md against dsa_bwd_deterministic_1081fc0_h100_2026-12-06.md).
 # Read at each launch.
 WS_BWD_RUN: int | None = None
+# WS_BWD_RUN's default where a row has more than one head block, by GPU (a substring of the device's name; the first
+# that matches; 1 where none does). On the H200 at 34a525d one program per SM (0) was the fastest at both 128-head
+# shapes of issue 17, in two rounds each: 5.158 / 5.164 ms at T = 4096, K = 512 against 5.276 / 5.263 with one item
+# per program, and 71.09 / 71.48 at T = 16384, K = 2048 against 72.58 / 72.00
+# (benchmarks/results/dsa_bwd_item_runs_34a525d_h200_2026-12-07.md). On H100s one item per program stayed as fast or
+# faster (5.545 / 5.540 ms against 5.580 / 5.562 at K = 512, dsa_bwd_item_runs_4e418b7_h100_2026-12-07.md). Read at
+# each launch.
+WS_BWD_RUN_MULTI_BLOCK_BY_GPU: tuple[tuple[str, int], ...] = (("H200", 0),)
 
 
 @gluon.jit
@@ -543,20 +553,28 @@ def sparse_mla_bwd_sm90_ws_kernel(
     )  # fmt: skip
 
 
+def _multi_block_run(device: torch.device) -> int:
+    """:data:`WS_BWD_RUN`'s measured default for rows of several head blocks on ``device``."""
+    name = gpu_name(device)
+    return next((run for key, run in WS_BWD_RUN_MULTI_BLOCK_BY_GPU if key in name), 1)
+
+
 def ws_bwd_schedule(
     num_items: int, head_blocks: int, device: torch.device, deterministic: bool = False, reserve_sms: int = 0
 ) -> tuple[int, int]:
     """``(programs, RUN)`` of a launch over ``num_items`` items, ``head_blocks`` per row (``WS_BWD_RUN``): one program
     per run of ``RUN`` consecutive items, or with ``RUN = 0`` one program per SM (never more than items) taking every
     G-th item. One program fits an SM. The default is one item per program in ``deterministic`` mode, whose row
-    chunks fill whole waves of one-item programs. ``reserve_sms > 0`` (the backward's SM partition): ``RUN = 0`` over
-    all SMs but ``reserve_sms``, which stay free for the kernels of another stream."""
+    chunks fill whole waves of one-item programs, runs of 2 where a row is one item, and otherwise
+    :data:`WS_BWD_RUN_MULTI_BLOCK_BY_GPU`'s entry for the GPU (one item per program where none matches).
+    ``reserve_sms > 0`` (the backward's SM partition): ``RUN = 0`` over all SMs but ``reserve_sms``, which stay free
+    for the kernels of another stream."""
     if reserve_sms:
         programs = sm_count(device) - reserve_sms
         return max(min(num_items, programs), 1), 0
     run = WS_BWD_RUN
     if run is None:
-        run = 2 if head_blocks == 1 and not deterministic else 1
+        run = 1 if deterministic else 2 if head_blocks == 1 else _multi_block_run(device)
     if not isinstance(run, int) or isinstance(run, bool) or run < 0:
         raise ValueError(f"WS_BWD_RUN must be None (the measured default) or an int >= 0 (0: one program per SM), "
                          f"got {run!r}")  # fmt: skip
