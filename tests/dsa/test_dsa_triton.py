@@ -313,7 +313,7 @@ def test_sparse_mla_deterministic_two_byte_pieces(triton_interpret, monkeypatch,
     monkeypatch.setattr(smb, "DET_PIECES", "fp8")
     with pytest.raises(
         ValueError,
-        match=r"DET_PIECES must be None \(pieces in dkv's own precision\) or one of "
+        match=r"DET_PIECES must be None \(bf16 pieces for bf16 inputs, else fp32\) or one of "
         r"\('fp32', 'bf16', 'fp16'\), got 'fp8'",
     ):
         grads("fp8")
@@ -323,18 +323,18 @@ def test_sparse_mla_deterministic_two_byte_pieces(triton_interpret, monkeypatch,
             grads(pieces)
 
 
-@pytest.mark.parametrize("dtype,follows", [(torch.float32, "fp32"), (torch.float16, "fp16")], ids=["fp32", "fp16"])
-def test_sparse_mla_deterministic_pieces_follow_dkv_precision_by_default(triton_interpret, monkeypatch, dtype, follows):
-    """``DET_PIECES = None`` (the default) stores the pieces with dkv's own precision: fp32 pieces for fp32 keys,
-    scaled fp16 pieces for fp16 keys (bf16 for bf16 keys: ``_piece_dtype``; the interpreter's bf16 dots are wrong, so
-    bf16 inputs run on the GPU, ``tests/gpu``), bit for bit the gradients of that mode set by name.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_sparse_mla_deterministic_pieces_default_by_input_dtype(triton_interpret, monkeypatch, dtype):
+    """``DET_PIECES = None`` (the default) stores bf16 pieces for bf16 keys (``_piece_dtype``; the interpreter's bf16
+    dots are wrong, so bf16 inputs run on the GPU, ``tests/gpu``) and fp32 pieces for fp32 and fp16 keys: here bit
+    for bit the gradients of ``DET_PIECES = "fp32"``.
     ``DETERMINISTIC_SCRATCH_ELEMENTS = None`` is ``DETERMINISTIC_SCRATCH_BYTES`` of pieces; the gradients do not
     depend on it, and a bad size is a ValueError naming the knob."""
     import longtrain.dsa.triton.sparse_mla_bwd as smb
     from longtrain.dsa.triton import sparse_mla_triton
 
     assert smb.DET_PIECES is None and smb.DETERMINISTIC_SCRATCH_ELEMENTS is None
-    assert smb._piece_dtype(torch.bfloat16) == torch.bfloat16 and smb._piece_dtype(torch.float16) == torch.float16
+    assert smb._piece_dtype(torch.bfloat16) == torch.bfloat16 and smb._piece_dtype(torch.float16) == torch.float32
     assert smb._piece_dtype(torch.float32) == torch.float32
     assert smb._scratch_elements(torch.bfloat16) == smb.DETERMINISTIC_SCRATCH_BYTES // 2 == 1 << 30
     assert smb._scratch_elements(torch.float32) == 1 << 29
@@ -351,12 +351,10 @@ def test_sparse_mla_deterministic_pieces_follow_dkv_precision_by_default(triton_
         return torch.autograd.grad(out, (q, kv), dout)
 
     default = grads()
-    named = grads(DET_PIECES=follows)
+    named = grads(DET_PIECES="fp32")
     small = grads(DET_PIECES=None, DETERMINISTIC_SCRATCH_ELEMENTS=K * D)  # one row per chunk
     for a, b, c in zip(default, named, small):
         assert torch.equal(a, b) and torch.equal(a, c)
-    if follows == "fp16":  # the pieces were rounded: not the fp32 pieces' dkv
-        assert not torch.equal(default[1], grads(DET_PIECES="fp32")[1])
     for bad in (0, -1, True, 2.0):
         with pytest.raises(ValueError, match=r"DETERMINISTIC_SCRATCH_ELEMENTS must be an int >= 1"):
             grads(DET_PIECES=None, DETERMINISTIC_SCRATCH_ELEMENTS=bad)

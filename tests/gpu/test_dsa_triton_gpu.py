@@ -378,7 +378,7 @@ def test_sparse_mla_deterministic_two_byte_pieces(monkeypatch, T, T_k, H, K, for
     monkeypatch.setattr(smb, "DET_PIECES", "fp8")
     with pytest.raises(
         ValueError,
-        match=r"DET_PIECES must be None \(pieces in dkv's own precision\) or one of "
+        match=r"DET_PIECES must be None \(bf16 pieces for bf16 inputs, else fp32\) or one of "
         r"\('fp32', 'bf16', 'fp16'\), got 'fp8'",
     ):
         out = sparse_mla_triton(q, kv, idx, scale, d_v=512, topk_length=length, deterministic=True, config=config)

@@ -130,8 +130,9 @@ DET_REDUCE_OVERLAP = False
 #: rounding per piece. ``"fp16"``: each piece row divided by a power of two (its scale, stored beside it in fp32; see
 #: :mod:`~longtrain.dsa.triton.sparse_mla_bwd_reduce`) and rounded to fp16, 11 significant bits at any gradient
 #: magnitude, for up to 3 % more bytes than bf16 and the scales' work (3-13 % slower than bf16 pieces on an H100 at
-#: issue 17's four shapes, 8x closer to the fp32 pieces' dkv). ``None`` (the default): pieces with as many significant
-#: bits as dkv itself, ``"bf16"`` for a bf16 ``kv``, ``"fp16"`` for an fp16 one and ``"fp32"`` otherwise. On the H200
+#: issue 17's four shapes, 8x closer to the fp32 pieces' dkv). ``None`` (the default): ``"bf16"`` for a bf16 ``kv``, as
+#: many significant bits as dkv itself, and ``"fp32"`` otherwise (scaled fp16 pieces have not been run with fp16
+#: inputs on a GPU, so fp16 inputs keep fp32 pieces until they are). On the H200
 #: the bf16 pieces with 2 GiB took the deterministic backward to 0.83x-0.88x of the default's speed at issue 17's four
 #: shapes, against 0.61x-0.64x with fp32 pieces and 512 MiB (``dsa_bwd_deterministic_34a525d_h200_2026-12-07.md``);
 #: their dkv's mean error against float64 is about 1.6x the fp32 pieces' (docs/dsa_triton.md), within the
@@ -785,13 +786,13 @@ _SIDE_STREAMS: dict[tuple[int, str], torch.cuda.Stream] = {}
 
 
 def _piece_dtype(kv_dtype: torch.dtype) -> torch.dtype:
-    """The deterministic mode's piece dtype from :data:`DET_PIECES` (checked at each call); ``None`` follows
-    ``kv_dtype``: bf16 and fp16 pieces for bf16 and fp16 keys, fp32 pieces otherwise."""
+    """The deterministic mode's piece dtype from :data:`DET_PIECES` (checked at each call); ``None``: bf16 pieces for
+    bf16 keys, fp32 pieces otherwise."""
     if DET_PIECES is not None and DET_PIECES not in DET_PIECES_MODES:
-        raise ValueError(f"sparse_mla_bwd.DET_PIECES must be None (pieces in dkv's own precision) or one of "
+        raise ValueError(f"sparse_mla_bwd.DET_PIECES must be None (bf16 pieces for bf16 inputs, else fp32) or one of "
                          f"{DET_PIECES_MODES}, got {DET_PIECES!r}")  # fmt: skip
     if DET_PIECES is None:
-        return kv_dtype if kv_dtype in (torch.bfloat16, torch.float16) else torch.float32
+        return torch.bfloat16 if kv_dtype == torch.bfloat16 else torch.float32
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[DET_PIECES]
 
 
