@@ -103,3 +103,34 @@ def test_worker_on_cpu_skips(caplog):
     with caplog.at_level(logging.INFO, logger="longtrain.prewarm"):
         assert prewarm._prewarm_blockdiag_autotune([ToyAttention()], "cpu") is False
     assert "Skipping block-diagonal attention autotune prewarm: device=cpu" in caplog.text
+
+
+def _raise_launch_failure(*args, **kwargs):
+    raise RuntimeError("simulated kernel launch failure")
+
+
+def test_backend_that_raises_on_every_pass_is_reported_failed_not_ran(cpu_device, monkeypatch, caplog):
+    # warmup() swallows a backend's exception (a training step falls back to the dense path), so nothing was
+    # compiled or tuned: the prewarm must not report "ran".
+    monkeypatch.setattr("longtrain.blockdiag_cp.warmup.attend", _raise_launch_failure)
+    previous = configure_cp_varlen(attn_backend="reference")
+    try:
+        with caplog.at_level(logging.INFO, logger="longtrain.prewarm"):
+            report = prewarm.run_prewarms(prewarm.PrewarmConfig(blockdiag_autotune=True), [ToyAttention()], "cuda")
+    finally:
+        configure_cp_varlen(**previous)
+    step = report.step("blockdiag_autotune")
+    assert step.status == "failed" and step.result is False and step.errors == 1
+    assert "nothing was warmed" in step.reason and "dense path" in step.reason
+    assert "blockdiag autotune prewarm failed for" in caplog.text  # logged at ERROR with the reason
+
+
+def test_dense_backend_is_a_skip_not_a_run(cpu_device):
+    previous = configure_cp_varlen(attn_backend="dense")
+    try:
+        report = prewarm.run_prewarms(prewarm.PrewarmConfig(blockdiag_autotune=True), [ToyAttention()], "cuda")
+    finally:
+        configure_cp_varlen(**previous)
+    step = report.step("blockdiag_autotune")
+    assert step.status == "skipped" and step.result is False
+    assert "'dense'" in step.reason
