@@ -106,3 +106,49 @@ def test_comm_groups_without_process_group(caplog):
     with caplog.at_level(logging.INFO, logger="longtrain.prewarm"):
         assert prewarm._prewarm_comm_groups([nn.Linear(2, 2)], None) == 0
     assert "Skipping comm-group prewarm: torch.distributed is not initialized." in caplog.text
+
+
+class _PPMesh:
+    """A pipeline submesh stand-in whose ``get_group`` fails on the ranks listed in ``failing``."""
+
+    def __init__(self, failing: tuple[int, ...]):
+        self.failing = failing
+
+    def get_group(self):
+        if dist.get_rank() in self.failing:
+            raise RuntimeError("simulated: cannot resolve the pp group on this rank")
+        return dist.group.WORLD
+
+
+def _one_rank_cannot_resolve_pp_rank(rank: int, world: int) -> dict:
+    report, calls = _count_all_reduces(
+        lambda: prewarm.run_prewarms(
+            prewarm.PrewarmConfig(comm_groups=True), [nn.Linear(2, 2)], "cpu", pp_mesh=_PPMesh((1,))
+        )
+    )
+    step = report.step("comm_groups")
+    both = prewarm._prewarm_comm_groups([nn.Linear(2, 2)], "cpu", pp_mesh=_PPMesh((0, 1)))  # all ranks alike: fine
+    ok = prewarm._prewarm_comm_groups([nn.Linear(2, 2)], "cpu", pp_mesh=_PPMesh(()))
+    bad_device = prewarm.run_prewarms(
+        prewarm.PrewarmConfig(comm_groups=True), [nn.Linear(2, 2)], "bogus" if rank == 0 else "cpu", pp_mesh=_PPMesh(())
+    ).step("comm_groups")
+    return {
+        "status": step.status,
+        "reason": step.reason,
+        "calls": calls,
+        "both": both,
+        "ok": ok,
+        "bad_device": (bad_device.status, bad_device.reason),
+    }
+
+
+@pytest.mark.dist
+def test_one_rank_failing_to_resolve_its_groups_fails_every_rank_without_a_collective(gloo):
+    # Before: rank 1 logged the pp failure and returned while rank 0 all-reduced on the pp group and waited for it.
+    results = gloo(_one_rank_cannot_resolve_pp_rank, 2, timeout=45)
+    for out in results:
+        assert out["status"] == "failed" and out["calls"] == []  # no rank issued a collective
+        assert "ranks disagree on the process groups" in out["reason"] and "rank 1" in out["reason"]
+        assert out["both"] == 0 and out["ok"] == 1
+        status, reason = out["bad_device"]  # rank 0 cannot even build its device: both ranks fail, none waits
+        assert status == "failed" and "rank(s) [0] could not list their process groups" in reason and "bogus" in reason

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -16,6 +17,35 @@ def _comm_device(device: torch.device | int | str | None) -> torch.device:
     if device is None:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     return _normalize_device(device)
+
+
+def _agree_on_groups(dist: Any, ranks_of_groups: list[list[int]] | None, error: str | None) -> None:
+    """Before any collective, every rank publishes (through the default store) the ranks of the groups it will
+    all-reduce on, in order, or the error that stopped it; every rank then raises the same ``RuntimeError`` when a
+    rank failed or two ranks would issue their shared groups differently (the one that waits would hang)."""
+    from longtrain.blockdiag_cp import consensus, state
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    payload = json.dumps({"error": error, "groups": ranks_of_groups})
+    views = [json.loads(p) for p in consensus.exchange_fingerprints(None, rank, world, payload, state.step_timeout_s())]
+    failed = {r: v["error"] for r, v in enumerate(views) if v["error"] is not None}
+    if failed:
+        detail = "; ".join(f"rank {r}: {e}" for r, e in failed.items())
+        raise RuntimeError(
+            f"comm-group prewarm: rank(s) {sorted(failed)} could not list their process groups ({detail}); no rank "
+            "issued a collective. Fix that rank's device / model parts / pp_mesh, or turn comm_groups off on every rank"
+        )
+    for r, view in enumerate(views):
+        for m in range(r + 1, world):
+            mine = [g for g in view["groups"] if m in g]
+            theirs = [g for g in views[m]["groups"] if r in g]
+            if mine != theirs:
+                raise RuntimeError(
+                    f"comm-group prewarm: ranks disagree on the process groups they share: rank {r} would all-reduce "
+                    f"on {mine}, rank {m} on {theirs}; no rank issued a collective. Every rank of a group must pass "
+                    "model parts with the same DTensor placements and the same pp_mesh (a rank whose pp group failed "
+                    "to resolve is logged above)"
+                )
 
 
 def _grad_norm_groups(model_parts: list[torch.nn.Module], pp_mesh: DeviceMesh | None) -> list[Any]:
@@ -44,7 +74,7 @@ def _grad_norm_groups(model_parts: list[torch.nn.Module], pp_mesh: DeviceMesh | 
         try:
             pp_group = pp_mesh.get_group()
         except Exception:
-            _log_failure("Failed to resolve the PP mesh process group; skipping its prewarm.")
+            _log_failure("Failed to resolve the PP mesh process group; skipping its prewarm.")  # ranks agree below
             pp_group = None
         if pp_group is not None and id(pp_group) not in seen:
             seen.add(id(pp_group))
@@ -66,9 +96,12 @@ def _prewarm_comm_groups(
     group last) and issues a one-element SUM all-reduce of a zero fp32 scalar on each group.
 
     This is a collective: every rank must call it, and it issues the groups in parameter order, which is the
-    same on every rank of a stage. It covers all parameters (also frozen ones), a superset of what clipping
-    reduces; FSDP/TP/EP/CP collectives of the forward and backward are not warmed here. Collective errors
-    propagate (``PrewarmConfig.apply`` logs them).
+    same on every rank of a stage. Before the first collective the ranks compare their group lists through the
+    default store: when one rank cannot list its groups (a bad device, a ``get_group`` error) or would issue a
+    shared group in a different order or not at all (e.g. its ``pp_mesh`` group failed to resolve), every rank
+    raises the same ``RuntimeError`` and none issues a collective, instead of the others waiting. It covers all
+    parameters (also frozen ones), a superset of what clipping reduces; FSDP/TP/EP/CP collectives of the forward
+    and backward are not warmed here. Collective errors propagate (``PrewarmConfig.apply`` logs them).
 
     Args:
         model_parts: model parts whose DTensor parameters define the groups.
@@ -83,8 +116,17 @@ def _prewarm_comm_groups(
     if not dist.is_available() or not dist.is_initialized():
         _skip("Skipping comm-group prewarm: torch.distributed is not initialized.")
         return 0
-    dev = _comm_device(device)
-    groups = _grad_norm_groups(model_parts, pp_mesh)
+    dev, groups, error = None, [], None
+    try:
+        dev = _comm_device(device)
+        groups = _grad_norm_groups(model_parts, pp_mesh)
+    except Exception as exc:
+        if dist.get_world_size() == 1:
+            raise
+        error = f"{type(exc).__name__}: {exc}"
+    if dist.get_world_size() > 1:
+        ranks = None if error is not None else [dist.get_process_group_ranks(g) for g in groups]
+        _agree_on_groups(dist, ranks, error)
     if not groups:
         _skip("Skipping comm-group prewarm: no sharded DTensor parameter and no pipeline group.")
         return 0
