@@ -47,6 +47,22 @@ def test_constructor_rejects_bad_seq_len(bad):
         PrewarmConfig(fla_gdn_seq_len=bad)
 
 
+@pytest.mark.parametrize(
+    "field,bad",
+    [("cublas_backward", "false"), ("comm_groups", 1), ("mamba_ssd_autotune", None), ("fla_gdn_seq_len", -1)],
+    ids=["str-false-switch", "int-switch", "None-switch", "negative-seq-len"],
+)
+def test_assignment_after_construction_is_validated_and_leaves_the_config_unchanged(field, bad):
+    # Before: cfg.cublas_backward = "false" was accepted and, being truthy, turned the cuBLAS prewarm on.
+    cfg = PrewarmConfig(comm_groups=True)
+    before = cfg.to_dict()
+    with pytest.raises(PrewarmConfigError, match=field):
+        setattr(cfg, field, bad)
+    assert cfg.to_dict() == before
+    setattr(cfg, field, 4096 if field == "fla_gdn_seq_len" else True)  # a valid value still assigns
+    assert getattr(cfg, field) == (4096 if field == "fla_gdn_seq_len" else True)
+
+
 @pytest.mark.parametrize("section", [None, False, {}], ids=["missing-or-null", "false", "empty"])
 def test_from_dict_off_sections(section):
     assert PrewarmConfig.from_dict(section) == PrewarmConfig()

@@ -55,16 +55,11 @@ class PrewarmConfig:
     """longtrain's block-diagonal varlen attention backend (the one ``configure_cp_varlen`` selected), per
     ``blockdiag_attention_shape()`` found in the model: JIT compiles, cuDNN graphs, autotuning. Needs CUDA."""
 
-    def __post_init__(self) -> None:
-        for name in _SWITCHES:
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise PrewarmConfigError(
-                    f"PrewarmConfig.{name} must be a bool (true/false), got {type(value).__name__} {value!r}"
-                )
-        n = self.fla_gdn_seq_len
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-            raise PrewarmConfigError(f"PrewarmConfig.fla_gdn_seq_len must be a positive int or None, got {n!r}")
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Every assignment is checked (the constructor's and a later ``cfg.comm_groups = ...``): a truthy non-bool
+        # such as "false" would otherwise turn a prewarm on. An invalid value leaves the field as it was.
+        _check_field(name, value)
+        super().__setattr__(name, value)
 
     @classmethod
     def from_dict(cls, section: Any) -> PrewarmConfig:
@@ -157,6 +152,19 @@ class PrewarmConfig:
             _pkg().run_prewarms(self, model_parts, device, batch_size=batch_size, pp_mesh=pp_mesh)
         except Exception:
             _log().exception("Prewarm failed; continuing without it.")
+
+
+def _check_field(name: str, value: Any) -> None:
+    if name in _SWITCHES and not isinstance(value, bool):
+        raise PrewarmConfigError(
+            f"PrewarmConfig.{name} must be a bool (true/false), got {type(value).__name__} {value!r}"
+        )
+    if (
+        name == "fla_gdn_seq_len"
+        and value is not None
+        and (isinstance(value, bool) or not isinstance(value, int) or value < 1)
+    ):
+        raise PrewarmConfigError(f"PrewarmConfig.fla_gdn_seq_len must be a positive int or None, got {value!r}")
 
 
 def _valid_keys() -> list[str]:
