@@ -100,6 +100,27 @@ def test_one_process_equals_per_document(family, tail):
     _check_grads(ours, ref_grads)
 
 
+@pytest.mark.parametrize("lead", [1, 3], ids=["one_leading_pad", "three_leading_pads"])
+@pytest.mark.parametrize("family", ["glm", "deepseek"])
+def test_leading_padding_equals_per_document(family, lead):
+    """A row that starts with padding (attention_mask 0, as a left-padded batch has): the padding is a document of
+    its own whose rows attend nothing, and the documents after it equal Hugging Face's run on each alone. It used to
+    raise a ValueError about cu_seqlens (which the caller never passed): the padding became an empty document."""
+    ours, ref = _models(family)
+    ids, pos, labels = _row()
+    ref_logits, ref_loss, ref_grads = _per_document(ref, ids, labels)
+    pad_ids = torch.randint(1, 64, (1, lead), generator=torch.Generator().manual_seed(2))
+    ids = torch.cat([pad_ids, ids], dim=1)
+    pos = torch.cat([torch.arange(lead)[None], pos], dim=1)
+    labels = torch.cat([torch.full((1, lead), -100), labels], dim=1)
+    mask = torch.tensor([[0] * lead + [1] * sum(LENS)])
+    out = ours(input_ids=ids, position_ids=pos, labels=labels, attention_mask=mask)
+    out.loss.backward()
+    _close(out.logits[:, lead:], ref_logits, "logits")
+    _close(out.loss, ref_loss, "loss")
+    _check_grads(ours, ref_grads)
+
+
 def test_shared_layers_reuse_the_previous_top_k(monkeypatch):
     from longtrain.integrations import hf_dsa
 

@@ -84,13 +84,15 @@ def _make_forward(family: str, backend: str, indexer_fp8: bool = False):
 
 def _runs(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cu_real, cu_storage)`` int32 of flattened ids (0 == padding): every document's real tokens are one run,
-    padding after a document is its storage tail, padding before the first document an empty document's."""
+    padding after a document is its storage tail. Padding before the first document is a document of its own with
+    one "real" row (the metadata rejects empty documents); the padding mask marks every one of its rows, so none of
+    them attends anything and no other document can reach its key."""
     real, storage, prev = [0], [0], None
     seen: set[int] = set()
     for pos, value in enumerate(doc_ids.flatten().cpu().tolist()):
         if value == 0:
             if prev is None:  # leading padding
-                real.append(real[-1])
+                real.append(real[-1] + 1)
                 storage.append(storage[-1])
             storage[-1], prev = pos + 1, 0
             continue
