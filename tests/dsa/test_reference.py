@@ -61,6 +61,20 @@ def test_indexer_topk_reference_picks_largest_then_sorts_and_breaks_ties_low():
     assert wide.tolist() == [[0, 1, -1, -1]]
 
 
+@pytest.mark.parametrize(
+    "starts,lengths,want",
+    [([4], [5], [[4, 5, -1]]), ([5], [3], [[5, -1, -1]]), ([7], [3], [[-1, -1, -1]])],
+    ids=["window_past_the_last_key", "one_key_left", "window_wholly_past_the_keys"],
+)
+def test_indexer_topk_reference_clips_a_window_to_the_keys_that_exist(starts, lengths, want):
+    """A window reaching past the key rows selects only its keys that exist, as the Triton kernels clip it: the
+    reference used to fill the rest of ``min(K, causal_length)`` with ineligible (-inf scored) keys outside it."""
+    k = torch.tensor([[3.0], [1.0], [3.0], [2.0], [3.0], [5.0]], dtype=torch.float64)
+    q, w = torch.ones(1, 1, 1, dtype=torch.float64), torch.ones(1, 1, dtype=torch.float64)
+    got = ref.indexer_topk_reference(q, k, w, torch.tensor(starts), torch.tensor(lengths), 3)
+    assert got.tolist() == want
+
+
 def _loop_sparse_mla(q, kv, idx, scale, d_v, lengths, sink):
     """Per (row, head) softmax over the slot list, with the sink as a zero-value logit."""
     num_q, num_h, _ = q.shape

@@ -138,8 +138,9 @@ def indexer_topk_reference(
     """Indexer top-k in the canonical form: ``[T_q, K] int32``.
 
     Row ``t`` selects the ``min(K, causal_lengths[t])`` keys with the largest :func:`indexer_scores` among
-    ``[starts[t], starts[t] + causal_lengths[t])``; equal scores are broken toward the smaller key index. The
-    row holds the selected global key indices in ascending order followed by ``-1``.
+    ``[starts[t], starts[t] + causal_lengths[t])`` (clipped to the key rows ``[0, T_k)``); equal scores are broken
+    toward the smaller key index. The row holds the selected global key indices in ascending order followed by
+    ``-1``.
     """
     total_keys = index_k.shape[0]
     eligible = _window_mask(starts, causal_lengths, total_keys)
@@ -149,7 +150,8 @@ def indexer_topk_reference(
     order = torch.sort(scores, dim=1, descending=True, stable=True).indices
     width = min(index_topk, total_keys)
     chosen = order[:, :width]
-    count = torch.clamp(causal_lengths.to(torch.int64), max=index_topk)[:, None]
+    # The row's keys that exist: a window reaching past the key rows is clipped to them (as the kernels clip it).
+    count = torch.clamp(eligible.sum(dim=1), max=index_topk)[:, None]
     slot = torch.arange(width, device=chosen.device)[None, :]
     # Sort the selected prefix ascending; unselected slots get a key larger than any index, then -1.
     chosen = torch.where(slot < count, chosen, total_keys).sort(dim=1).values
