@@ -135,7 +135,7 @@ def _unchanged(batch: dict, snap: dict) -> bool:
     for k, (obj, copy) in snap.items():
         if batch[k] is not obj:
             return False
-        if isinstance(copy, torch.Tensor) and not torch.equal(obj, copy):
+        if isinstance(copy, torch.Tensor) and not copy.is_meta and not torch.equal(obj, copy):  # meta: no data
             return False
     return True
 
@@ -158,6 +158,10 @@ def _valid():
         (lambda b: b.pop("input_ids"), 2, ValueError, "exactly one of"),
         (lambda b: b.update(_packed_seq_ids=torch.ones(1, 9, dtype=torch.int64)), 2, ValueError, "shape"),
         (lambda b: b.update(_packed_seq_ids=torch.ones(1, 10)), 2, TypeError, "integer"),
+        # a bool row has no document ids: [True] * n read as one document would merge every document of the row
+        (lambda b: b.update(_packed_seq_ids=torch.ones(1, 10, dtype=torch.bool)), 2, TypeError, "integer"),
+        (lambda b: b.update(_packed_seq_ids=torch.ones(1, 10, dtype=torch.long, device="meta")), 2, ValueError, "meta"),
+        (lambda b: b.update(cu_seq_lens_q=torch.tensor([0, 3, 5, 8], device="meta")), 2, ValueError, "meta"),
         (lambda b: b.update(_packed_seq_ids=torch.tensor([[0, 0, 1, 1, 1, 2, 2, 2, 2, 2]])), 2, ValueError, "tail"),
         (lambda b: b.update(_packed_seq_ids=torch.tensor([[1, 1, 2, 2, 1, 1, 3, 3, 0, 0]])), 2, ValueError, "runs"),
         (lambda b: b.update(labels=torch.arange(9)[None]), 2, ValueError, "labels"),
@@ -170,6 +174,9 @@ def _valid():
         "no_primary",
         "ids_shape",
         "float_ids",
+        "bool_ids",
+        "meta_ids",
+        "meta_offsets",
         "left_padding",
         "split_document",
         "labels_len",

@@ -144,10 +144,16 @@ def _ids_from_positions(pos: torch.Tensor, seq_len: int, batch_size: int) -> tor
 def _boundary_sources(batch: dict, seq_len: int, batch_size: int) -> list[_Source]:
     """Every boundary-carrying key of the batch, in precedence order (host tensors, ``[B, S]``)."""
     out: list[_Source] = []
+    for key in ("_packed_seq_ids", "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "position_ids", "attention_mask"):
+        t = batch.get(key)
+        if isinstance(t, torch.Tensor) and t.is_meta:
+            raise ValueError(f"batch[{key!r}] is on the meta device (no data); pass the real tensor of the row")
     ids = batch.get("_packed_seq_ids")
     if isinstance(ids, torch.Tensor):
-        if ids.dtype.is_floating_point or ids.dtype.is_complex:
-            raise TypeError(f"batch['_packed_seq_ids'] must be an integer tensor, got {ids.dtype}")
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise TypeError(
+                f"batch['_packed_seq_ids'] must be an integer tensor of document ids (0 == padding), got {ids.dtype}"
+            )
         host = ids.detach().to("cpu", torch.int64)
         host = host[None] if host.dim() == 1 else host
         out.append(_Source("_packed_seq_ids", host, True, host == 0))
