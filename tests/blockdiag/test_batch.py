@@ -306,3 +306,23 @@ def test_nested_contexts_restore_the_outer_state(group_world):
             assert state._CP_BLOCKDIAG_STATE.get().row_offset == 6
         assert state._CP_BLOCKDIAG_STATE.get() is outer
     assert state._CP_BLOCKDIAG_STATE.get() is None
+
+
+@pytest.mark.parametrize("sharding", ["contiguous", "balanced"])
+def test_unshard_refuses_parts_that_are_not_the_ranks_rows(group_world, sharding):
+    """``layout.unshard`` on tensors whose ``dim`` is not the rank's ``L`` rows (a hidden state ``[L, H]`` with the
+    default ``dim=1``, a full-row tensor) is a ``ValueError`` on both plans, not rows of the wrong axis."""
+    group_world(2)
+    ids = torch.tensor([[1, 1, 1, 2, 2, 2, 2, 0, 0, 0]])  # S = 10 -> padded 12, L = 6
+    layouts = [
+        _shard({"input_ids": torch.arange(10)[None], "_packed_seq_ids": ids.clone()}, 2, r, sharding=sharding)[2]
+        for r in range(2)
+    ]
+    hidden = torch.arange(12.0)[:, None] * 10 + torch.arange(8.0)  # [S_full, H]: row p holds 10 p + h
+    parts = [layouts[0].step.shard_plan.gather(hidden, r, dim=0) for r in range(2)]  # [L, H] per rank
+    assert torch.equal(layouts[0].unshard(parts, dim=0), hidden[:10])
+    assert torch.equal(layouts[0].unshard([p[None] for p in parts]), hidden[None, :10])
+    with pytest.raises(ValueError, match="local rows of rank 0 along dim"):
+        layouts[0].unshard(parts)  # dim=1 is H here
+    with pytest.raises(ValueError, match="local rows of rank 0 along dim"):
+        layouts[0].unshard([hidden, hidden], dim=0)

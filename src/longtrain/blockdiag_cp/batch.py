@@ -55,15 +55,23 @@ class ShardLayout:
         in the list form."""
         step = self.step
         world = step.world_size if step is not None else 1
-        if isinstance(local, (list, tuple)):
-            parts = list(local)
-        elif world == 1:
-            parts = [local]
-        else:
+        single = not isinstance(local, (list, tuple))
+        parts = [local] if single else list(local)
+        if not single and len(parts) != world:
+            raise ValueError(f"unshard takes this rank's tensor or one tensor per rank ({world}), got {len(parts)}")
+        local_len = self.padded_seq_len // world
+        for r, part in enumerate(parts):
+            ok = isinstance(part, torch.Tensor) and -part.dim() <= dim < part.dim() and part.shape[dim] == local_len
+            if not ok:
+                got = tuple(part.shape) if isinstance(part, torch.Tensor) else type(part).__name__
+                raise ValueError(
+                    f"unshard takes the {local_len} local rows of {'this rank' if single else f'rank {r}'} along dim "
+                    f"{dim}, got a tensor of shape {got}; pass dim= the sequence axis of the local tensor (e.g. dim=0 "
+                    "for [L, H])"
+                )
+        if single and world > 1:
             parts = [torch.empty_like(local) for _ in range(world)]
             torch.distributed.all_gather(parts, local.contiguous(), group=step.group)
-        if len(parts) != world:
-            raise ValueError(f"unshard takes this rank's tensor or one tensor per rank ({world}), got {len(parts)}")
         if step is None or step.contiguous:
             joined = torch.cat(parts, dim=dim)
         else:
