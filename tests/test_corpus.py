@@ -54,3 +54,28 @@ def test_default_padding_rule_is_unchanged():
     assert max(pads) < 512 and sum(pads) > 0
     with pytest.raises(ValueError, match="max_pad"):
         PackedStream(64, max_pad=-1)
+
+
+@pytest.mark.parametrize(
+    "seq_len, kwargs",
+    [(256, {"max_doc": 5000, "max_pad": 1000}), (256, {"min_doc": 300, "max_doc": 400})],
+    ids=["max-pad-over-row", "min-doc-over-row"],
+)
+def test_a_row_is_never_all_padding(seq_len, kwargs):
+    """A first span longer than the row is truncated to the row even when the gap rule would drop it: an all-padding
+    row has no label, and its loss is 0 / 0 = NaN."""
+    stream = PackedStream(seq_len, seed=0, **kwargs)
+    for _ in range(20):
+        row = stream.next_row()
+        assert row.num_documents >= 1
+        assert int((row.labels != IGNORE_INDEX).sum()) >= 1
+
+
+@pytest.mark.parametrize("documents, shortest", [("chapters", 503), ("books", 6663)], ids=["chapters", "books"])
+def test_min_doc_longer_than_a_document_is_refused_up_front(documents, shortest):
+    """A span never exceeds its document: min_doc above the shortest document is a clear ValueError at construction,
+    not 'empty range for randrange()' at whichever row first draws that document."""
+    assert min(len(d) for d in load_documents(documents)) == shortest
+    PackedStream(32768, min_doc=shortest, max_doc=32768, documents=documents)
+    with pytest.raises(ValueError, match=f"min_doc={shortest + 1} is longer than the shortest {documents} document"):
+        PackedStream(32768, min_doc=shortest + 1, max_doc=32768, documents=documents)

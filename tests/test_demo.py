@@ -184,6 +184,8 @@ def test_demo_config_unknown_key(tmp_path, capsys):
         ("progress: 'no'\n", "progress must be true or false, got 'no'"),
         ("lr: true\n", "--lr must be a positive number, got True"),
         ("max_pad: true\n", "max_pad must be null or an integer >= 0, got True"),
+        ("min_doc: 600\nmax_doc: 2000\n", "min_doc=600 is longer than the shortest chapters document (503 tokens)"),
+        ("documents: books\nmin_doc: 7000\nmax_doc: 9000\n", "min_doc=7000 is longer than the shortest books"),
     ],
     ids=[
         "prewarm-true",
@@ -200,6 +202,8 @@ def test_demo_config_unknown_key(tmp_path, capsys):
         "progress-str",
         "lr-bool",
         "max-pad-bool",
+        "min-doc-over-a-chapter",
+        "min-doc-over-a-book",
     ],  # fmt: skip
 )
 def test_demo_config_sections_checked_before_any_rank_starts(tmp_path, capsys, yaml_text, message, monkeypatch):

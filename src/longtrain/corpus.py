@@ -12,6 +12,7 @@ several document spans back to back, then a padding tail:
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass
 from importlib import resources
@@ -42,6 +43,13 @@ def load_documents(documents: str = "chapters") -> list[bytes]:
         title = chapter.split(b"\n", 1)[0]
         books.setdefault(title.rsplit(b" ", 1)[0], []).append(chapter)
     return [b"\n\n".join(parts) for parts in books.values()]
+
+
+@functools.cache
+def shortest_document(documents: str = "chapters") -> int:
+    """Tokens in the shortest document of :func:`load_documents` (``documents``); a span never exceeds its document,
+    so ``min_doc`` may not either."""
+    return min(len(d) for d in load_documents(documents))
 
 
 @dataclass(frozen=True)
@@ -97,7 +105,8 @@ class PackedStream:
     tail, so every row has several documents of varied length and (almost always) some padding. A span never
     exceeds its document, so chapters give spans of at most 9.2K tokens and books reach ``max_doc``. A gap longer
     than ``max_pad`` tokens at the end of a row takes a truncated span (None: gaps of ``max(min_doc, seq_len // 4)``
-    or more do, so up to a quarter of a row may be padding).
+    or more do, so up to a quarter of a row may be padding). A row is never all padding: when not even its first span
+    fits, that span is truncated to the row. ``min_doc`` may not exceed the shortest document.
     """
 
     def __init__(
@@ -121,6 +130,12 @@ class PackedStream:
             raise ValueError(f"max_pad must be None or an int >= 0, got {max_pad!r}")
         self.fill_from = max(self.min_doc, seq_len // 4) if max_pad is None else max(2, max_pad + 1)
         self.docs = load_documents(documents)
+        shortest = shortest_document(documents)
+        if self.min_doc > shortest:  # a span never exceeds its document
+            raise ValueError(
+                f"min_doc={self.min_doc} is longer than the shortest {documents} document ({shortest} tokens); "
+                f"use min_doc <= {shortest}"
+            )
         self.rng = random.Random(seed)
 
     def _span(self) -> bytes:
@@ -136,8 +151,9 @@ class PackedStream:
             span = self._span()
             if used + len(span) > self.seq_len:
                 room = self.seq_len - used
-                # A short gap stays as the padding tail; a large one takes a truncated span.
-                if room >= self.fill_from:
+                # A short gap stays as the padding tail; a large one takes a truncated span, and so does an empty row
+                # (all padding has no label: its loss would be 0 / 0).
+                if room >= self.fill_from or not spans:
                     spans.append(span[:room])
                     used += room
                 break

@@ -131,12 +131,17 @@ class DemoConfig:
             raise DemoConfigError(f"--dtype must be one of auto, float32, bfloat16; got {self.dtype!r}")
         if not (_number(self.lr) and math.isfinite(self.lr) and self.lr > 0):
             raise DemoConfigError(f"--lr must be a positive number, got {self.lr!r}")
-        from longtrain.corpus import DOCUMENTS
+        from longtrain.corpus import DOCUMENTS, shortest_document
 
         if self.documents not in DOCUMENTS:
             raise DemoConfigError(f"--documents must be one of {', '.join(DOCUMENTS)}; got {self.documents!r}")
         if not _positive_int(self.min_doc) or self.min_doc < 2:
             raise DemoConfigError(f"min_doc must be an integer >= 2 (one input, one label), got {self.min_doc!r}")
+        if self.min_doc > (shortest := shortest_document(self.documents)):
+            raise DemoConfigError(
+                f"min_doc={self.min_doc} is longer than the shortest {self.documents} document ({shortest} tokens), "
+                f"and a span never exceeds its document: use min_doc <= {shortest}"
+            )
         if self.max_doc is not None and (not _positive_int(self.max_doc) or self.max_doc < self.min_doc):
             raise DemoConfigError(f"max_doc must be null or an integer >= min_doc={self.min_doc}, got {self.max_doc!r}")
         if self.doc_span_max < self.min_doc:
