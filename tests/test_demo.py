@@ -444,3 +444,38 @@ def test_demo_balanced_sharding_parity_passes(tmp_path):
     parity = [line for line in res.stdout.splitlines() if line.startswith("parity:")]
     assert len(parity) == 1 and parity[0].endswith("OK"), res.stdout
     assert json.loads((out / "summary.json").read_text())["sharding"] == "balanced"
+
+
+def test_torchrun_world_that_does_not_divide_seq_len_exits_2_before_launch(monkeypatch, capsys):
+    """Under torchrun the WORLD_SIZE ranks are the CP group: a world that does not divide the row is a clean exit 2
+    naming WORLD_SIZE, not a DemoConfigError traceback from inside launch on every rank."""
+    started = []
+    monkeypatch.setattr(train, "launch", lambda cfg: started.append(cfg))
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "0")
+    assert _cli(["demo", "--steps", "1", "--seq-len", "256", "--no-prewarm"]) == 2
+    err = capsys.readouterr().err
+    assert "WORLD_SIZE=3" in err and "not divisible by 2 * cp = 6" in err and not started
+
+
+def test_torchrun_world_is_the_cp_size_in_the_header_and_summary(tmp_path, monkeypatch, capsys):
+    """torchrun with 4 ranks and the tiny preset's cp=2: the header, summary.json and the per-rank TFLOP/s say 4."""
+    seen = []
+
+    def fake_launch(cfg):
+        seen.append(cfg.cp)
+        record = {"step": 1, "loss": 5.0, "tokens_per_s": 100.0, "step_time_s": 1.0, "real_tokens": 200,
+                  "model_flops": 4e12}  # fmt: skip
+        return {"rank": 0, "world": 4, "history": [record], "parity": None, "device": "cpu", "device_name": "cpu",
+                "dtype": "float32", "layers": "GDSG", "parameters": 1, "peak_tflops": None, "peak_source": "n/a",
+                "step1_peak_memory_gib": None, "steady_peak_memory_gib": None}  # fmt: skip
+
+    monkeypatch.setattr(train, "launch", fake_launch)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    out = tmp_path / "o"
+    assert _cli(["demo", "--steps", "1", "--seq-len", "256", "--out", str(out), "--no-prewarm"]) == 0
+    stdout = capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    assert seen == [4] and " cp=4 " in stdout and "on 4 rank(s)" in stdout
+    assert summary["cp"] == 4 and summary["model_tflops_per_s_per_rank"] == pytest.approx(4.0 / 4)

@@ -28,7 +28,7 @@ from longtrain.demo.config import (
     resolve_device,
     resolve_dtype,
 )
-from longtrain.demo.launch import launch
+from longtrain.demo.launch import launch, with_torchrun_world
 from longtrain.demo.loop import (
     PARITY_RTOL,
     CPMesh,
@@ -128,7 +128,7 @@ def main(args: argparse.Namespace) -> int:
     """``longtrain demo``: validate, launch, write outputs, print the summary. Exit codes: 0 ok, 1 failure
     (including a failed parity check), 2 bad options, 130 interrupted."""
     try:
-        cfg = config_from_args(args)
+        cfg = with_torchrun_world(config_from_args(args))  # the header and the summary report the ranks that run
         check_environment(cfg)
     except DemoConfigError as exc:
         print(f"longtrain demo: error: {exc}", file=sys.stderr)

@@ -17,10 +17,26 @@ from typing import Any
 
 import torch
 
-from longtrain.demo.config import DemoConfig, resolve_device
+from longtrain.demo.config import DemoConfig, DemoConfigError, resolve_device
 from longtrain.demo.loop import ParityError, run_rank
 
-__all__ = ["launch"]
+__all__ = ["launch", "with_torchrun_world"]
+
+
+def with_torchrun_world(cfg: DemoConfig) -> DemoConfig:
+    """``cfg`` with ``cp`` set to torchrun's ``WORLD_SIZE`` (those ranks are the CP group); unchanged outside torchrun.
+    A world the row cannot be sharded over is a :class:`DemoConfigError` that names ``WORLD_SIZE``."""
+    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+        return cfg
+    world = int(os.environ["WORLD_SIZE"])
+    if world == cfg.cp:
+        return cfg
+    try:
+        return dataclasses.replace(cfg, cp=world)
+    except DemoConfigError as exc:
+        raise DemoConfigError(
+            f"torchrun started WORLD_SIZE={world} ranks, and they are the CP group (in place of cp={cfg.cp}): {exc}"
+        ) from None
 
 
 def _worker(rank: int, world: int, store_dir: str, cfg: DemoConfig, results: Any) -> None:
@@ -109,9 +125,7 @@ def _stop(procs, graceful: bool = False) -> None:
 def _launch_torchrun(cfg: DemoConfig) -> dict[str, Any]:
     import torch.distributed as dist
 
-    world = int(os.environ["WORLD_SIZE"])
-    if world != cfg.cp:
-        cfg = dataclasses.replace(cfg, cp=world)
+    cfg = with_torchrun_world(cfg)
     device = resolve_device(cfg)
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
