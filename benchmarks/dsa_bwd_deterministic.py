@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import RESULTS_DIR, reproduce_args, write_report  # noqa: E402
+from dsa_pieces_model import dkv_errors  # noqa: E402
 from longtrain.bench_suites.dsa import (  # noqa: E402
     D_QK,
     D_V,
@@ -191,11 +192,9 @@ def accuracy(out_dir: Path, cases) -> None:
         ref, _ = sparse_mla_reference(leaves[0], leaves[1], idx, D_QK**-0.5, d_v=D_V, topk_length=length)
         want = torch.autograd.grad(ref, leaves[1], dout.double())[0].view(total, -1)
         del ref, leaves
-        scale_mean, scale_max = want.abs().mean().item(), want.abs().max().item()
         shape = f"T={total} H={heads} K={topk} 1doc"
-        floor = (want.to(torch.bfloat16).double() - want).abs()
-        floor_row = dict(mean_err=floor.mean().item() / scale_mean, max_err=floor.max().item() / scale_max)
-        rows.append(dict(shape=shape, variant="float64 dkv rounded to bf16 (the floor)", **floor_row))
+        floor = dkv_errors(want.to(torch.bfloat16), want)
+        rows.append(dict(shape=shape, variant="float64 dkv rounded to bf16 (the floor)", **floor))
         base = None
         for name, (det, settings) in ACCURACY_VARIANTS.items():
             saved = {k: getattr(smb, k) for k in settings}
@@ -206,9 +205,7 @@ def accuracy(out_dir: Path, cases) -> None:
             finally:
                 for k, v in saved.items():
                     setattr(smb, k, v)
-            err = (dkv.double() - want).abs()
-            row = dict(shape=shape, variant=name, mean_err=err.mean().item() / scale_mean,
-                       max_err=err.max().item() / scale_max)  # fmt: skip
+            row = dict(shape=shape, variant=name, **dkv_errors(dkv, want))
             base = row["mean_err"] if base is None else base
             row["of_default"] = row["mean_err"] / base
             print(row, flush=True)

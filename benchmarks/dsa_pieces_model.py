@@ -68,6 +68,13 @@ def _store(piece: torch.Tensor, fmt: str) -> torch.Tensor:
     raise ValueError(fmt)
 
 
+def dkv_errors(got: torch.Tensor, want: torch.Tensor) -> dict[str, float]:
+    """``mean_err`` (mean |got - want| / mean |want|) and ``max_err`` (max |got - want| / max |want|) of a dkv
+    against its float64 reference ``want``."""
+    err = (got.double() - want).abs()
+    return dict(mean_err=(err.mean() / want.abs().mean()).item(), max_err=(err.max() / want.abs().max()).item())
+
+
 def _case(rows: list[dict], total: int, heads: int, topk: int) -> None:
     q, dout, idx, valid, p, ds = _inputs(total, heads, topk)
     flat, mask = idx.clamp(min=0).reshape(-1), valid.reshape(-1)
@@ -79,7 +86,6 @@ def _case(rows: list[dict], total: int, heads: int, topk: int) -> None:
         for fmt, acc in sums.items():
             acc.index_add_(0, flat[mask], _store(piece, fmt).float())
     shape = f"T={total} H={heads} K={topk} 1doc"
-    mean_ref, max_ref = exact.abs().mean().item(), exact.abs().max().item()
     results = {
         "float64 dkv rounded to bf16 (the floor)": exact.to(torch.bfloat16),
         "fp32 pieces (the default backward's fp32 sum, in another order)": sums["fp32"].to(torch.bfloat16),
@@ -88,8 +94,7 @@ def _case(rows: list[dict], total: int, heads: int, topk: int) -> None:
     }
     base = None
     for name, dkv in results.items():
-        err = (dkv.double() - exact).abs()
-        row = dict(shape=shape, variant=name, mean_err=err.mean().item() / mean_ref, max_err=err.max().item() / max_ref)
+        row = dict(shape=shape, variant=name, **dkv_errors(dkv, exact))
         if name.startswith("fp32"):
             base = row["mean_err"]
         rows.append(row)
@@ -101,7 +106,6 @@ def _case(rows: list[dict], total: int, heads: int, topk: int) -> None:
 
 
 def main(out_dir: Path, cases) -> None:
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     rows: list[dict] = []
     for total, heads, topk in cases:
         _case(rows, total, heads, topk)

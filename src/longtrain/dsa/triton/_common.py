@@ -45,9 +45,13 @@ def _sm_count_of(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of CUDA ``device`` (cached per device): the wave of one-program-per-SM launches."""
-    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
+    return _sm_count_of(_index(device))
 
 
 @functools.cache
@@ -60,7 +64,7 @@ def gpu_name(device: torch.device) -> str:
     defaults that were measured to differ between GPUs of one architecture."""
     if device.type != "cuda":
         return ""
-    return _gpu_name_of(device.index if device.index is not None else torch.cuda.current_device())
+    return _gpu_name_of(_index(device))
 
 
 def next_pow2(n: int) -> int:
