@@ -288,6 +288,51 @@ def test_require_available_is_the_first_check_even_for_cpu_tensors(monkeypatch):
         cd.cudnn_sparse_attention(torch.empty(0), torch.empty(0), torch.empty(0), math.nan)
 
 
+def _old_frontend_without_dsa():
+    import importlib.machinery
+
+    fake = types.ModuleType("cudnn")  # a frontend that predates the DSA API: `cudnn.DSA` is missing
+    fake.__spec__ = importlib.machinery.ModuleSpec("cudnn", None)
+    return fake
+
+
+def _flash_mla_without_sparse_fwd():
+    import importlib.machinery
+
+    fake = types.ModuleType("flash_mla")  # a FlashMLA build without the sparse prefill entry point
+    fake.__spec__ = importlib.machinery.ModuleSpec("flash_mla", None)
+    return fake
+
+
+@pytest.mark.parametrize(
+    "package,fake,call,match",
+    [
+        ("cudnn", None, lambda: cd._topk_wrapper_chunked(torch.zeros(2, 4), i32([1, 2]), 1), "DSA is unavailable"),
+        ("cudnn", _old_frontend_without_dsa, lambda: cd._cudnn_dsa(), "cuDNN DSA is unavailable"),
+        ("flash_mla", None, lambda: cd._flash_mla_sparse_fwd(), "flash_mla_sparse_fwd\\) is unavailable"),
+        ("flash_mla", _flash_mla_without_sparse_fwd, lambda: cd._flash_mla_sparse_fwd(), "is unavailable"),
+    ],
+    ids=["topk-chunked-no-cudnn", "cudnn-without-DSA", "no-flash-mla", "flash-mla-without-sparse-fwd"],
+)
+def test_private_helpers_without_the_package_raise_a_clear_runtime_error(monkeypatch, package, fake, call, match):
+    """The private helpers reach the providers directly (no `_require_available` in front): a missing package or a
+    build without the entry point is a RuntimeError saying why, never a bare ImportError / AttributeError."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, package, fake() if fake is not None else None)  # None: `import` raises
+    monkeypatch.setattr(cd, "_CUDNN_DSA", None)
+    monkeypatch.setattr(cd, "_FLASH_MLA_SPARSE_FWD", None)
+    _optional.reset_probe_cache()  # the message's reason comes from the (cached) probe: probe the fake, then forget
+    try:
+        with pytest.raises(RuntimeError, match=match) as info:
+            call()
+        assert isinstance(info.value.__cause__, (ImportError, AttributeError))
+        assert cd._CUDNN_DSA is None and cd._FLASH_MLA_SPARSE_FWD is None  # nothing half-resolved is cached
+    finally:
+        monkeypatch.undo()
+        _optional.reset_probe_cache()
+
+
 def test_require_cuda_tensors(monkeypatch):
     with pytest.raises(RuntimeError, match="^op requires CUDA tensors.$"):
         cd._require_cuda_tensors("op")

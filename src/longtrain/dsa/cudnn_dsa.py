@@ -70,21 +70,42 @@ def _has_flash_mla() -> bool:
 
 
 def _cudnn_dsa() -> Any:
-    """The ``cudnn.DSA`` namespace (imported on first use)."""
+    """The ``cudnn.DSA`` namespace (imported on first use).
+
+    Raises ``RuntimeError`` naming why it is unavailable (package missing, or a frontend without ``DSA``), never a
+    bare ``ImportError``/``AttributeError`` from inside the private helpers that call it.
+    """
     global _CUDNN_DSA
     if _CUDNN_DSA is None:
-        import cudnn
+        try:
+            import cudnn
 
-        _CUDNN_DSA = cudnn.DSA
+            _CUDNN_DSA = cudnn.DSA
+        except (ImportError, AttributeError) as exc:
+            from longtrain import _optional
+
+            reason = _optional.cudnn_dsa()[1] or f"{type(exc).__name__}: {exc}"
+            raise RuntimeError(
+                f"cuDNN DSA is unavailable because {reason}. Install nvidia-cudnn-frontend[cutedsl] or use "
+                "backend='triton' or 'torch'."
+            ) from exc
     return _CUDNN_DSA
 
 
 def _flash_mla_sparse_fwd() -> Any:
-    """``flash_mla.flash_mla_sparse_fwd`` (imported on first use)."""
+    """``flash_mla.flash_mla_sparse_fwd`` (imported on first use); ``RuntimeError`` naming why when unavailable."""
     global _FLASH_MLA_SPARSE_FWD
     if _FLASH_MLA_SPARSE_FWD is None:
-        from flash_mla import flash_mla_sparse_fwd
+        try:
+            from flash_mla import flash_mla_sparse_fwd
+        except ImportError as exc:
+            from longtrain import _optional
 
+            reason = _optional.flash_mla()[1] or f"{type(exc).__name__}: {exc}"
+            raise RuntimeError(
+                f"FlashMLA sparse prefill (flash_mla.flash_mla_sparse_fwd) is unavailable because {reason}. "
+                "Use backend='triton' or 'torch'."
+            ) from exc
         _FLASH_MLA_SPARSE_FWD = flash_mla_sparse_fwd
     return _FLASH_MLA_SPARSE_FWD
 
