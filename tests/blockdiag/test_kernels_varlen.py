@@ -392,6 +392,46 @@ def test_engaged_flag_and_lazy_probes():
     assert kernels.logger.name == "longtrain.blockdiag_cp.kernels"
 
 
+def _call_guard():
+    q, k = torch.randn(6, 2, 8), torch.randn(11, 2, 8)
+    cu_q, cu_k = torch.tensor([0, 2, 6], dtype=torch.int32), torch.tensor([0, 7, 11], dtype=torch.int32)
+    kernels._flash_varlen_with_long_prefix_guard(
+        q, k, k, cu_q, cu_k, 4, 7, 6, None, 0.0, {"first_q": 2, "first_k": 7, "max_tail": 4}
+    )
+
+
+def _call_te():
+    kernels._te_varlen_dpa(8, 2, 64, 0.125, torch.device("cpu"), torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "modules,call,match",
+    [
+        (("flash_attn",), _call_guard, "flash-attn long-prefix guard is unavailable because"),
+        (("transformer_engine", "transformer_engine.pytorch"), _call_te, "DotProductAttention is unavailable because"),
+    ],
+    ids=["guard-without-flash-attn", "te-dpa-without-transformer-engine"],
+)
+def test_kernel_entry_points_without_their_package_say_why(monkeypatch, modules, call, match):
+    """The two documented kernel helpers import their package at call time; without it they raise an ImportError
+    (the same type as the bare import) whose message says what is unavailable and why."""
+    from longtrain import _optional
+
+    for name in modules:
+        monkeypatch.setitem(sys.modules, name, None)  # None in sys.modules: `import name` raises
+    monkeypatch.setattr(kernels, "_TE_DPA_CACHE", {})
+    monkeypatch.setattr(kernels, "_CP_FLASH_LONG_SEGMENT_WARNED", True)
+    _optional.reset_probe_cache()  # the reason comes from the cached probe: probe the hidden package, then forget
+    try:
+        with pytest.raises(ImportError, match=match) as info:
+            call()
+        assert isinstance(info.value.__cause__, ImportError)
+        assert kernels._TE_DPA_CACHE == {}  # nothing cached for a module that was never built
+    finally:
+        monkeypatch.undo()
+        _optional.reset_probe_cache()
+
+
 def test_checkpoint_early_stop_signal_passes_through(monkeypatch):
     """Non-reentrant checkpoint stops recomputation by raising inside the region; the driver must not turn that
     control-flow signal into a dense fallback."""

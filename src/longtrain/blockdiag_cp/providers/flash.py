@@ -95,7 +95,16 @@ def flash_attn_long_prefix_guard(
     flash-attn >= 2.1) and the others through one varlen call over ``cu[1:] - first`` (a device op, no sync)
     with ``max_seqlen = max_tail``. ``flash_attn`` is imported at call time.
     """
-    from flash_attn import flash_attn_func, flash_attn_varlen_func
+    try:
+        from flash_attn import flash_attn_func, flash_attn_varlen_func
+    except ImportError as exc:
+        reason = _optional.flash_attn()[1] or str(exc)
+        raise type(exc)(
+            f"the flash-attn long-prefix guard is unavailable because {reason}; it calls flash-attn 2's "
+            "flash_attn_func and flash_attn_varlen_func. Without flash-attn, backend='flash' runs torch's bundled FA2 "
+            "through the varlen driver instead.",
+            name=exc.name,
+        ) from exc
 
     common = {"dropout_p": dropout_p, "softmax_scale": scale, "causal": causal, "deterministic": deterministic}
     if first_k <= first_q:

@@ -43,7 +43,15 @@ def te_dpa(num_q_heads, num_kv_heads, head_dim, scale, device, dtype, causal: bo
         key = (*key, mask_type)
     module = cache.get(key)
     if module is None:
-        import transformer_engine.pytorch as te
+        try:
+            import transformer_engine.pytorch as te
+        except ImportError as exc:
+            reason = _optional.transformer_engine()[1] or str(exc)
+            raise type(exc)(
+                f"TransformerEngine DotProductAttention is unavailable because {reason}; pick "
+                "another varlen backend (configure_cp_varlen(attn_backend=...)).",
+                name=exc.name,
+            ) from exc
 
         module = te.DotProductAttention(
             num_attention_heads=int(num_q_heads),
