@@ -24,7 +24,22 @@ def test_reason_order_for_flash_and_te():
     assert r("te", torch.float32, CPU) == "varlen CP attention needs fp16/bf16, got torch.float32"
     assert r("flash", torch.bfloat16, CPU) == "varlen CP attention requires CUDA, got device=cpu"
     assert r("te", torch.float16, CPU) == "varlen CP attention requires CUDA, got device=cpu"
-    assert r("nope", torch.bfloat16, CUDA).startswith("unsupported varlen backend='nope'")
+    assert r("nope", torch.bfloat16, CUDA).startswith("unsupported varlen backend=nope (valid: ")
+
+
+@pytest.mark.parametrize(
+    "dtype,device,reason",
+    [
+        (torch.float32, CUDA, "varlen CP attention needs fp16/bf16, got torch.float32"),
+        (torch.float32, CPU, "varlen CP attention needs fp16/bf16, got torch.float32"),
+        (torch.bfloat16, CPU, "varlen CP attention requires CUDA, got device=cpu"),
+        (torch.float16, CUDA, "unsupported varlen backend=nope (valid: "),
+    ],
+    ids=["fp32-cuda", "fp32-cpu", "bf16-cpu", "fp16-cuda"],
+)
+def test_unknown_backend_name_is_checked_after_dtype_and_device(dtype, device, reason):
+    """The documented order (dtype, CUDA, then the backend) holds for an unknown name too."""
+    assert kernels._varlen_backend_unavailable_reason("nope", dtype, device).startswith(reason)
 
 
 def test_reason_for_libraries_on_cuda(monkeypatch):

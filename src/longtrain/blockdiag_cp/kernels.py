@@ -153,14 +153,21 @@ def _varlen_backend_unavailable_reason(backend: str, dtype: torch.dtype, device:
 
     Order for ``flash``/``te``: dtype (fp16/bf16), CUDA, then the library (``flash`` is available with
     flash-attn or with torch's bundled FA2 on SM80+). ``reference`` runs any float dtype anywhere; ``flex``
-    needs CUDA to train; ``auto`` is available when anything is; an unknown name gets "unsupported varlen
-    backend=...". Every CP rank calls this before a needed-only K/V exchange. Never raises.
+    needs CUDA to train; ``auto`` is available when anything is; an unknown name gets the dtype and CUDA
+    reasons first, then "unsupported varlen backend=<name> (valid: ...)". Every CP rank calls this before a
+    needed-only K/V exchange. Never raises.
     """
     try:
         try:
             name = providers.resolve_backend(backend, dtype, device)
         except ValueError:
-            return f"unsupported varlen backend={backend!r} (valid: {', '.join(providers.PROVIDERS)})"
+            # The documented order: dtype, then CUDA, then the name (so an unknown name on a CPU or fp32 call gets
+            # the first of those reasons, as ``flash``/``te`` would).
+            if dtype not in _HALF:
+                return f"varlen CP attention needs fp16/bf16, got {dtype}"
+            if torch.device(device).type != "cuda":
+                return f"varlen CP attention requires CUDA, got device={device}"
+            return f"unsupported varlen backend={backend} (valid: {', '.join(providers.PROVIDERS)})"
         if name == "dense":
             return "dense is not a varlen backend (it builds the [L, S] mask; use the dense fallback)"
         reason = providers.unavailable_reason(name, dtype, device)
