@@ -143,6 +143,38 @@ def test_offsets_are_validated_once_per_tensor(monkeypatch):
     assert len(calls) == 2
 
 
+@pytest.mark.parametrize("layout", ["fewer_keys", "trailing_rows", "square"])
+def test_inference_mode_then_training_on_the_same_offsets(layout):
+    """A forward under ``torch.inference_mode`` equals the oracle and leaves nothing behind that breaks a training
+    call with the same offsets (a cached plan holding inference tensors could not be saved for backward; offsets
+    made under inference mode track no version and could not be cache keys)."""
+    (q, k, v, g), cu_q, cu_k, mq, mk = _case(layout)
+    want = _run(lambda a, b, c: brute(a, b, c, cu_q, cu_k), q, k, v, g)
+    cq, ck = torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32)
+    with torch.inference_mode():
+        out = varlen_attention(q, k, v, cq, ck, mq, mk)
+        fresh = [torch.tensor(c, dtype=torch.int32) for c in (cu_q, cu_k)]  # inference tensors
+        again = varlen_attention(q, k, v, *fresh, mq, mk)
+    torch.testing.assert_close(out, want[0], rtol=1e-10, atol=1e-10)  # float64, summation order only
+    torch.testing.assert_close(again, want[0], rtol=1e-10, atol=1e-10)
+    got = _run(lambda a, b, c: varlen_attention(a, b, c, cq, ck, mq, mk), q, k, v, g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_offsets_changed_in_place_under_inference_mode_are_read_again():
+    """Inference tensors have no version counter: offsets rewritten in place must never hit a stale plan."""
+    (q, k, v, _), _, _, _, _ = _case("square")  # 13 rows
+    one, two = [0, 5, 6, 13], [0, 9, 13, 13]
+    with torch.inference_mode():
+        cu = torch.tensor(one, dtype=torch.int32)
+        first = varlen_attention(q, k, v, cu, cu, 9, 9)
+        cu.copy_(torch.tensor(two, dtype=torch.int32))
+        second = varlen_attention(q, k, v, cu, cu, 9, 9)
+    torch.testing.assert_close(first, brute(q, k, v, one, one), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(second, brute(q, k, v, two, two), rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize(
     "change, exc, match",
     [

@@ -94,6 +94,58 @@ def test_one_process_equals_per_document(source):
     _check_grads(ours, ref_grads)
 
 
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
+@pytest.mark.parametrize("source", ["position_ids", "cu_seq_lens", "attention_mask"])
+def test_forward_only_then_training_equals_per_document(source, mode):
+    """An evaluation forward under ``torch.inference_mode`` / ``torch.no_grad`` (the batch built inside it) gives
+    the per-document logits, and a training step on the same batch afterwards the per-document gradients."""
+    ours, ref = _models()
+    ids, pos, real, labels = _row()
+    ref_logits, ref_loss, ref_grads = _per_document(ref, ids, labels)
+    cu = torch.tensor([0, *LENS, TAIL]).cumsum(0).tolist()
+
+    def batch():
+        kwargs = {"position_ids": pos.clone()}
+        if source == "cu_seq_lens":
+            offsets = torch.tensor(cu, dtype=torch.int32)
+            kwargs.update(cu_seq_lens_q=offsets, cu_seq_lens_k=offsets, max_length_q=max(LENS), max_length_k=max(LENS))
+        if source == "attention_mask":
+            kwargs["attention_mask"] = real.clone()
+        return kwargs
+
+    with torch.inference_mode() if mode == "inference_mode" else torch.no_grad():
+        kwargs = batch()
+        evaluated = ours(input_ids=ids, **kwargs).logits
+    _close(evaluated[:, : sum(LENS)], ref_logits, "evaluation logits")
+    if mode == "inference_mode":  # inference tensors cannot enter autograd: the training step brings its own batch
+        kwargs = batch()
+    out = ours(input_ids=ids, labels=labels, **kwargs)
+    out.loss.backward()
+    _close(out.logits[:, : sum(LENS)], ref_logits, "logits")
+    _close(out.loss, ref_loss, "loss")
+    _check_grads(ours, ref_grads)
+
+
+def test_generation_with_a_kv_cache_is_refused():
+    """transformers' KV cache hands the attention more keys than queries from the first decoded token on: a clear
+    error naming the fix, never logits over the wrong keys. Without a cache every step is a full causal forward
+    (queries == keys) and greedy decoding equals Hugging Face's, left-padded prompts included."""
+    ours, ref = _models()
+    ours.eval(), ref.eval()
+    ids = torch.randint(1, 64, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :3] = 0
+    prefill = ours(input_ids=ids[:1], use_cache=True)
+    _close(prefill.logits, ref(input_ids=ids[:1]).logits, "prefill logits")
+    with pytest.raises(ValueError, match="generate with model.set_attn_implementation"):
+        ours.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, use_cache=True)
+    got = ours.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, use_cache=False)
+    for row in range(2):  # each prompt alone (Hugging Face's eager attention gives NaN logits to a left-padded row)
+        prompt = ids[row : row + 1, mask[row].bool()]
+        want = ref.generate(prompt, max_new_tokens=4, do_sample=False, use_cache=True)
+        assert torch.equal(got[row, -4:], want[0, -4:]), f"row {row}"
+
+
 def test_cu_seq_lens_k_disagreeing_with_q_is_refused():
     """Packed training attends each document to itself: key offsets other than the query offsets are a ValueError,
     never ignored (the documents came from ``cu_seq_lens_q`` alone)."""

@@ -100,6 +100,24 @@ def test_one_process_equals_per_document(family, tail):
     _check_grads(ours, ref_grads)
 
 
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
+def test_forward_only_then_training(mode):
+    """An evaluation forward under ``torch.inference_mode`` / ``torch.no_grad`` (the batch built inside it) equals
+    the per-document logits, and a training step afterwards the per-document loss and gradients."""
+    ours, ref = _models("glm")
+    ids, pos, labels = _row(tail=4)
+    ref_logits, ref_loss, ref_grads = _per_document(ref, ids, labels)
+    mask = torch.tensor([[1] * sum(LENS) + [0] * 4])
+    with torch.inference_mode() if mode == "inference_mode" else torch.no_grad():
+        evaluated = ours(input_ids=ids, position_ids=pos.clone(), attention_mask=mask.clone()).logits
+    _close(evaluated[:, : sum(LENS)], ref_logits, "evaluation logits")
+    out = ours(input_ids=ids, position_ids=pos, labels=labels, attention_mask=mask)
+    out.loss.backward()
+    _close(out.logits[:, : sum(LENS)], ref_logits, "logits")
+    _close(out.loss, ref_loss, "loss")
+    _check_grads(ours, ref_grads)
+
+
 @pytest.mark.parametrize("lead", [1, 3], ids=["one_leading_pad", "three_leading_pads"])
 @pytest.mark.parametrize("family", ["glm", "deepseek"])
 def test_leading_padding_equals_per_document(family, lead):

@@ -106,6 +106,24 @@ def test_one_process_equals_per_document(masks):
     assert (crossed - ref_logits).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
+def test_forward_only_then_training(mode):
+    """An evaluation forward under ``torch.inference_mode`` / ``torch.no_grad`` (masks built inside it) equals the
+    per-document logits, and a training step afterwards the per-document gradients."""
+    ours, ref = _models()
+    tokens, labels, positions = _row()
+    ref_logits, ref_loss, ref_grads = _per_document(ref, tokens, labels)
+    with torch.inference_mode() if mode == "inference_mode" else torch.no_grad():
+        evaluated = ours(tokens, positions=positions, attention_masks=ours.get_attention_masks(positions))
+    _close(evaluated, ref_logits, "evaluation logits")
+    logits = ours(tokens, positions=positions, attention_masks=ours.get_attention_masks(positions))
+    loss = _loss(logits, labels)
+    loss.backward()
+    _close(logits, ref_logits, "logits")
+    _close(loss, ref_loss, "loss")
+    _check_grads(ours, ref_grads)
+
+
 def _cp_worker(rank, world, sharding):
     ours, ref = _models()
     tokens, labels, positions = _row()

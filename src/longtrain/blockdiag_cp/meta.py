@@ -32,6 +32,7 @@ __all__ = [
     "meta_from_segments",
     "resolve_device",
     "segment_rank",
+    "tensor_cache_key",
     "validate_meta_dict",
 ]
 
@@ -418,6 +419,19 @@ _PLANS: OrderedDict[tuple, tuple[Any, Any, VarlenPlan]] = OrderedDict()
 _PLANS_MAX = 64
 
 
+def tensor_cache_key(*tensors: torch.Tensor) -> tuple | None:
+    """The part of a cache key that says "these same tensors, unmodified, in this inference mode"; ``None`` when
+    they must not be cached.
+
+    An inference tensor tracks no version (reading ``_version`` raises, and it can change in place unseen), so it
+    is never a key. The mode is part of the key because what is built under ``torch.inference_mode`` is inference
+    tensors, which a later call with autograd on cannot save for backward.
+    """
+    if any(t.is_inference() for t in tensors):
+        return None
+    return (torch.is_inference_mode_enabled(), *((id(t), t._version) for t in tensors))
+
+
 def meta_from_cu_seqlens(
     cu_q: torch.Tensor,
     cu_k: torch.Tensor,
@@ -434,9 +448,13 @@ def meta_from_cu_seqlens(
     ``cu_q/cu_k: [N+1]`` integer tensors, non-decreasing from 0, ``cu_q[-1] <= total_q`` and ``cu_k[-1] <=
     total_k`` (rows after the last offset are padding: zero output, never read as keys), ``max_q``/``max_k`` at
     least the largest document. The check copies the offsets to the host once; the plan is cached while the same
-    offset tensors come back unmodified (every layer of a step), so later calls do no host work.
+    offset tensors come back unmodified (every layer of a step), so later calls do no host work. Offsets that are
+    inference tensors (made under ``torch.inference_mode``) are checked at every call (:func:`tensor_cache_key`).
     """
-    key = (id(cu_q), cu_q._version, id(cu_k), cu_k._version, total_q, total_k, max_q, max_k, causal, str(device))
+    tensors = tensor_cache_key(cu_q, cu_k)
+    if tensors is None:
+        return _plan_uncached(cu_q, cu_k, total_q, total_k, max_q, max_k, causal, device)
+    key = (*tensors, total_q, total_k, max_q, max_k, causal, str(device))
     hit = _PLANS.get(key)
     if hit is not None and hit[0]() is cu_q and hit[1]() is cu_k:
         _PLANS.move_to_end(key)

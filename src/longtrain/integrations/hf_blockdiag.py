@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from longtrain.blockdiag_cp import current_cp_step, varlen_attention
+from longtrain.blockdiag_cp.meta import tensor_cache_key
 from longtrain.blockdiag_cp.runtime import check_recompute_outside_context, cp_blockdiag_sdpa
 from longtrain.packing import doc_starts_from_positions
 
@@ -155,8 +156,9 @@ def _plan_for(batch_size: int, seq_len: int, device: torch.device, kwargs: dict,
     cu_k = kwargs.get("cu_seq_lens_k")
     pos = kwargs.get("position_ids")
     sources = [t for t in (cu, cu_k, attention_mask, pos) if isinstance(t, torch.Tensor)]
-    key = (batch_size, seq_len, str(device), *((id(t), t._version) for t in sources))
-    hit = _PLANS.get(key)
+    tensors = tensor_cache_key(*sources)
+    key = (batch_size, seq_len, str(device), tensors)
+    hit = _PLANS.get(key) if tensors is not None else None
     if hit is not None and all(ref() is t for ref, t in zip(hit[0], sources)):
         _PLANS.move_to_end(key)
         return hit[1]
@@ -170,6 +172,8 @@ def _plan_for(batch_size: int, seq_len: int, device: torch.device, kwargs: dict,
         )
     doc_ids = packed_doc_ids(batch_size, seq_len, position_ids=pos, attention_mask=mask, cu_seq_lens=cu)
     plan = _Plan(doc_ids, device)
+    if tensors is None:
+        return plan
     _PLANS[key] = ([weakref.ref(t) for t in sources], plan)
     while len(_PLANS) > _PLAN_CACHE_SIZE:
         _PLANS.popitem(last=False)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from longtrain.blockdiag_cp import current_cp_step
+from longtrain.blockdiag_cp.meta import tensor_cache_key
 from longtrain.blockdiag_cp.runtime import check_ranks_agree, check_recompute_outside_context
 from longtrain.dsa import ops
 from longtrain.dsa.layer import DSAAttention, DSAQueryParts, gather_rows
@@ -116,8 +117,9 @@ def _metadata(batch_size: int, seq_len: int, device, position_ids, attention_mas
 
     mask = attention_mask if isinstance(attention_mask, torch.Tensor) else None
     sources = [t for t in (position_ids, mask) if isinstance(t, torch.Tensor)]
-    key = (batch_size, seq_len, str(device), *((id(t), t._version) for t in sources))
-    hit = _METAS.get(key)
+    tensors = tensor_cache_key(*sources)
+    key = (batch_size, seq_len, str(device), tensors)
+    hit = _METAS.get(key) if tensors is not None else None
     if hit is not None and all(ref() is t for ref, t in zip(hit[0], sources)):
         return hit[1]
     ids = packed_doc_ids(batch_size, seq_len, position_ids=position_ids, attention_mask=mask)
@@ -127,6 +129,8 @@ def _metadata(batch_size: int, seq_len: int, device, position_ids, attention_mas
         cu_real.to(device), batch_size * seq_len, cu_seqlens_padded=cu_storage.to(device), padding_mask=padding
     )
     cu = cu_real.to(device)
+    if tensors is None:
+        return meta, cu
     _METAS[key] = ([weakref.ref(t) for t in sources], (meta, cu))
     while len(_METAS) > 8:
         _METAS.popitem(last=False)

@@ -34,6 +34,7 @@ from longtrain.blockdiag_cp import (
     make_cp_blockdiag_batch_and_ctx,
     varlen_attention,
 )
+from longtrain.blockdiag_cp.meta import tensor_cache_key
 from longtrain.blockdiag_cp.runtime import check_recompute_outside_context
 from longtrain.packing import doc_starts_from_positions
 
@@ -88,8 +89,9 @@ def _check_covered(offsets: Any, batch: int, length: int) -> None:
     tensor (one host copy), then cached while the same unmodified tensors come back, as every layer of a step does."""
     cu_q, cu_k = offsets.cu_seq_q, offsets.cu_seq_k
     total = batch * length
-    key = (id(cu_q), cu_q._version, id(cu_k), cu_k._version, total)
-    hit = _COVERED.get(key)
+    tensors = tensor_cache_key(cu_q, cu_k)
+    key = (tensors, total)
+    hit = _COVERED.get(key) if tensors is not None else None
     if hit is not None and hit[0]() is cu_q and hit[1]() is cu_k:
         return
     covered = torch.stack([cu_q[-1], cu_k[-1]]).tolist()
@@ -99,6 +101,8 @@ def _check_covered(offsets: Any, batch: int, length: int) -> None:
             f"{length} = {total}: the rows left over would silently get zero output. Build the masks from this "
             "batch's positions (model.get_attention_masks(positions) or varlen_masks(positions))"
         )
+    if tensors is None:
+        return
     _COVERED[key] = (weakref.ref(cu_q), weakref.ref(cu_k))
     while len(_COVERED) > 8:
         _COVERED.popitem(last=False)
