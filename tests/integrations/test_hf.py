@@ -126,6 +126,40 @@ def test_forward_only_then_training_equals_per_document(source, mode):
     _check_grads(ours, ref_grads)
 
 
+def _rel_err(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+@pytest.mark.parametrize("path", ["one_process", "hf_cp_batch_step"])
+def test_autocast_bf16_meets_the_flash_attention_rule(path):
+    """Under ``torch.autocast("cpu", dtype=torch.bfloat16)`` (Trainer's ``bf16=True``) Llama's q and k leave RoPE
+    in float32 and v a Linear in bf16: the attention casts them like SDPA does (it raised "dtypes differ" before).
+    Logits and gradients (backward outside autocast, as users run it) against the float64 model: at most 2x the
+    error of Hugging Face's own sdpa under the same autocast plus one bf16 rounding step (2**-8)."""
+    ours, ref = _models()
+    ids, pos, _, labels = _row(tail=0)
+    exact = copy.deepcopy(ours)
+    exact.zero_grad(set_to_none=True)
+    exact(input_ids=ids, position_ids=pos, labels=labels).loss.backward()
+    want = exact(input_ids=ids, position_ids=pos).logits.detach()
+    ref.set_attn_implementation("sdpa")
+    errors = {}
+    for name, model in (("ours", ours), ("sdpa", ref)):
+        model.float().zero_grad(set_to_none=True)
+        ctx, kwargs = (hf.hf_cp_batch({"input_ids": ids, "labels": labels, "position_ids": pos}, None)[:2]
+                       if name == "ours" and path == "hf_cp_batch_step" else (None, None))  # fmt: skip
+        with ctx() if ctx is not None else torch.enable_grad():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(**(kwargs or {"input_ids": ids, "position_ids": pos, "labels": labels}))
+            assert out.logits.dtype == torch.bfloat16
+            out.loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        errors[name] = [_rel_err(out.logits, want)]
+        errors[name] += [_rel_err(grads[n], p.grad) for n, p in exact.named_parameters()]
+    for got, bound in zip(errors["ours"], errors["sdpa"]):
+        assert got <= 2 * bound + 2**-8, (got, bound)
+
+
 def test_generation_with_a_kv_cache_is_refused():
     """transformers' KV cache hands the attention more keys than queries from the first decoded token on: a clear
     error naming the fix, never logits over the wrong keys. Without a cache every step is a full causal forward

@@ -35,6 +35,7 @@ from .step import CPStep, build_cp_step
 __all__ = [
     "ALLOW_XNODE_ENV",
     "attend",
+    "autocast_like_sdpa",
     "check_ranks_agree",
     "check_qkv",
     "check_recompute_outside_context",
@@ -640,12 +641,27 @@ class _GroupMesh:
         return self._group
 
 
+def autocast_like_sdpa(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensors`` in the autocast dtype when ``torch.autocast`` is on for their device, as
+    ``F.scaled_dot_product_attention`` casts its inputs there; otherwise unchanged.
+
+    Under autocast a model's q and k often leave RoPE in float32 (fp32 cos/sin) while v leaves a Linear in bf16; the
+    varlen paths take one dtype, so the SDPA-shaped entry points cast first, as the SDPA they stand in for does.
+    """
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
+
+
 def _cp_blockdiag_sdpa_impl(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     step = current_cp_step()
     if step is None:
         check_recompute_outside_context()
         return ORIGINAL_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                              scale=scale, enable_gqa=enable_gqa)  # fmt: skip
+    query, key, value = autocast_like_sdpa(query, key, value)
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
         step.cache["grad_calls"] = True
     shapes = [tuple(t.shape) for t in (query, key, value)]
@@ -703,7 +719,8 @@ def cp_blockdiag_sdpa(
       ignored (the per-document causal mask comes from the step's document ids); GQA (``Hq`` a multiple of
       ``Hkv``) is inferred whatever ``enable_gqa`` says. Real rows equal the single-process block-causal result;
       padding rows are zero on the varlen path and self-attending (``V[p]``) on the dense path: they carry label
-      -100. A call whose shapes are not this rank's shard is a ``ValueError``.
+      -100. A call whose shapes are not this rank's shard is a ``ValueError``. Under ``torch.autocast`` q/k/v are
+      cast to the autocast dtype first, as stock SDPA does.
     - ``loss.backward()`` must run inside the context when activation checkpointing recomputes attention.
     """
     return _IMPL["cp_blockdiag_sdpa"](query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)

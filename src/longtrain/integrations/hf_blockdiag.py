@@ -12,7 +12,7 @@ import torch
 
 from longtrain.blockdiag_cp import current_cp_step, varlen_attention
 from longtrain.blockdiag_cp.meta import tensor_cache_key
-from longtrain.blockdiag_cp.runtime import check_recompute_outside_context, cp_blockdiag_sdpa
+from longtrain.blockdiag_cp.runtime import autocast_like_sdpa, check_recompute_outside_context, cp_blockdiag_sdpa
 from longtrain.packing import doc_starts_from_positions
 
 __all__ = [
@@ -286,6 +286,7 @@ def blockdiag_attention_forward(
     b, hq, s, d = query.shape
     plan = _plan_for(b, s, query.device, kwargs, attention_mask)
     _refuse_what_changes_the_math(module, kwargs, None, plan)
+    query, key, value = autocast_like_sdpa(query, key, value)  # bf16 training runs under autocast (Trainer bf16=True)
     q, k, v = (t.transpose(1, 2).reshape(b * s, t.shape[1], t.shape[3]) for t in (query, key, value))
     if plan.index is not None:
         q, k, v = (t.index_select(0, plan.index) for t in (q, k, v))

@@ -35,7 +35,7 @@ from longtrain.blockdiag_cp import (
     varlen_attention,
 )
 from longtrain.blockdiag_cp.meta import tensor_cache_key
-from longtrain.blockdiag_cp.runtime import check_recompute_outside_context
+from longtrain.blockdiag_cp.runtime import autocast_like_sdpa, check_recompute_outside_context
 from longtrain.packing import doc_starts_from_positions
 
 from .fsdp import set_fsdp_gradient_divide_factor
@@ -153,7 +153,7 @@ class BlockdiagAttention(torch.nn.Module):
                 f"{(batch, length)}, got k {tuple(k_BLNH.shape[:2])} and v {tuple(v_BLNH.shape[:2])}"
             )
         _check_covered(offsets, batch, length)
-        q, k, v = (t.reshape(total, t.shape[2], t.shape[3]) for t in (q_BLNH, k_BLNH, v_BLNH))
+        q, k, v = (t.reshape(total, t.shape[2], t.shape[3]) for t in autocast_like_sdpa(q_BLNH, k_BLNH, v_BLNH))
         out = varlen_attention(q, k, v, offsets.cu_seq_q, offsets.cu_seq_k, int(offsets.max_q), int(offsets.max_k),
                                causal=True, softmax_scale=scale)  # fmt: skip
         return out.view(batch, length, out.shape[1], out.shape[2])
