@@ -160,6 +160,32 @@ def test_autocast_bf16_meets_the_flash_attention_rule(path):
         assert got <= 2 * bound + 2**-8, (got, bound)
 
 
+@pytest.mark.parametrize("path", ["one_process", "hf_cp_batch_step"])
+def test_torch_compile_equals_eager_over_changing_layouts(path):
+    """``torch.compile(model)`` (aot_eager: dynamo's tracing and AOT autograd, without inductor's codegen time): each
+    call with a different packed layout of the same length gives the eager logits and gradients, never the first
+    layout's documents again (the attention's host work runs eagerly at a graph break, on every call)."""
+    torch._dynamo.reset()
+    ours, _ = _models()
+    compiled = torch.compile(copy.deepcopy(ours), backend="aot_eager")
+    ids = torch.randint(1, 64, (1, 24), generator=torch.Generator().manual_seed(3))
+    for lens in ([10, 14], [3, 12, 9]):
+        pos = torch.cat([torch.arange(n) for n in lens])[None]
+        runs = []
+        for model in (ours, compiled):
+            model.zero_grad(set_to_none=True)
+            if path == "hf_cp_batch_step":
+                ctx, kwargs, _ = hf.hf_cp_batch({"input_ids": ids, "labels": ids, "position_ids": pos}, None)
+            else:
+                ctx, kwargs = torch.enable_grad, {"input_ids": ids, "labels": ids, "position_ids": pos}
+            with ctx():
+                out = model(**kwargs)
+                out.loss.backward()
+            runs.append([out.logits.detach(), *(p.grad for p in model.parameters())])
+        for got, want in zip(runs[1], runs[0]):
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)  # float64: AOT autograd reorders sums only
+
+
 def test_generation_with_a_kv_cache_is_refused():
     """transformers' KV cache hands the attention more keys than queries from the first decoded token on: a clear
     error naming the fix, never logits over the wrong keys. Without a cache every step is a full causal forward
