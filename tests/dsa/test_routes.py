@@ -166,10 +166,10 @@ def test_doctor_prints_the_choice_and_its_row(machine, capsys):
     fwd = next(name for name in rows if name.startswith("auto sparse_mla fwd -> "))
     bwd = next(name for name in rows if name.startswith("auto sparse_mla bwd -> "))
     idx = next(name for name in rows if name.startswith("auto indexer_topk -> "))
-    assert fwd.startswith("auto sparse_mla fwd -> triton: 459.4 TFLOP/s on SM90 (dsa_mla_dc46e75_2026-12-03.md)")
+    assert fwd.startswith("auto sparse_mla fwd -> triton: 492.7 TFLOP/s on SM90 (dsa_mla_34a525d_h200_2026-12-07.md)")
     assert bwd.startswith("auto sparse_mla bwd -> cudnn: 411 TFLOP/s on SM90 (blockdiag_cudnn_bwd_probe_2026-11-29")
-    assert idx.startswith("auto indexer_topk -> triton: 288.3 TFLOP/s on SM90 (dsa_indexer_dc46e75_2026")
-    assert "auto indexer_topk fp8=True -> triton: 3.80 ms against 3.81 ms in bf16" in "\n".join(rows)
+    assert idx.startswith("auto indexer_topk -> triton: 286.6 TFLOP/s on SM90 (dsa_indexer_34a525d_h200_2026")
+    assert "auto indexer_topk fp8=True -> triton: 3.80 ms against 3.84 ms in bf16" in "\n".join(rows)
     machine(triton=False, cudnn=False)
     assert cli.cmd_doctor(argparse.Namespace()) == 0
     out = capsys.readouterr().out

@@ -76,16 +76,16 @@ class RouteRow(NamedTuple):
 
 # The FP8 indexer's figure for `longtrain doctor` (its route follows the same table, without cudnn).
 _FP8_FIGURE = (
-    "3.80 ms against 3.81 ms in bf16 at T=16384 H_I=32 D_I=128 K=2048, one document; selection overlap with the "
-    "bf16 selection 0.978 (dsa_indexer_dc46e75_2026-12-03.md)"
+    "3.80 ms against 3.84 ms in bf16 at T=16384 H_I=32 D_I=128 K=2048, one document; selection overlap with the "
+    "bf16 selection 0.978 (dsa_indexer_34a525d_h200_2026-12-07.md)"
 )
 
 #: What ``"auto"`` chooses from, per op and direction fastest first (a test keeps the measured rows in order).
 ROUTE_TABLE: tuple[RouteRow, ...] = (
     RouteRow(
-        "sparse_mla", "fwd", "triton", "90", 459.4,
-        "9.54 ms, 459.4 TFLOP/s (SM90 warp-specialized kernel); T=16384 H=64 D_qk=576 d_v=512 K=2048, one document",
-        "benchmarks/results/dsa_mla_dc46e75_2026-12-03.md",
+        "sparse_mla", "fwd", "triton", "90", 492.7,
+        "8.89 ms, 492.7 TFLOP/s (SM90 warp-specialized kernel); T=16384 H=64 D_qk=576 d_v=512 K=2048, one document",
+        "benchmarks/results/dsa_mla_34a525d_h200_2026-12-07.md",
     ),
     RouteRow(
         "sparse_mla", "fwd", "flash_mla", "-", None,
@@ -105,10 +105,10 @@ ROUTE_TABLE: tuple[RouteRow, ...] = (
         "benchmarks/results/blockdiag_cudnn_bwd_probe_2026-11-29.md (section 4)",
     ),
     RouteRow(
-        "sparse_mla", "bwd", "triton", "90", 297.8,
-        "37.21 ms, 297.8 TFLOP/s (SM90 warp-specialized probabilities + dkv kernel, SM90 dq kernel); T=16384 H=64 "
+        "sparse_mla", "bwd", "triton", "90", 317.9,
+        "34.86 ms, 317.9 TFLOP/s (SM90 warp-specialized probabilities + dkv kernel, SM90 dq kernel); T=16384 H=64 "
         "K=2048, one document",
-        "benchmarks/results/dsa_mla_dc46e75_2026-12-03.md",
+        "benchmarks/results/dsa_mla_34a525d_h200_2026-12-07.md",
     ),
     RouteRow(
         "sparse_mla", "bwd", "torch", "90", 1.299,
@@ -116,10 +116,10 @@ ROUTE_TABLE: tuple[RouteRow, ...] = (
         "benchmarks/results/dsa_2026-11-29.md",
     ),
     RouteRow(
-        "indexer_topk", "fwd", "triton", "90", 288.3,
-        "3.81 ms, 288.3 TFLOP/s of logits (SM90 Gluon scores, TMA, + union radix select); T=16384 H_I=32 D_I=128 "
+        "indexer_topk", "fwd", "triton", "90", 286.6,
+        "3.84 ms, 286.6 TFLOP/s of logits (SM90 Gluon scores, TMA, + union radix select); T=16384 H_I=32 D_I=128 "
         "K=2048, one document",
-        "benchmarks/results/dsa_indexer_dc46e75_2026-12-03.md",
+        "benchmarks/results/dsa_indexer_34a525d_h200_2026-12-07.md",
     ),
     RouteRow(
         "indexer_topk", "fwd", "cudnn", "-", None,
