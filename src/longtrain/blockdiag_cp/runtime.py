@@ -27,6 +27,7 @@ import torch.distributed
 import torch.nn.functional as F
 
 from . import consensus, exchange, providers, state
+from .compiled import varlen_attention_op
 from .mask import ORIGINAL_SDPA, dense_blockdiag_sdpa, masked_sdpa, rows_seeing
 from .meta import VarlenMeta, meta_from_cu_seqlens, resolve_device
 from .sanitize import fill_rows, sanitize
@@ -222,7 +223,15 @@ def varlen_attention(
 
     The offsets are validated on the host once per offsets tensor (one device-to-host copy); calls that pass the
     same unmodified tensors again (every layer of a step) reuse the result with no host work.
+
+    Under ``torch.compile`` (``fullgraph=True`` included) a call without dropout is one opaque custom op
+    (:mod:`.compiled`): this same eager function runs inside it at run time, and its backward recomputes the
+    attention (one more attention forward per call in the backward, on the compiled path only). With
+    ``dropout_p > 0`` it runs eagerly at a graph break.
     """
+    if torch.compiler.is_compiling() and not dropout_p:
+        return varlen_attention_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                                   softmax_scale=softmax_scale, backend=backend)  # fmt: skip
     return _IMPL["varlen"](q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                            dropout_p, backend)  # fmt: skip
 
@@ -736,6 +745,13 @@ _EAGER = {
 _IMPL = dict(_EAGER)
 
 
+_NOT_TRACEABLE = (
+    "block-diagonal CP runtime (collectives, host syncs): it runs eagerly at a graph break, so torch.compile("
+    "fullgraph=True) cannot compile it; fullgraph=True supports varlen_attention (without dropout) and torchtitan's "
+    "BlockdiagAttention outside a CP step. Compile blocks that run CP attention with fullgraph=False"
+)
+
+
 def maybe_disable_dynamo() -> None:
     """Hide the runtime from torch.compile tracing (host syncs, collectives and Python control flow).
 
@@ -748,6 +764,6 @@ def maybe_disable_dynamo() -> None:
         if _IMPL[name] is not fn:
             continue
         try:
-            _IMPL[name] = torch._dynamo.disable(fn, reason="block-diagonal CP runtime (collectives, host syncs)")
+            _IMPL[name] = torch._dynamo.disable(fn, reason=_NOT_TRACEABLE)
         except TypeError:  # torch without the ``reason`` keyword
             _IMPL[name] = torch._dynamo.disable(fn)
