@@ -6,6 +6,7 @@ contiguous and balanced); the clear errors. Tolerance: float64 throughout, 1e-9 
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -257,3 +258,51 @@ def test_recompute_after_the_step_is_refused():
         logits = checkpoint(lambda t: ours(t, positions=kwargs["positions"]), kwargs["tokens"], use_reentrant=False)
     with pytest.raises(RuntimeError, match="BlockdiagAttention ran during backward"):
         _loss(logits, local_labels).backward()
+
+
+@pytest.mark.parametrize("with_ac", [False, True], ids=["plain", "checkpointed"])
+def test_apply_compile_fullgraph_equals_eager(with_ac, monkeypatch):
+    """torchtitan's own ``apply_compile`` (each block ``compile(fullgraph=True)``; ``aot_eager``, inductor's codegen
+    would only cost time here): logits, loss and every parameter gradient equal the eager model over two packed
+    layouts of the same row length (different offsets and longest document), checkpointed blocks included; masks
+    that do not cover the row are the eager ``ValueError``, raised inside the compiled block."""
+    from torch.utils.checkpoint import checkpoint
+    from torchtitan.config import CompileConfig
+    from torchtitan.distributed.compile import apply_compile
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    from longtrain.blockdiag_cp import compiled as compiled_ops
+
+    checked = []  # the host check runs inside the compiled op: proof that the op, not eager code, ran
+    check = compiled_ops.HOST_CHECKS[tt._HOST_CHECK]
+    monkeypatch.setitem(compiled_ops.HOST_CHECKS, tt._HOST_CHECK, lambda *a: (checked.append(a[2]), check(*a)))
+    torch._dynamo.reset()
+    eager, _ = _models()
+    compiled = copy.deepcopy(eager)
+    config = torch._dynamo.config  # apply_compile sets two global knobs: restored when the test ends
+    knobs = ("capture_scalar_outputs", "skip_fwd_side_effects_in_bwd_under_checkpoint")
+    with config.patch({name: getattr(config, name) for name in knobs}):
+        dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
+        apply_compile(compiled, compile_config=CompileConfig(enable=True, backend="aot_eager"), parallel_dims=dims)
+        tokens, labels, _ = _row()
+        for lens in (LENS, [3, 20, 7]):
+            positions = torch.cat([torch.arange(n) for n in lens])[None]
+            runs = []
+            for model in (eager, compiled):
+                model.zero_grad(set_to_none=True)
+                masks = model.get_attention_masks(positions)
+                forward = functools.partial(model, positions=positions, attention_masks=masks)
+                logits = checkpoint(forward, tokens, use_reentrant=False) if with_ac else forward(tokens)
+                loss = _loss(logits, labels)
+                loss.backward()
+                runs.append((logits.detach(), loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+            assert checked == [[1, 30]] * (4 if with_ac else 2)  # each block's forward (and its recompute)
+            checked.clear()
+            (logits, loss, grads), (want_logits, want_loss, want_grads) = runs[1], runs[0]
+            _close(logits, want_logits, "logits")
+            _close(loss, want_loss, "loss")
+            for name, grad in grads.items():
+                _close(grad, want_grads[name], f"grad {name}")
+        short = compiled.get_attention_masks(torch.arange(29)[None])  # 29 tokens' masks for a 30-token row
+        with pytest.raises(ValueError, match="cover 29 query and 29 key tokens but q holds B \\* L = 1 \\* 30"):
+            compiled(tokens, positions=positions, attention_masks=short)

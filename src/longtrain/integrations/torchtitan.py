@@ -16,6 +16,12 @@ varlen path has no context parallelism. :func:`apply_blockdiag` swaps every such
 
 GQA is native (heads are never repeated) and the dtype is the model's (torchtitan's varlen casts to bf16; this
 does not). The stack is imported lazily: this module imports without torchtitan.
+
+Under ``torch.compile`` (torchtitan's ``apply_compile`` compiles every block with ``fullgraph=True``) the path
+outside a CP step is one opaque op (:func:`~longtrain.blockdiag_cp.compiled.varlen_attention_op`) whose host checks
+(masks that cover every row, recompute after a CP context exited) run inside it at run time; its backward recomputes
+the attention forward once more. Inside a CP step the attention runs eagerly at a graph break (so not under
+``fullgraph=True``, where dynamo stops with an error saying so).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from longtrain.blockdiag_cp import (
     make_cp_blockdiag_batch_and_ctx,
     varlen_attention,
 )
+from longtrain.blockdiag_cp.compiled import register_host_check, varlen_attention_op
 from longtrain.blockdiag_cp.meta import tensor_cache_key
 from longtrain.blockdiag_cp.runtime import autocast_like_sdpa, check_recompute_outside_context
 from longtrain.packing import doc_starts_from_positions
@@ -108,6 +115,16 @@ def _check_covered(offsets: Any, batch: int, length: int) -> None:
         _COVERED.popitem(last=False)
 
 
+def _compiled_host_check(cu_q: torch.Tensor, cu_k: torch.Tensor, args: list[int]) -> None:
+    """What :class:`BlockdiagAttention` checks on the host before the attention, run inside the compiled op."""
+    check_recompute_outside_context("BlockdiagAttention")
+    _check_covered(VarlenOffsets(cu_q, cu_k, 0, 0), *args)
+
+
+_HOST_CHECK = "torchtitan.BlockdiagAttention"
+register_host_check(_HOST_CHECK, _compiled_host_check)
+
+
 class BlockdiagAttention(torch.nn.Module):
     """Per-document causal attention with torchtitan's inner-attention signature (see the module docstring)."""
 
@@ -136,7 +153,9 @@ class BlockdiagAttention(torch.nn.Module):
         if step is not None:
             q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
             return cp_blockdiag_sdpa(q, k, v, is_causal=True, scale=scale).transpose(1, 2)
-        check_recompute_outside_context("BlockdiagAttention")
+        compiling = torch.compiler.is_compiling()
+        if not compiling:
+            check_recompute_outside_context("BlockdiagAttention")
         offsets = _offsets(attention_masks)
         if offsets is None:
             raise ValueError(
@@ -152,10 +171,15 @@ class BlockdiagAttention(torch.nn.Module):
                 f"BlockdiagAttention is self-attention over packed rows: q, k and v must share [B, L] = "
                 f"{(batch, length)}, got k {tuple(k_BLNH.shape[:2])} and v {tuple(v_BLNH.shape[:2])}"
             )
-        _check_covered(offsets, batch, length)
         q, k, v = (t.reshape(total, t.shape[2], t.shape[3]) for t in autocast_like_sdpa(q_BLNH, k_BLNH, v_BLNH))
-        out = varlen_attention(q, k, v, offsets.cu_seq_q, offsets.cu_seq_k, int(offsets.max_q), int(offsets.max_k),
-                               causal=True, softmax_scale=scale)  # fmt: skip
+        if compiling:  # one opaque op; the host checks run inside it at run time
+            out = varlen_attention_op(q, k, v, offsets.cu_seq_q, offsets.cu_seq_k, offsets.max_q, offsets.max_k,
+                                      causal=True, softmax_scale=scale, host_check=_HOST_CHECK,
+                                      host_check_args=(batch, length))  # fmt: skip
+        else:
+            _check_covered(offsets, batch, length)
+            out = varlen_attention(q, k, v, offsets.cu_seq_q, offsets.cu_seq_k, int(offsets.max_q),
+                                   int(offsets.max_k), causal=True, softmax_scale=scale)  # fmt: skip
         return out.view(batch, length, out.shape[1], out.shape[2])
 
 
