@@ -112,3 +112,34 @@ def test_one_rank_step_makes_no_host_sync_per_layer():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("layout", ["square", "more_keys"])
+@pytest.mark.parametrize("backend", ["auto", "flash", "cudnn:cute"])
+def test_varlen_attention_under_fullgraph_compile_matches_float64(backend, layout):
+    """``varlen_attention`` compiled with ``fullgraph=True`` (the custom op of ``blockdiag_cp.compiled``, inductor): the
+    provider runs inside the op, the backward recomputes it under autograd; output and every gradient pass the
+    flash-attention rule against float64, over two layouts through one compiled function."""
+    name = "auto" if backend == "auto" else _name(backend)
+    torch._dynamo.reset()
+
+    def attend(q, k, v, cu_q, cu_k, mq, mk):
+        return varlen_attention(q, k, v, cu_q, cu_k, mq, mk, backend=name)
+
+    compiled = torch.compile(attend, fullgraph=True)
+    for lay in (layout, "empty_docs"):
+        seg_q, seg_k = LAYOUTS[lay]
+        cu_q = torch.tensor([0, *torch.tensor(seg_q).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        cu_k = torch.tensor([0, *torch.tensor(seg_k).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        q = torch.randn(sum(seg_q), 8, 128, device="cuda", generator=gen)
+        k = torch.randn(sum(seg_k), 2, 128, device="cuda", generator=gen)
+        v = torch.randn(sum(seg_k), 2, 128, device="cuda", generator=gen)
+        dout = torch.randn_like(q)
+        args = (cu_q, cu_k, max(seg_q), max(seg_k))
+        ref64 = _run(q.double(), k.double(), v.double(), *args, dout.double(), "reference", True)
+        ref16 = _run(q.bfloat16(), k.bfloat16(), v.bfloat16(), *args, dout.bfloat16(), "reference", True)
+        leaves = [t.bfloat16().requires_grad_() for t in (q, k, v)]
+        out = compiled(*leaves, *args)
+        got = [out.detach(), *torch.autograd.grad(out, leaves, dout.bfloat16())]
+        assert_flash_rule_all(f"compiled {backend} {lay}", ("out", "dq", "dk", "dv"), got, ref16, ref64)
