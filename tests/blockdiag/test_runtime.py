@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from longtrain.blockdiag_cp import batch as batch_mod
-from longtrain.blockdiag_cp import build_cp_step, configure_cp_varlen, cp_blockdiag_sdpa, runtime, state
+from longtrain.blockdiag_cp import build_cp_step, compiled, configure_cp_varlen, cp_blockdiag_sdpa, runtime, state
 from tests.blockdiag import _cp_model as cm
 from tests.blockdiag._kernels_util import patch_provider
 
@@ -194,8 +194,8 @@ def test_torch_compile_runs_the_runtime_eagerly(one_rank):
         want = cp_blockdiag_sdpa(q, k, v)
     import torch._dynamo  # noqa: F401  (as torch.compile would)
 
-    runtime.maybe_disable_dynamo()
-    assert runtime._IMPL["cp_blockdiag_sdpa"] is not runtime._cp_blockdiag_sdpa_impl
+    compiled.maybe_disable_dynamo()
+    assert compiled.IMPL["cp_blockdiag_sdpa"] is not runtime._cp_blockdiag_sdpa_impl
 
     @torch.compile(backend="eager")
     def layer(a, b, c):

@@ -18,7 +18,7 @@ import torch.utils.checkpoint
 from longtrain.packing import doc_starts_from_positions
 
 from . import state
-from .runtime import maybe_disable_dynamo
+from .compiled import maybe_disable_dynamo
 from .step import CPStep, build_cp_step, resolve_cp_group
 
 __all__ = ["ShardLayout", "make_cp_blockdiag_batch_and_ctx"]

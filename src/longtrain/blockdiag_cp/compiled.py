@@ -17,15 +17,64 @@ its integer arguments: the check runs at run time inside the op, where host sync
 
 Attention dropout is not routed here: the recompute would draw another mask. ``varlen_attention`` with
 ``dropout_p > 0`` keeps running eagerly (a graph break, so not under ``fullgraph=True``).
+
+The runtime's implementations live in one table, :data:`IMPL`, filled by the runtime with :func:`register_eager`:
+the public functions call through it, :func:`maybe_disable_dynamo` swaps its entries for
+``torch.compiler.disable``-d versions, and the op's real implementation calls its ``"varlen"`` entry. So this module
+imports nothing of the package, and the step builders hide the runtime from dynamo without importing the runtime.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["HOST_CHECKS", "register_host_check", "varlen_attention_op"]
+__all__ = [
+    "HOST_CHECKS",
+    "IMPL",
+    "NOT_TRACEABLE",
+    "maybe_disable_dynamo",
+    "register_eager",
+    "register_host_check",
+    "varlen_attention_op",
+]
+
+#: name -> the runtime's implementation behind a public function (``"varlen"``, ``"cp_varlen"``,
+#: ``"cp_blockdiag_sdpa"``); :func:`maybe_disable_dynamo` replaces each with its ``torch.compiler.disable``-d version.
+IMPL: dict[str, Callable] = {}
+_EAGER: dict[str, Callable] = {}
+
+NOT_TRACEABLE = (
+    "block-diagonal CP runtime (collectives, host syncs): it runs eagerly at a graph break, so torch.compile("
+    "fullgraph=True) cannot compile it; fullgraph=True supports varlen_attention (without dropout) and torchtitan's "
+    "BlockdiagAttention outside a CP step. Compile blocks that run CP attention with fullgraph=False"
+)
+
+
+def register_eager(name: str, fn: Callable) -> None:
+    """Put the runtime's implementation ``fn`` in :data:`IMPL` under ``name`` (the runtime does, at import)."""
+    _EAGER[name] = fn
+    IMPL[name] = fn
+
+
+def maybe_disable_dynamo() -> None:
+    """Hide the runtime from torch.compile tracing (host syncs, collectives and Python control flow).
+
+    Called eagerly by the step builders; a no-op until the user's program has imported ``torch._dynamo``
+    (``torch.compile`` does), so ``import longtrain`` never imports it (importing it would import triton).
+    """
+    if "torch._dynamo" not in sys.modules:
+        return
+    for name, fn in _EAGER.items():
+        if IMPL[name] is not fn:
+            continue
+        try:
+            IMPL[name] = torch._dynamo.disable(fn, reason=NOT_TRACEABLE)
+        except TypeError:  # torch without the ``reason`` keyword
+            IMPL[name] = torch._dynamo.disable(fn)
+
 
 #: name -> ``check(cu_seqlens_q, cu_seqlens_k, args)``, run on the host inside the op before the attention.
 HOST_CHECKS: dict[str, Callable[[torch.Tensor, torch.Tensor, list[int]], None]] = {}
@@ -41,10 +90,9 @@ def register_host_check(name: str, check: Callable[[torch.Tensor, torch.Tensor, 
 
 def _eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, dropout_p,
            backend):  # fmt: skip
-    from .runtime import varlen_attention  # not compiling here: its eager body runs
-
-    return varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
-                            softmax_scale=softmax_scale, dropout_p=dropout_p, backend=backend)  # fmt: skip
+    """The eager ``varlen_attention`` body (run time, never traced here)."""
+    return IMPL["varlen"](q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                          dropout_p, backend)  # fmt: skip
 
 
 @torch.library.custom_op("longtrain::varlen_attention", mutates_args=())

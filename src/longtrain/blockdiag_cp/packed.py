@@ -19,8 +19,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from . import state
+from .compiled import maybe_disable_dynamo
 from .mask import ORIGINAL_SDPA
-from .runtime import cp_varlen_attention, maybe_disable_dynamo
+from .runtime import cp_varlen_attention
 from .step import CPStep, build_cp_step
 
 __all__ = [

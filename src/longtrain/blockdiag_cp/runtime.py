@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from typing import Any
 
 import torch
@@ -27,7 +26,7 @@ import torch.distributed
 import torch.nn.functional as F
 
 from . import consensus, exchange, providers, state
-from .compiled import varlen_attention_op
+from .compiled import IMPL, register_eager, varlen_attention_op
 from .mask import ORIGINAL_SDPA, dense_blockdiag_sdpa, masked_sdpa, rows_seeing
 from .meta import VarlenMeta, meta_from_cu_seqlens, resolve_device
 from .sanitize import fill_rows, sanitize
@@ -232,7 +231,7 @@ def varlen_attention(
     if torch.compiler.is_compiling() and not dropout_p:
         return varlen_attention_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                    softmax_scale=softmax_scale, backend=backend)  # fmt: skip
-    return _IMPL["varlen"](q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+    return IMPL["varlen"](q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                            dropout_p, backend)  # fmt: skip
 
 
@@ -597,7 +596,7 @@ def cp_varlen_attention(
     """
     if isinstance(step, CPStep):
         step.cache["attention_calls"] = True  # hf_cp_batch's context checks that some attention used its step
-    return _IMPL["cp_varlen"](q, k, v, step, softmax_scale, dropout_p)
+    return IMPL["cp_varlen"](q, k, v, step, softmax_scale, dropout_p)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -732,38 +731,11 @@ def cp_blockdiag_sdpa(
       cast to the autocast dtype first, as stock SDPA does.
     - ``loss.backward()`` must run inside the context when activation checkpointing recomputes attention.
     """
-    return _IMPL["cp_blockdiag_sdpa"](query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return IMPL["cp_blockdiag_sdpa"](query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
-# The implementations behind the public functions; swapped for ``torch.compiler.disable``-d versions by
-# ``maybe_disable_dynamo`` once torch._dynamo is loaded (importing it here would import triton).
-_EAGER = {
-    "cp_blockdiag_sdpa": _cp_blockdiag_sdpa_impl,
-    "cp_varlen": _cp_varlen_attention_impl,
-    "varlen": _varlen_attention_impl,
-}
-_IMPL = dict(_EAGER)
-
-
-_NOT_TRACEABLE = (
-    "block-diagonal CP runtime (collectives, host syncs): it runs eagerly at a graph break, so torch.compile("
-    "fullgraph=True) cannot compile it; fullgraph=True supports varlen_attention (without dropout) and torchtitan's "
-    "BlockdiagAttention outside a CP step. Compile blocks that run CP attention with fullgraph=False"
-)
-
-
-def maybe_disable_dynamo() -> None:
-    """Hide the runtime from torch.compile tracing (host syncs, collectives and Python control flow).
-
-    Called eagerly by the step builders; a no-op until the user's program has imported ``torch._dynamo``
-    (``torch.compile`` does), so ``import longtrain`` never imports it.
-    """
-    if "torch._dynamo" not in sys.modules:
-        return
-    for name, fn in _EAGER.items():
-        if _IMPL[name] is not fn:
-            continue
-        try:
-            _IMPL[name] = torch._dynamo.disable(fn, reason=_NOT_TRACEABLE)
-        except TypeError:  # torch without the ``reason`` keyword
-            _IMPL[name] = torch._dynamo.disable(fn)
+# The implementations behind the public functions, in ``compiled.IMPL``; swapped for ``torch.compiler.disable``-d
+# versions by ``maybe_disable_dynamo`` once torch._dynamo is loaded.
+register_eager("cp_blockdiag_sdpa", _cp_blockdiag_sdpa_impl)
+register_eager("cp_varlen", _cp_varlen_attention_impl)
+register_eager("varlen", _varlen_attention_impl)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed
 
 from . import state
+from .compiled import maybe_disable_dynamo
 from .exchange import GroupRef
 from .meta import VarlenMeta, check_packed_layout, resolve_device, segment_rank
 from .sharding import plan_cp_shards, rank_pieces
@@ -339,8 +340,6 @@ def build_cp_step(
     ids_dev = row.detach().to(device=dev, dtype=torch.int64, copy=True).view(1, full_len)
     digest = hashlib.blake2b(host.numpy().tobytes() + f"{shard_plan.sharding}/{chunk}".encode(), digest_size=8)
     digest = f"{digest.hexdigest()}/{shard_plan.sharding}"
-    from .runtime import maybe_disable_dynamo  # runtime imports this module
-
     maybe_disable_dynamo()  # the step's attention must not be traced by torch.compile (see runtime)
     return CPStep(
         group_ref=GroupRef(group),
