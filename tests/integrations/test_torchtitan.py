@@ -125,6 +125,46 @@ def test_forward_only_then_training(mode):
     _check_grads(ours, ref_grads)
 
 
+def _rel(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+def test_autocast_bf16_meets_the_flash_attention_rule():
+    """A float32 model under ``torch.autocast("cpu", dtype=torch.bfloat16)``: logits and every gradient (backward
+    outside autocast) against the float64 per-document model are at most 2x the error of torchtitan's own SDPA
+    attention run per document under the same autocast, plus one bf16 rounding step (2**-8). And ``BlockdiagAttention``
+    given q and k in float32 and v in bf16 under autocast (as a RoPE computed in float32 would leave them) casts them
+    to bf16 as SDPA does: the same output bit for bit as bf16 inputs."""
+    attention = tt.BlockdiagAttention()
+    masks = tt.varlen_masks(_row()[2])
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, sum(LENS), h, 8, generator=gen) for h in (4, 2, 2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = attention(q, k, v.bfloat16(), attention_masks=masks)
+    assert torch.equal(mixed, attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), attention_masks=masks))
+    ours, ref = _models()
+    tokens, labels, positions = _row()
+    want_logits, _, want_grads = _per_document(copy.deepcopy(ref), tokens, labels)
+    ours.float(), ref.float()
+    ours.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = ours(tokens, positions=positions, attention_masks=ours.get_attention_masks(positions))
+        assert logits.dtype == torch.bfloat16
+    _loss(logits.float(), labels).backward()
+    got = [_rel(logits, want_logits)] + [_rel(p.grad, want_grads[n]) for n, p in ours.named_parameters()]
+    ref.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        parts, start = [], 0
+        for n in LENS:
+            parts.append(ref(tokens[:, start : start + n], positions=torch.arange(n)[None]))
+            start += n
+        ref_logits = torch.cat(parts, 1)
+    _loss(ref_logits.float(), labels).backward()
+    bound = [_rel(ref_logits, want_logits)] + [_rel(p.grad, want_grads[n]) for n, p in ref.named_parameters()]
+    for g, b in zip(got, bound):
+        assert g <= 2 * b + 2**-8, (g, b)
+
+
 def _cp_worker(rank, world, sharding):
     ours, ref = _models()
     tokens, labels, positions = _row()
