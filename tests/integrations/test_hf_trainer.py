@@ -1,6 +1,7 @@
 """``transformers.Trainer`` with ``attn_implementation="longtrain_blockdiag"``: a tiny Llama (float64, CPU) trained
 on documents packed by ``DataCollatorWithFlattening`` equals the same Trainer run with every document in a padded
-row of its own (Hugging Face's ``sdpa``), step by step, with gradient accumulation.
+row of its own (Hugging Face's ``sdpa``), step by step, with gradient accumulation; on 2 and 4 gloo ranks
+``hf.CPTrainer`` (DDP, CP and both) equals one process; what CP cannot train is refused.
 
 Why this comparison is exact: the two runs see the same documents in the same order (one seed, one sampler), and
 the Trainer counts the same targets for both (``labels[..., 1:] != -100``: the collator's ``-100`` at each
@@ -14,6 +15,7 @@ updates are float64 results (RMSNorm still normalises in float32 in both runs al
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -123,3 +125,113 @@ def test_packed_trainer_equals_padded_rows(tmp_path, collator):
                 total += torch.nn.functional.cross_entropy(logits, labels[a + 1 : b], reduction="sum")
                 count += b - a - 1
     torch.testing.assert_close(got[:ACCUM].sum(), total / count)  # float64 both
+
+
+def _cp_worker(rank, world, cp, accum, out_dir):
+    """One rank of a (world / cp) x cp Trainer run: returns its micro-batch losses and the final weights."""
+    import torch.distributed as dist
+    from accelerate.state import AcceleratorState, GradientState
+
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+           "OMP_NUM_THREADS": "1"}  # fmt: skip
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # what torchrun sets: the Trainer (accelerate) sees every rank
+    try:
+        groups = [dist.new_group(list(range(g, g + cp))) for g in range(0, world, cp)]
+        group = groups[rank // cp]
+        model = _model(hf.ATTN_IMPLEMENTATION)
+        trainer = hf.CPTrainer(model=model, args=_args(out_dir, accum), train_dataset=_documents(),
+                               data_collator=transformers.DataCollatorWithFlattening(), cp_mesh=group)  # fmt: skip
+        losses, batches, weights = _train(trainer)
+        logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        return losses, [b["input_ids"] for b in batches], weights, logged
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    "world, cp", [(2, 2), (2, 1), (4, 2)], ids=["cp2", "ddp2-cp1", "dp2xcp2"]
+)  # fmt: skip
+def test_cp_trainer_equals_one_process(gloo, tmp_path, world, cp):
+    """``hf.CPTrainer`` on ``world`` gloo ranks in CP groups of ``cp`` (the replicas: world / cp) == the plain
+    Trainer in one process accumulating the replicas' batches (``ACCUM x replicas``): the same documents per
+    optimizer step, the same token mean, so the same weights; the ranks of a CP group trained the same rows."""
+    dp = world // cp
+    ranks = gloo(_cp_worker, world, cp, ACCUM, str(tmp_path), timeout=300)
+    reference = transformers.Trainer(
+        model=_model(hf.ATTN_IMPLEMENTATION), args=_args(tmp_path, ACCUM * dp), train_dataset=_documents(),
+        data_collator=transformers.DataCollatorWithFlattening())  # fmt: skip
+    want, ref_batches, want_w = _train(reference)
+    for r, (_, rows, weights, logged) in enumerate(ranks):
+        assert all(torch.equal(a, b) for a, b in zip(rows, ranks[r - r % cp][1]))  # one CP group, one row
+        for name, w in want_w.items():
+            torch.testing.assert_close(weights[name], w, msg=lambda m, name=name, r=r: f"rank {r}, {name}: {m}")
+        # the logged loss (the global token mean): the Trainer accumulates it in a float32 tensor
+        want_logged = [h["loss"] for h in reference.state.log_history if "loss" in h]
+        torch.testing.assert_close(torch.tensor(logged), torch.tensor(want_logged))
+    # A rank's loss is its share of the global token mean, times the world (the Trainer's scaling for DDP's
+    # average): per optimizer step, the ranks' losses sum to world x the single process's.
+    per_step = torch.stack([losses.view(STEPS, ACCUM).sum(1) for losses, *_ in ranks]).sum(0) / world
+    torch.testing.assert_close(per_step, want.view(STEPS, ACCUM * dp).sum(1))  # float64 both
+    seen = sorted(tuple(x.tolist()) for losses_rows in ranks[::cp] for x in losses_rows[1])
+    assert seen == sorted(tuple(b["input_ids"].tolist()) for b in ref_batches)  # every batch once per replica set
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(_documents())
+
+
+def _refusals_worker(rank, world, out_dir):
+    """Every refusal of CPTrainer over a CP group of 2 ranks, as the message it raises."""
+    import torch.distributed as dist
+    from accelerate.state import AcceleratorState, GradientState
+
+    flatten = transformers.DataCollatorWithFlattening()
+    cases = {
+        "compute_loss_func": dict(compute_loss_func=lambda outputs, labels, num_items_in_batch=None: outputs.loss),
+        "label_smoothing_factor": dict(args=_args(out_dir, label_smoothing_factor=0.1)),
+        "iterable_dataset": dict(train_dataset=_Stream()),
+        "not_launched": {},
+    }
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+           "OMP_NUM_THREADS": "1"}  # fmt: skip
+    errors = {}
+    for case, kwargs in cases.items():
+        saved = {k: os.environ.get(k) for k in env}
+        if case != "not_launched":  # not_launched: the Trainer sees one process (no WORLD_SIZE), CP sees two
+            os.environ.update(env)
+        try:
+            kwargs = {"args": _args(out_dir), "train_dataset": _documents(), **kwargs}
+            trainer = hf.CPTrainer(model=_model(hf.ATTN_IMPLEMENTATION), data_collator=flatten,
+                                   cp_mesh=dist.group.WORLD, **kwargs)  # fmt: skip
+            trainer.get_train_dataloader()
+        except (ValueError, RuntimeError) as exc:
+            errors[case] = f"{type(exc).__name__}: {exc}"
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            AcceleratorState._reset_state(reset_partial_state=True)
+            GradientState._reset_state()
+    return errors
+
+
+@pytest.mark.dist
+def test_cp_trainer_refuses_what_it_cannot_train(gloo, tmp_path):
+    """A custom loss or label smoothing would shift the sharded (already shifted) labels again; an IterableDataset
+    cannot be re-sharded over the replicas; a Trainer that does not see every rank would not wrap DDP."""
+    for errors in gloo(_refusals_worker, 2, str(tmp_path), timeout=300):
+        assert errors["compute_loss_func"].startswith("ValueError: CPTrainer: compute_loss_func is not supported")
+        assert "label_smoothing_factor" in errors["label_smoothing_factor"]
+        assert "map-style" in errors["iterable_dataset"] and "IterableDataset" in errors["iterable_dataset"]
+        assert errors["not_launched"].startswith("RuntimeError") and "torchrun" in errors["not_launched"]

@@ -15,6 +15,9 @@ and FSDP2 gradients that stay right when the FSDP mesh includes the CP ranks.
   one process), shards every sequence tensor and returns the keyword arguments ``model(**kwargs)`` takes:
   ``shift_labels`` (so the model does not shift again) and ``num_items_in_batch`` (the row's label count, so the
   per-rank losses sum to the single-process mean).
+- :data:`CPTrainer` (``transformers.Trainer`` with :class:`CPTrainerMixin`; built on first use) trains with CP
+  through the Trainer: the ranks of a CP group get the same rows, each row goes through :func:`hf_cp_batch`, and
+  the Trainer counts it once (see :mod:`longtrain.integrations.hf_trainer`).
 - :func:`set_fsdp_gradient_divide_factor` sets FSDP2's gradient divide factor on every FSDP module: with the CP
   ranks inside the FSDP mesh, FSDP's default averaging divides the CP-summed gradient by the CP size too.
 """
@@ -40,14 +43,17 @@ from .hf_blockdiag import (
     register,
 )
 from .hf_dsa import DSA_ATTENTION_CLASSES, apply_dsa
+from .hf_trainer import CPTrainerMixin, cp_trainer_class
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "CPTrainerMixin",
     "DSA_ATTENTION_CLASSES",
     "apply_dsa",
     "MIN_TRANSFORMERS",
     "UNSUPPORTED_KWARGS",
     "blockdiag_attention_forward",
+    "cp_trainer_class",
     "hf_cp_batch",
     "packed_doc_ids",
     "register",
@@ -56,6 +62,12 @@ __all__ = [
 ]
 
 _IGNORE_INDEX = -100
+
+
+def __getattr__(name: str) -> Any:
+    if name == "CPTrainer":  # built on first use (so not in __all__): importing this module imports no transformers
+        return cp_trainer_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ----------------------------------------------------------------------------------------------------------
