@@ -138,10 +138,15 @@ def _cp_worker(rank, world, cp, accum, out_dir):
     os.environ.update(env)  # what torchrun sets: the Trainer (accelerate) sees every rank
     try:
         groups = [dist.new_group(list(range(g, g + cp))) for g in range(0, world, cp)]
-        group = groups[rank // cp]
-        model = _model(hf.ATTN_IMPLEMENTATION)
-        trainer = hf.CPTrainer(model=model, args=_args(out_dir, accum), train_dataset=_documents(),
-                               data_collator=transformers.DataCollatorWithFlattening(), cp_mesh=group)  # fmt: skip
+        # cp = 1: the plain Trainer (DDP, each rank rows of its own)
+        cp_kwargs = {"cp_mesh": groups[rank // cp]} if cp > 1 else {}
+        trainer = (hf.CPTrainer if cp > 1 else transformers.Trainer)(
+            model=_model(hf.ATTN_IMPLEMENTATION),
+            args=_args(out_dir, accum),
+            train_dataset=_documents(),
+            data_collator=transformers.DataCollatorWithFlattening(),
+            **cp_kwargs,
+        )
         losses, batches, weights = _train(trainer)
         logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         return losses, [b["input_ids"] for b in batches], weights, logged
@@ -160,9 +165,10 @@ def _cp_worker(rank, world, cp, accum, out_dir):
     "world, cp", [(2, 2), (2, 1), (4, 2)], ids=["cp2", "ddp2-cp1", "dp2xcp2"]
 )  # fmt: skip
 def test_cp_trainer_equals_one_process(gloo, tmp_path, world, cp):
-    """``hf.CPTrainer`` on ``world`` gloo ranks in CP groups of ``cp`` (the replicas: world / cp) == the plain
-    Trainer in one process accumulating the replicas' batches (``ACCUM x replicas``): the same documents per
-    optimizer step, the same token mean, so the same weights; the ranks of a CP group trained the same rows."""
+    """``hf.CPTrainer`` on ``world`` gloo ranks in CP groups of ``cp`` (the replicas: world / cp; at cp = 1 the plain
+    Trainer under DDP) == the plain Trainer in one process accumulating the replicas' batches (``ACCUM x
+    replicas``): the same documents per optimizer step, the same token mean, so the same weights; the ranks of a CP
+    group trained the same rows."""
     dp = world // cp
     ranks = gloo(_cp_worker, world, cp, ACCUM, str(tmp_path), timeout=300)
     reference = transformers.Trainer(
