@@ -127,7 +127,7 @@ def test_packed_trainer_equals_padded_rows(tmp_path, collator):
     torch.testing.assert_close(got[:ACCUM].sum(), total / count)  # float64 both
 
 
-def _cp_worker(rank, world, cp, accum, out_dir):
+def _cp_worker(rank, world, cp, accum, out_dir, checkpointed=False):
     """One rank of a (world / cp) x cp Trainer run: returns its micro-batch losses and the final weights."""
     import torch.distributed as dist
     from accelerate.state import AcceleratorState, GradientState
@@ -142,12 +142,13 @@ def _cp_worker(rank, world, cp, accum, out_dir):
         cp_kwargs = {"cp_mesh": groups[rank // cp]} if cp > 1 else {}
         trainer = (hf.CPTrainer if cp > 1 else transformers.Trainer)(
             model=_model(hf.ATTN_IMPLEMENTATION),
-            args=_args(out_dir, accum),
+            args=_args(out_dir, accum, gradient_checkpointing=checkpointed),
             train_dataset=_documents(),
             data_collator=transformers.DataCollatorWithFlattening(),
             **cp_kwargs,
         )
         losses, batches, weights = _train(trainer)
+        assert trainer.model.is_gradient_checkpointing == checkpointed
         logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         return losses, [b["input_ids"] for b in batches], weights, logged
     finally:
@@ -162,15 +163,17 @@ def _cp_worker(rank, world, cp, accum, out_dir):
 
 @pytest.mark.dist
 @pytest.mark.parametrize(
-    "world, cp", [(2, 2), (2, 1), (4, 2)], ids=["cp2", "ddp2-cp1", "dp2xcp2"]
+    "world, cp, checkpointed", [(2, 2, False), (2, 2, True), (2, 1, False), (4, 2, False)],
+    ids=["cp2", "cp2-checkpointed", "ddp2-cp1", "dp2xcp2"],
 )  # fmt: skip
-def test_cp_trainer_equals_one_process(gloo, tmp_path, world, cp):
+def test_cp_trainer_equals_one_process(gloo, tmp_path, world, cp, checkpointed):
     """``hf.CPTrainer`` on ``world`` gloo ranks in CP groups of ``cp`` (the replicas: world / cp; at cp = 1 the plain
     Trainer under DDP) == the plain Trainer in one process accumulating the replicas' batches (``ACCUM x
     replicas``): the same documents per optimizer step, the same token mean, so the same weights; the ranks of a CP
-    group trained the same rows."""
+    group trained the same rows. ``checkpointed``: the CP run with ``gradient_checkpointing=True`` (the attention
+    recomputed in the backward, inside the step's context), the reference without."""
     dp = world // cp
-    ranks = gloo(_cp_worker, world, cp, ACCUM, str(tmp_path), timeout=300)
+    ranks = gloo(_cp_worker, world, cp, ACCUM, str(tmp_path), checkpointed, timeout=300)
     reference = transformers.Trainer(
         model=_model(hf.ATTN_IMPLEMENTATION), args=_args(tmp_path, ACCUM * dp), train_dataset=_documents(),
         data_collator=transformers.DataCollatorWithFlattening())  # fmt: skip
