@@ -142,7 +142,7 @@ def _cp_worker(rank, world, cp, accum, out_dir, checkpointed=False):
         cp_kwargs = {"cp_mesh": groups[rank // cp]} if cp > 1 else {}
         trainer = (hf.CPTrainer if cp > 1 else transformers.Trainer)(
             model=_model(hf.ATTN_IMPLEMENTATION),
-            args=_args(out_dir, accum, gradient_checkpointing=checkpointed),
+            args=_args(out_dir, accum, gradient_checkpointing=checkpointed, include_num_input_tokens_seen=True),
             train_dataset=_documents(),
             data_collator=transformers.DataCollatorWithFlattening(),
             **cp_kwargs,
@@ -150,7 +150,7 @@ def _cp_worker(rank, world, cp, accum, out_dir, checkpointed=False):
         losses, batches, weights = _train(trainer)
         assert trainer.model.is_gradient_checkpointing == checkpointed
         logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        return losses, [b["input_ids"] for b in batches], weights, logged
+        return losses, [b["input_ids"] for b in batches], weights, logged, trainer.state.num_input_tokens_seen
     finally:
         for k, v in saved.items():
             if v is None:
@@ -175,10 +175,11 @@ def test_cp_trainer_equals_one_process(gloo, tmp_path, world, cp, checkpointed):
     dp = world // cp
     ranks = gloo(_cp_worker, world, cp, ACCUM, str(tmp_path), checkpointed, timeout=300)
     reference = transformers.Trainer(
-        model=_model(hf.ATTN_IMPLEMENTATION), args=_args(tmp_path, ACCUM * dp), train_dataset=_documents(),
-        data_collator=transformers.DataCollatorWithFlattening())  # fmt: skip
+        model=_model(hf.ATTN_IMPLEMENTATION), args=_args(tmp_path, ACCUM * dp, include_num_input_tokens_seen=True),
+        train_dataset=_documents(), data_collator=transformers.DataCollatorWithFlattening())  # fmt: skip
     want, ref_batches, want_w = _train(reference)
-    for r, (_, rows, weights, logged) in enumerate(ranks):
+    for r, (_, rows, weights, logged, tokens_seen) in enumerate(ranks):
+        assert tokens_seen == reference.state.num_input_tokens_seen  # each row counted once, not once per CP rank
         assert all(torch.equal(a, b) for a, b in zip(rows, ranks[r - r % cp][1]))  # one CP group, one row
         for name, w in want_w.items():
             torch.testing.assert_close(weights[name], w, msg=lambda m, name=name, r=r: f"rank {r}, {name}: {m}")

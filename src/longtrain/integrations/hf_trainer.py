@@ -36,7 +36,8 @@ class CPTrainerMixin:
       same batches (a map-style dataset; one packed row per batch, ``DataCollatorWithFlattening``);
     - ``training_step`` runs :func:`hf_cp_batch` on the row (labels shifted over the full row, then sharded) and
       the forward and backward inside its step context;
-    - ``num_items_in_batch`` counts each row once, not once per CP rank, so with the Trainer's loss scaling and
+    - ``num_items_in_batch`` (and the token counter of ``include_num_input_tokens_seen``) counts each row once, not
+      once per CP rank, so with the Trainer's loss scaling and
       DDP's gradient average the update is the single-process one (``average_tokens_across_devices`` on, the
       default: the token mean over the global batch; off: the mean of the replicas' means).
 
@@ -136,6 +137,14 @@ class CPTrainerMixin:
         if self._cp_size > 1 and num_items is not None:
             num_items = num_items / self._cp_size  # the W ranks of a CP group counted the same rows
         return batches, num_items
+
+    def _track_num_input_tokens(self, inputs: dict) -> None:
+        # The Trainer's token counter (``include_num_input_tokens_seen``) sums every rank's batch: the W ranks of a
+        # CP group hold the same row, so it would count each row W times.
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)
+        if self._cp_size > 1:
+            self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // self._cp_size
 
     def training_step(self, model: torch.nn.Module, inputs: dict, num_items_in_batch: Any = None) -> torch.Tensor:
         if self._cp_size == 1:
