@@ -41,17 +41,47 @@ def _float64_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_in
                                ignore_index, **kw)  # fmt: skip
 
 
-def _model(attn: str):
+def _model(attn: str, dtype: torch.dtype = torch.float64):
+    """The tiny Llama; in float64 with ``_float64_loss``, else with transformers' own loss (float32 logits)."""
     hf.register()
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, max_position_embeddings=128, use_cache=False,
     )  # fmt: skip
-    model = transformers.LlamaForCausalLM(config).to(torch.float64)
+    model = transformers.LlamaForCausalLM(config).to(dtype)
     model.set_attn_implementation(attn)
+    if dtype == torch.float64:
+        model.loss_function = _float64_loss
+    return model
+
+
+def _dsa_model():
+    """The tiny GLM-MoE-DSA of test_hf_dsa.py (float64, 3 layers, IndexShare) with its middle layer a routed MoE
+    (4 experts, 2 per token), and ``apply_dsa``'s torch backend."""
+    from tests.integrations.test_hf_dsa import _config
+
+    torch.manual_seed(0)
+    config = _config("glm")
+    config.mlp_layer_types = ["dense", "sparse", "dense"]
+    config.update(dict(n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=16))
+    model = transformers.GlmMoeDsaForCausalLM(config).to(torch.float64)
+    model.set_experts_implementation("eager")  # the grouped-mm one takes no float64
+    assert type(model.model.layers[1].mlp).__name__ == "GlmMoeDsaMoE"
+    assert hf.apply_dsa(model, backend="torch") == 3
     model.loss_function = _float64_loss
     return model
+
+
+# What a CP worker trains: the model and the TrainingArguments it adds (bf16: the Trainer's autocast on CPU).
+MODELS = {
+    "llama": (lambda: _model(hf.ATTN_IMPLEMENTATION), {}),
+    # SGD: the MoE router scores in float32 inside Hugging Face's code, so CP and one process round a few routing
+    # weights apart by a float32 ulp; AdamW would amplify that on the gradient elements near 0 (one gate_proj entry
+    # off by 6e-5 relative), SGD keeps it at float32 rounding of the gradient, far below float64 assert_close.
+    "dsa": (_dsa_model, {"optim": "sgd"}),
+    "llama-bf16": (lambda: _model(hf.ATTN_IMPLEMENTATION, torch.float32), {"bf16": True}),
+}
 
 
 def _documents():
@@ -127,7 +157,7 @@ def test_packed_trainer_equals_padded_rows(tmp_path, collator):
     torch.testing.assert_close(got[:ACCUM].sum(), total / count)  # float64 both
 
 
-def _cp_worker(rank, world, cp, accum, out_dir, checkpointed=False):
+def _cp_worker(rank, world, cp, accum, out_dir, checkpointed=False, kind="llama"):
     """One rank of a (world / cp) x cp Trainer run: returns its micro-batch losses and the final weights."""
     import torch.distributed as dist
     from accelerate.state import AcceleratorState, GradientState
@@ -140,9 +170,12 @@ def _cp_worker(rank, world, cp, accum, out_dir, checkpointed=False):
         groups = [dist.new_group(list(range(g, g + cp))) for g in range(0, world, cp)]
         # cp = 1: the plain Trainer (DDP, each rank rows of its own)
         cp_kwargs = {"cp_mesh": groups[rank // cp]} if cp > 1 else {}
+        build, extra = MODELS[kind]
         trainer = (hf.CPTrainer if cp > 1 else transformers.Trainer)(
-            model=_model(hf.ATTN_IMPLEMENTATION),
-            args=_args(out_dir, accum, gradient_checkpointing=checkpointed, include_num_input_tokens_seen=True),
+            model=build(),
+            args=_args(
+                out_dir, accum, gradient_checkpointing=checkpointed, include_num_input_tokens_seen=True, **extra
+            ),
             train_dataset=_documents(),
             data_collator=transformers.DataCollatorWithFlattening(),
             **cp_kwargs,
@@ -163,21 +196,27 @@ def _cp_worker(rank, world, cp, accum, out_dir, checkpointed=False):
 
 @pytest.mark.dist
 @pytest.mark.parametrize(
-    "world, cp, checkpointed", [(2, 2, False), (2, 2, True), (2, 1, False), (4, 2, False)],
-    ids=["cp2", "cp2-checkpointed", "ddp2-cp1", "dp2xcp2"],
+    "world, cp, checkpointed, kind",
+    [(2, 2, False, "llama"), (2, 2, True, "llama"), (2, 1, False, "llama"), (4, 2, False, "llama"),
+     (2, 2, False, "dsa")],
+    ids=["cp2", "cp2-checkpointed", "ddp2-cp1", "dp2xcp2", "dsa-cp2"],
 )  # fmt: skip
-def test_cp_trainer_equals_one_process(gloo, tmp_path, world, cp, checkpointed):
+def test_cp_trainer_equals_one_process(gloo, tmp_path, world, cp, checkpointed, kind):
     """``hf.CPTrainer`` on ``world`` gloo ranks in CP groups of ``cp`` (the replicas: world / cp; at cp = 1 the plain
     Trainer under DDP) == the plain Trainer in one process accumulating the replicas' batches (``ACCUM x
     replicas``): the same documents per optimizer step, the same token mean, so the same weights; the ranks of a CP
     group trained the same rows. ``checkpointed``: the CP run with ``gradient_checkpointing=True`` (the attention
-    recomputed in the backward, inside the step's context), the reference without."""
+    recomputed in the backward, inside the step's context), the reference without. ``dsa``: the tiny GLM-MoE-DSA
+    with a routed MoE layer and ``apply_dsa`` (sparse attention over the indexer's top-k, sharded by CP; the indexer
+    gets no gradient: DDP finds it unused, as the Trainer asks by default)."""
     dp = world // cp
-    ranks = gloo(_cp_worker, world, cp, ACCUM, str(tmp_path), checkpointed, timeout=300)
+    ranks = gloo(_cp_worker, world, cp, ACCUM, str(tmp_path), checkpointed, kind, timeout=300)
+    build, extra = MODELS[kind]
     reference = transformers.Trainer(
-        model=_model(hf.ATTN_IMPLEMENTATION), args=_args(tmp_path, ACCUM * dp, include_num_input_tokens_seen=True),
+        model=build(), args=_args(tmp_path, ACCUM * dp, include_num_input_tokens_seen=True, **extra),
         train_dataset=_documents(), data_collator=transformers.DataCollatorWithFlattening())  # fmt: skip
     want, ref_batches, want_w = _train(reference)
+    assert not torch.equal(want_w["model.embed_tokens.weight"], build().model.embed_tokens.weight)
     for r, (_, rows, weights, logged, tokens_seen) in enumerate(ranks):
         assert tokens_seen == reference.state.num_input_tokens_seen  # each row counted once, not once per CP rank
         assert all(torch.equal(a, b) for a, b in zip(rows, ranks[r - r % cp][1]))  # one CP group, one row
