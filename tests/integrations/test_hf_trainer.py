@@ -80,7 +80,7 @@ MODELS = {
     # weights apart by a float32 ulp; AdamW would amplify that on the gradient elements near 0 (one gate_proj entry
     # off by 6e-5 relative), SGD keeps it at float32 rounding of the gradient, far below float64 assert_close.
     "dsa": (_dsa_model, {"optim": "sgd"}),
-    "llama-bf16": (lambda: _model(hf.ATTN_IMPLEMENTATION, torch.float32), {"bf16": True}),
+    "llama-bf16": (lambda: _model(hf.ATTN_IMPLEMENTATION, torch.float32), {"bf16": True, "optim": "sgd"}),
 }
 
 
@@ -284,3 +284,38 @@ def test_cp_trainer_refuses_what_it_cannot_train(gloo, tmp_path):
         assert "label_smoothing_factor" in errors["label_smoothing_factor"]
         assert "map-style" in errors["iterable_dataset"] and "IterableDataset" in errors["iterable_dataset"]
         assert errors["not_launched"].startswith("RuntimeError") and "torchrun" in errors["not_launched"]
+
+
+def _rel_err(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+@pytest.mark.dist
+def test_cp_trainer_bf16_meets_the_flash_attention_rule(gloo, tmp_path):
+    """``bf16=True`` (the Trainer's autocast on CPU; float32 weights, transformers' float32 loss) at cp = 2 against
+    the float64 run in one process: every optimizer step's loss and every weight's update (final minus initial)
+    within 2x the error of the same bf16 Trainer in one process plus one bf16 rounding step (2**-8, relative to the
+    reference's largest magnitude). SGD: AdamW's near-sign update turns bf16 gradient noise into updates of +-lr
+    (both bf16 runs' weights 20-30% off the float64 ones, which would hide any error of CP); SGD's update is the
+    gradient's."""
+    ranks = gloo(_cp_worker, 2, 2, ACCUM, str(tmp_path), False, "llama-bf16", timeout=300)
+    init = {n: p.detach().double() for n, p in _model(hf.ATTN_IMPLEMENTATION).named_parameters()}
+    runs = {}
+    for kind in ("llama", "llama-bf16"):
+        build, extra = MODELS[kind]
+        args = _args(tmp_path, **{**extra, "optim": "sgd"})
+        trainer = transformers.Trainer(model=build(), args=args, train_dataset=_documents(),
+                                       data_collator=transformers.DataCollatorWithFlattening())  # fmt: skip
+        losses, _, weights = _train(trainer)
+        runs[kind] = losses.view(STEPS, ACCUM).sum(1), weights
+    (want, want_w), (one, one_w) = runs["llama"], runs["llama-bf16"]
+    per_step = torch.stack([losses.view(STEPS, ACCUM).sum(1) for losses, *_ in ranks]).sum(0) / 2
+    errors = {"losses": (_rel_err(per_step, want), _rel_err(one, want))}
+    for r, (_, _, weights, _, _) in enumerate(ranks):
+        assert all(w.dtype == torch.float32 for w in weights.values())
+        for name, w in want_w.items():
+            update = w - init[name]
+            errors[f"rank {r}, {name}"] = (_rel_err(weights[name] - init[name], update),
+                                           _rel_err(one_w[name] - init[name], update))  # fmt: skip
+    for what, (got, bound) in errors.items():
+        assert got <= 2 * bound + 2**-8, (what, got, bound)
