@@ -18,6 +18,8 @@ import torch
 
 from longtrain.blockdiag_cp.step import resolve_cp_group
 
+from .hf_batch import hf_cp_batch
+
 __all__ = ["CPTrainerMixin", "cp_trainer_class"]
 
 
@@ -149,8 +151,6 @@ class CPTrainerMixin:
     def training_step(self, model: torch.nn.Module, inputs: dict, num_items_in_batch: Any = None) -> torch.Tensor:
         if self._cp_size == 1:
             return super().training_step(model, inputs, num_items_in_batch)
-        from .hf import hf_cp_batch
-
         if num_items_in_batch is None:
             raise ValueError(
                 f"{type(self).__name__}: with CP the Trainer must count the labels of the accumulated batch "
