@@ -82,6 +82,12 @@ MODELS = {
     # by hand: with the router patched to score in float64, AdamW matches one process too.)
     "dsa": (_dsa_model, {"optim": "sgd"}),
     "llama-bf16": (lambda: _model(hf.ATTN_IMPLEMENTATION, torch.float32), {"bf16": True, "optim": "sgd"}),
+    # The Trainer's torch.compile of the model (aot_eager: dynamo and AOT autograd without inductor's codegen time);
+    # the one-process reference runs eagerly.
+    "llama-compiled": (
+        lambda: _model(hf.ATTN_IMPLEMENTATION),
+        {"torch_compile": True, "torch_compile_backend": "aot_eager"},
+    ),
 }
 
 
@@ -183,6 +189,10 @@ def _cp_worker(rank, world, cp, accum, out_dir, checkpointed=False, kind="llama"
         )
         losses, batches, weights = _train(trainer)
         assert trainer.model.is_gradient_checkpointing == checkpointed
+        if extra.get("torch_compile"):
+            from torch._dynamo.utils import counters
+
+            assert counters["stats"]["unique_graphs"] > 0  # the Trainer did compile the model
         logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         return losses, [b["input_ids"] for b in batches], weights, logged, trainer.state.num_input_tokens_seen
     finally:
@@ -199,8 +209,8 @@ def _cp_worker(rank, world, cp, accum, out_dir, checkpointed=False, kind="llama"
 @pytest.mark.parametrize(
     "world, cp, checkpointed, kind",
     [(2, 2, False, "llama"), (2, 2, True, "llama"), (2, 1, False, "llama"), (4, 2, False, "llama"),
-     (2, 2, False, "dsa")],
-    ids=["cp2", "cp2-checkpointed", "ddp2-cp1", "dp2xcp2", "dsa-cp2"],
+     (2, 2, False, "dsa"), (2, 2, False, "llama-compiled")],
+    ids=["cp2", "cp2-checkpointed", "ddp2-cp1", "dp2xcp2", "dsa-cp2", "cp2-compiled"],
 )  # fmt: skip
 def test_cp_trainer_equals_one_process(gloo, tmp_path, world, cp, checkpointed, kind):
     """``hf.CPTrainer`` on ``world`` gloo ranks in CP groups of ``cp`` (the replicas: world / cp; at cp = 1 the plain
@@ -209,10 +219,11 @@ def test_cp_trainer_equals_one_process(gloo, tmp_path, world, cp, checkpointed, 
     group trained the same rows. ``checkpointed``: the CP run with ``gradient_checkpointing=True`` (the attention
     recomputed in the backward, inside the step's context), the reference without. ``dsa``: the tiny GLM-MoE-DSA
     with a routed MoE layer and ``apply_dsa`` (sparse attention over the indexer's top-k, sharded by CP; the indexer
-    gets no gradient: DDP finds it unused, as the Trainer asks by default)."""
+    gets no gradient: DDP finds it unused, as the Trainer asks by default). ``llama-compiled``: the CP ranks with
+    ``TrainingArguments(torch_compile=True)``, the reference eager."""
     dp = world // cp
     ranks = gloo(_cp_worker, world, cp, ACCUM, str(tmp_path), checkpointed, kind, timeout=300)
-    build, extra = MODELS[kind]
+    build, extra = MODELS[kind.removesuffix("-compiled")]
     reference = transformers.Trainer(
         model=build(), args=_args(tmp_path, ACCUM * dp, include_num_input_tokens_seen=True, **extra),
         train_dataset=_documents(), data_collator=transformers.DataCollatorWithFlattening())  # fmt: skip
