@@ -177,7 +177,9 @@ def _cp_worker(rank, world, cp, accum, out_dir, checkpointed=False, kind="llama"
         groups = [dist.new_group(list(range(g, g + cp))) for g in range(0, world, cp)]
         # cp = 1: the plain Trainer (DDP, each rank rows of its own)
         cp_kwargs = {"cp_mesh": groups[rank // cp]} if cp > 1 else {}
-        build, extra = MODELS[kind]
+        if kind.endswith("-balanced"):  # pieces of 2 tokens: these short rows are really dealt out in pieces
+            cp_kwargs.update(cp_sharding="balanced", cp_shard_chunk=2)
+        build, extra = MODELS[kind.removesuffix("-balanced")]
         trainer = (hf.CPTrainer if cp > 1 else transformers.Trainer)(
             model=build(),
             args=_args(
@@ -187,7 +189,22 @@ def _cp_worker(rank, world, cp, accum, out_dir, checkpointed=False, kind="llama"
             data_collator=transformers.DataCollatorWithFlattening(),
             **cp_kwargs,
         )
-        losses, batches, weights = _train(trainer)
+        from longtrain.integrations import hf_trainer
+
+        shardings, cp_batch = [], hf_trainer.hf_cp_batch
+
+        def recording(*args, **kwargs):
+            ctx, local, layout = cp_batch(*args, **kwargs)
+            shardings.append((layout.step.shard_plan.sharding, layout.step.pieces is None))
+            return ctx, local, layout
+
+        hf_trainer.hf_cp_batch = recording
+        try:
+            losses, batches, weights = _train(trainer)
+        finally:
+            hf_trainer.hf_cp_batch = cp_batch
+        assert {s for s, _ in shardings} == ({cp_kwargs.get("cp_sharding", "contiguous")} if cp > 1 else set())
+        assert all(one_range for _, one_range in shardings) != kind.endswith("-balanced")
         assert trainer.model.is_gradient_checkpointing == checkpointed
         if extra.get("torch_compile"):
             from torch._dynamo.utils import counters
@@ -209,8 +226,8 @@ def _cp_worker(rank, world, cp, accum, out_dir, checkpointed=False, kind="llama"
 @pytest.mark.parametrize(
     "world, cp, checkpointed, kind",
     [(2, 2, False, "llama"), (2, 2, True, "llama"), (2, 1, False, "llama"), (4, 2, False, "llama"),
-     (2, 2, False, "dsa"), (2, 2, False, "llama-compiled")],
-    ids=["cp2", "cp2-checkpointed", "ddp2-cp1", "dp2xcp2", "dsa-cp2", "cp2-compiled"],
+     (2, 2, False, "dsa"), (2, 2, False, "llama-compiled"), (2, 2, False, "llama-balanced")],
+    ids=["cp2", "cp2-checkpointed", "ddp2-cp1", "dp2xcp2", "dsa-cp2", "cp2-compiled", "cp2-balanced"],
 )  # fmt: skip
 def test_cp_trainer_equals_one_process(gloo, tmp_path, world, cp, checkpointed, kind):
     """``hf.CPTrainer`` on ``world`` gloo ranks in CP groups of ``cp`` (the replicas: world / cp; at cp = 1 the plain
@@ -220,10 +237,10 @@ def test_cp_trainer_equals_one_process(gloo, tmp_path, world, cp, checkpointed, 
     recomputed in the backward, inside the step's context), the reference without. ``dsa``: the tiny GLM-MoE-DSA
     with a routed MoE layer and ``apply_dsa`` (sparse attention over the indexer's top-k, sharded by CP; the indexer
     gets no gradient: DDP finds it unused, as the Trainer asks by default). ``llama-compiled``: the CP ranks with
-    ``TrainingArguments(torch_compile=True)``, the reference eager."""
+    ``TrainingArguments(torch_compile=True)``, the reference eager. ``llama-balanced``: ``cp_sharding="balanced"``."""
     dp = world // cp
     ranks = gloo(_cp_worker, world, cp, ACCUM, str(tmp_path), checkpointed, kind, timeout=300)
-    build, extra = MODELS[kind.removesuffix("-compiled")]
+    build, extra = MODELS[kind.removesuffix("-compiled").removesuffix("-balanced")]
     reference = transformers.Trainer(
         model=build(), args=_args(tmp_path, ACCUM * dp, include_num_input_tokens_seen=True, **extra),
         train_dataset=_documents(), data_collator=transformers.DataCollatorWithFlattening())  # fmt: skip
