@@ -14,6 +14,7 @@ updates are float64 results (RMSNorm still normalises in float32 in both runs al
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 
@@ -164,16 +165,34 @@ def test_packed_trainer_equals_padded_rows(tmp_path, collator):
     torch.testing.assert_close(got[:ACCUM].sum(), total / count)  # float64 both
 
 
-def _cp_worker(rank, world, cp, accum, out_dir, checkpointed=False, kind="llama"):
-    """One rank of a (world / cp) x cp Trainer run: returns its micro-batch losses and the final weights."""
-    import torch.distributed as dist
+@contextlib.contextmanager
+def _launched(rank, world, launched=True):
+    """The environment torchrun sets for this rank (unless ``launched`` is false), then accelerate's process-wide
+    state reset, so the next Trainer of this worker process starts afresh."""
     from accelerate.state import AcceleratorState, GradientState
 
     env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
            "OMP_NUM_THREADS": "1"}  # fmt: skip
     saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # what torchrun sets: the Trainer (accelerate) sees every rank
+    if launched:
+        os.environ.update(env)
     try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
+def _cp_worker(rank, world, cp, accum, out_dir, checkpointed=False, kind="llama"):
+    """One rank of a (world / cp) x cp Trainer run: returns its micro-batch losses and the final weights."""
+    import torch.distributed as dist
+
+    with _launched(rank, world):  # what torchrun sets: the Trainer (accelerate) sees every rank
         groups = [dist.new_group(list(range(g, g + cp))) for g in range(0, world, cp)]
         # cp = 1: the plain Trainer (DDP, each rank rows of its own)
         cp_kwargs = {"cp_mesh": groups[rank // cp]} if cp > 1 else {}
@@ -212,14 +231,6 @@ def _cp_worker(rank, world, cp, accum, out_dir, checkpointed=False, kind="llama"
             assert counters["stats"]["unique_graphs"] > 0  # the Trainer did compile the model
         logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         return losses, [b["input_ids"] for b in batches], weights, logged, trainer.state.num_input_tokens_seen
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
 
 
 @pytest.mark.dist
@@ -270,7 +281,6 @@ class _Stream(torch.utils.data.IterableDataset):
 def _refusals_worker(rank, world, out_dir):
     """Every refusal of CPTrainer over a CP group of 2 ranks, as the message it raises."""
     import torch.distributed as dist
-    from accelerate.state import AcceleratorState, GradientState
 
     flatten = transformers.DataCollatorWithFlattening()
     cases = {
@@ -279,28 +289,17 @@ def _refusals_worker(rank, world, out_dir):
         "iterable_dataset": dict(train_dataset=_Stream()),
         "not_launched": {},
     }
-    env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
-           "OMP_NUM_THREADS": "1"}  # fmt: skip
     errors = {}
     for case, kwargs in cases.items():
-        saved = {k: os.environ.get(k) for k in env}
-        if case != "not_launched":  # not_launched: the Trainer sees one process (no WORLD_SIZE), CP sees two
-            os.environ.update(env)
-        try:
-            kwargs = {"args": _args(out_dir), "train_dataset": _documents(), **kwargs}
-            trainer = hf.CPTrainer(model=_model(hf.ATTN_IMPLEMENTATION), data_collator=flatten,
-                                   cp_mesh=dist.group.WORLD, **kwargs)  # fmt: skip
-            trainer.get_train_dataloader()
-        except (ValueError, RuntimeError) as exc:
-            errors[case] = f"{type(exc).__name__}: {exc}"
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-            AcceleratorState._reset_state(reset_partial_state=True)
-            GradientState._reset_state()
+        # not_launched: the Trainer sees one process (no WORLD_SIZE), CP sees two
+        with _launched(rank, world, launched=case != "not_launched"):
+            try:
+                kwargs = {"args": _args(out_dir), "train_dataset": _documents(), **kwargs}
+                trainer = hf.CPTrainer(model=_model(hf.ATTN_IMPLEMENTATION), data_collator=flatten,
+                                       cp_mesh=dist.group.WORLD, **kwargs)  # fmt: skip
+                trainer.get_train_dataloader()
+            except (ValueError, RuntimeError) as exc:
+                errors[case] = f"{type(exc).__name__}: {exc}"
     return errors
 
 

@@ -88,11 +88,10 @@ def register_host_check(name: str, check: Callable[[torch.Tensor, torch.Tensor, 
     HOST_CHECKS[name] = check
 
 
-def _eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, dropout_p,
-           backend):  # fmt: skip
-    """The eager ``varlen_attention`` body (run time, never traced here)."""
+def _eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, backend):
+    """The eager ``varlen_attention`` body without dropout (run time, never traced here)."""
     return IMPL["varlen"](q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                          dropout_p, backend)  # fmt: skip
+                          0.0, backend)  # fmt: skip
 
 
 @torch.library.custom_op("longtrain::varlen_attention", mutates_args=())
@@ -106,21 +105,19 @@ def _varlen_attention_fwd(
     max_seqlen_k: int,
     causal: bool,
     softmax_scale: float | None,
-    dropout_p: float,
     backend: str,
     host_check: str,
     host_check_args: list[int],
 ) -> torch.Tensor:
     if host_check:
         HOST_CHECKS[host_check](cu_seqlens_q, cu_seqlens_k, list(host_check_args))
-    out = _eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, dropout_p,
-                 backend)  # fmt: skip
+    out = _eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, backend)
     return out.contiguous()  # the fake's layout, which inductor's code after the op assumes
 
 
 @_varlen_attention_fwd.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, dropout_p, backend,
-      host_check, host_check_args):  # fmt: skip
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, backend, host_check,
+      host_check_args):  # fmt: skip
     return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
 
 
@@ -156,33 +153,30 @@ def _varlen_attention_bwd(
     max_seqlen_k: int,
     causal: bool,
     softmax_scale: float | None,
-    dropout_p: float,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     with _AutogradOn():
         inputs = tuple(t.detach().requires_grad_(True) for t in (q, k, v))
-        out = _eager(*inputs, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                     dropout_p, backend)  # fmt: skip
+        out = _eager(*inputs, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, backend)
         grads = torch.autograd.grad(out, inputs, grad_out, allow_unused=True)
     return tuple(torch.zeros_like(t) if g is None else g.contiguous() for g, t in zip(grads, (q, k, v)))
 
 
 @_varlen_attention_bwd.register_fake
-def _(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, dropout_p,
-      backend):  # fmt: skip
+def _(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, backend):
     return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, backend, _, _ = inputs
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, backend, _, _ = inputs
     ctx.save_for_backward(q, k, v, cu_q, cu_k)
-    ctx.args = (max_q, max_k, causal, scale, dropout_p, backend)
+    ctx.args = (max_q, max_k, causal, scale, backend)
 
 
 def _backward(ctx, grad_out):
     q, k, v, cu_q, cu_k = ctx.saved_tensors
     dq, dk, dv = torch.ops.longtrain.varlen_attention_backward(grad_out, q, k, v, cu_q, cu_k, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 _varlen_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -199,18 +193,18 @@ def varlen_attention_op(
     *,
     causal: bool = True,
     softmax_scale: float | None = None,
-    dropout_p: float = 0.0,
     backend: str = "auto",
     host_check: str = "",
     host_check_args: Sequence[int] = (),
 ) -> torch.Tensor:
-    """:func:`~.runtime.varlen_attention` as one opaque op (same arguments, shapes and result; see the module
-    docstring for the recomputing backward). ``host_check``: a name given to :func:`register_host_check` (``""``:
-    none), called with ``host_check_args`` before the attention."""
+    """:func:`~.runtime.varlen_attention` without dropout as one opaque op (same arguments, shapes and result; see
+    the module docstring for the recomputing backward, which could not redraw a dropout mask). ``host_check``: a
+    name given to :func:`register_host_check` (``""``: none), called with ``host_check_args`` before the
+    attention."""
     if host_check and host_check not in HOST_CHECKS:
         raise ValueError(f"unknown host_check {host_check!r}; registered: {sorted(HOST_CHECKS)}")
     return torch.ops.longtrain.varlen_attention(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bool(causal),
-        None if softmax_scale is None else float(softmax_scale), float(dropout_p), backend, host_check,
+        None if softmax_scale is None else float(softmax_scale), backend, host_check,
         list(host_check_args),
     )  # fmt: skip
