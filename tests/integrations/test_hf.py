@@ -440,6 +440,8 @@ def test_clear_errors():
         hf.packed_doc_ids(1, 5, attention_mask=torch.ones(1, 1, 5, 5))
     with pytest.raises(ValueError, match="needs 'input_ids' or 'inputs_embeds'"):
         hf.hf_cp_batch({"labels": ids}, None)
+    with pytest.raises(ValueError, match=r"one packed row: input_ids \[1, S\]"):  # was an IndexError
+        hf.hf_cp_batch({"input_ids": ids[0]}, None)
     with pytest.raises(ValueError, match="no FSDP2 module"):
         hf.set_fsdp_gradient_divide_factor(ours)
     for factor in (0, -2.0, float("nan"), float("inf"), True, "2"):  # would scale every gradient wrongly

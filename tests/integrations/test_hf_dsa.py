@@ -139,6 +139,41 @@ def test_leading_padding_equals_per_document(family, lead):
     _check_grads(ours, ref_grads)
 
 
+@pytest.mark.parametrize("family", ["glm", "deepseek"])
+def test_flash_attention_offsets_without_position_ids_equal_per_document(family):
+    """``DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=False)``: the documents are
+    only in ``cu_seq_lens_q`` (the model's positions run 0..S-1; RoPE is relative, so each document's result is its
+    own). ``longtrain_blockdiag`` and ``hf_cp_batch`` read them; ``apply_dsa`` without a CP step ignored them and
+    attended across the documents (logits off by 0.68 relative, silently)."""
+    ours, ref = _models(family)
+    ids, _, labels = _row()
+    ref_logits, ref_loss, ref_grads = _per_document(ref, ids, labels)
+    cu = torch.tensor([0, *LENS], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    out = ours(input_ids=ids, labels=labels, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=12, max_length_k=12)
+    out.loss.backward()
+    _close(out.logits, ref_logits, "logits")
+    _close(out.loss, ref_loss, "loss")
+    _check_grads(ours, ref_grads)
+    with pytest.raises(ValueError, match="cu_seq_lens_k must equal cu_seq_lens_q"):
+        ours(input_ids=ids, cu_seq_lens_q=cu, cu_seq_lens_k=torch.tensor([0, 24], dtype=torch.int32))
+
+
+def test_attention_dropout_in_training_is_refused():
+    """The sparse MLA has no dropout: a model training with ``attention_dropout > 0`` (Hugging Face's eager model
+    drops attention weights) is refused instead of silently training without it; evaluation runs."""
+    torch.manual_seed(0)
+    config = _config("glm")
+    config.attention_dropout = 0.1
+    model = transformers.GlmMoeDsaForCausalLM(config).to(torch.float64)
+    hf.apply_dsa(model, backend="torch")
+    ids, pos, _ = _row()
+    model.train()
+    with pytest.raises(ValueError, match="no attention dropout.*attention_dropout=0.1"):
+        model(input_ids=ids, position_ids=pos)
+    model.eval()
+    model(input_ids=ids, position_ids=pos)
+
+
 def test_shared_layers_reuse_the_previous_top_k(monkeypatch):
     from longtrain.integrations import hf_dsa
 

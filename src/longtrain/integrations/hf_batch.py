@@ -63,6 +63,12 @@ def hf_cp_batch(
     primary = "input_ids" if batch.get("input_ids") is not None else "inputs_embeds"
     if batch.get(primary) is None:
         raise ValueError("hf_cp_batch needs 'input_ids' or 'inputs_embeds' in the batch")
+    if batch[primary].dim() != (2 if primary == "input_ids" else 3):
+        want = "[1, S]" if primary == "input_ids" else "[1, S, hidden]"
+        raise ValueError(
+            f"hf_cp_batch takes one packed row: {primary} {want} (what DataCollatorWithFlattening returns), got shape "
+            f"{tuple(batch[primary].shape)}; add the batch dimension, e.g. {primary}[None]"
+        )
     seq_len = batch[primary].shape[1]
     device = batch[primary].device
     if batch.get("position_ids") is None:

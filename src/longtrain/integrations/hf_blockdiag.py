@@ -21,6 +21,7 @@ __all__ = [
     "UNSUPPORTED_KWARGS",
     "blockdiag_attention_forward",
     "blockdiag_attention_mask",
+    "check_packed_offsets",
     "packed_doc_ids",
     "register",
 ]
@@ -126,6 +127,21 @@ def packed_doc_ids(
     return ids
 
 
+def check_packed_offsets(batch_size: int, cu_seq_lens_q: Any, cu_seq_lens_k: Any) -> None:
+    """The flash-attention offsets a batch brings (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``)
+    describe one packed row, and for training ``cu_seq_lens_k`` equals ``cu_seq_lens_q``; else a ``ValueError``."""
+    if isinstance(cu_seq_lens_q, torch.Tensor) and batch_size != 1:
+        raise ValueError(f"cu_seq_lens_q describes one packed row; the batch has {batch_size} rows")
+    if isinstance(cu_seq_lens_k, torch.Tensor) and (
+        not isinstance(cu_seq_lens_q, torch.Tensor) or not torch.equal(cu_seq_lens_k.cpu(), cu_seq_lens_q.cpu())
+    ):
+        raise ValueError(
+            "cu_seq_lens_k must equal cu_seq_lens_q for packed training (each document attends to itself); got "
+            f"{cu_seq_lens_k.tolist()} against "
+            f"{cu_seq_lens_q.tolist() if isinstance(cu_seq_lens_q, torch.Tensor) else None}"
+        )
+
+
 class _Plan:
     """The varlen call for one batch's boundaries: real-token gather index (None when there is no padding) and
     the offsets over the real tokens."""
@@ -163,13 +179,7 @@ def _plan_for(batch_size: int, seq_len: int, device: torch.device, kwargs: dict,
         _PLANS.move_to_end(key)
         return hit[1]
     mask = attention_mask if isinstance(attention_mask, torch.Tensor) else None
-    if cu is not None and batch_size != 1:
-        raise ValueError(f"cu_seq_lens_q describes one packed row; the batch has {batch_size} rows")
-    if isinstance(cu_k, torch.Tensor) and (cu is None or not torch.equal(cu_k.cpu(), cu.cpu())):
-        raise ValueError(
-            "cu_seq_lens_k must equal cu_seq_lens_q for packed training (each document attends to itself); got "
-            f"{cu_k.tolist()} against {None if cu is None else cu.tolist()}"
-        )
+    check_packed_offsets(batch_size, cu, cu_k)
     doc_ids = packed_doc_ids(batch_size, seq_len, position_ids=pos, attention_mask=mask, cu_seq_lens=cu)
     plan = _Plan(doc_ids, device)
     if tensors is None:

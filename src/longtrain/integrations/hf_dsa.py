@@ -45,7 +45,8 @@ def apply_dsa(model: torch.nn.Module, *, backend: str = "auto", indexer_fp8: boo
 
     ``backend``: ``"auto" | "triton" | "cudnn" | "torch"`` for both ops. ``indexer_fp8``: the indexer scores FP8
     codes of its queries and keys (``indexer_topk(..., fp8=True)``). Training and evaluation forwards only: a
-    forward that would read or fill a KV cache outside training (generation) raises a ``ValueError``.
+    forward that would read or fill a KV cache outside training (generation) raises a ``ValueError``, and so does a
+    training forward with ``attention_dropout > 0`` (the sparse MLA has no dropout).
     """
     from .hf_blockdiag import ATTN_IMPLEMENTATION, register
 
@@ -112,17 +113,24 @@ def _runs(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(real, dtype=torch.int32), torch.tensor(storage, dtype=torch.int32)
 
 
-def _metadata(batch_size: int, seq_len: int, device, position_ids, attention_mask):
-    from .hf_blockdiag import packed_doc_ids
+def _metadata(batch_size: int, seq_len: int, device, position_ids, attention_mask, cu_seq_lens_q=None,
+              cu_seq_lens_k=None):  # fmt: skip
+    """The packed metadata of a batch without a CP step, from its documents as ``"longtrain_blockdiag"`` finds them:
+    ``cu_seq_lens_q`` (checked against ``cu_seq_lens_k``) when the batch brings them, else ``position_ids``; the
+    zeros of a 2-D ``attention_mask`` are padding."""
+    from .hf_blockdiag import check_packed_offsets, packed_doc_ids
 
     mask = attention_mask if isinstance(attention_mask, torch.Tensor) else None
-    sources = [t for t in (position_ids, mask) if isinstance(t, torch.Tensor)]
+    cu = cu_seq_lens_q if isinstance(cu_seq_lens_q, torch.Tensor) else None
+    cu_k = cu_seq_lens_k if isinstance(cu_seq_lens_k, torch.Tensor) else None
+    sources = [t for t in (position_ids, mask, cu, cu_k) if isinstance(t, torch.Tensor)]
     tensors = tensor_cache_key(*sources)
     key = (batch_size, seq_len, str(device), tensors)
     hit = _METAS.get(key) if tensors is not None else None
     if hit is not None and all(ref() is t for ref, t in zip(hit[0], sources)):
         return hit[1]
-    ids = packed_doc_ids(batch_size, seq_len, position_ids=position_ids, attention_mask=mask)
+    check_packed_offsets(batch_size, cu, cu_k)
+    ids = packed_doc_ids(batch_size, seq_len, position_ids=position_ids, attention_mask=mask, cu_seq_lens=cu)
     cu_real, cu_storage = _runs(ids)
     padding = (ids.flatten() == 0).to(device)
     meta = prepare_dsa_metadata(
@@ -139,6 +147,13 @@ def _metadata(batch_size: int, seq_len: int, device, position_ids, attention_mas
 
 def _dsa_forward(self, family, kernels, hidden_states, position_embeddings, attention_mask, cache, position_ids,
                  prev_topk_indices, kwargs):  # fmt: skip
+    dropout = float(getattr(self, "attention_dropout", 0.0) or 0.0)
+    if self.training and dropout > 0:
+        raise ValueError(
+            f"apply_dsa's sparse MLA has no attention dropout, and {type(self).__name__} (layer {self.layer_idx}) "
+            f"trains with attention_dropout={dropout}: set config.attention_dropout=0.0 before building the model "
+            "(or the attention_dropout of every attention module), or evaluate with model.eval()"
+        )
     cache = cache if cache is not None else kwargs.get("past_key_values")
     if cache is not None and not self.training:
         raise ValueError(
@@ -165,7 +180,8 @@ def _dsa_forward(self, family, kernels, hidden_states, position_embeddings, atte
         parts, cu = DSAAttention.parts_for_step(step), step.packed_cu_seqlens.to(torch.int32)
     else:
         check_recompute_outside_context("apply_dsa's attention")
-        meta, cu = _metadata(batch, seq, hidden_states.device, position_ids, attention_mask)
+        meta, cu = _metadata(batch, seq, hidden_states.device, position_ids, attention_mask,
+                             kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))  # fmt: skip
         parts = DSAQueryParts(((slice(0, tokens), meta),))
 
     q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
