@@ -458,3 +458,29 @@ def test_from_config_and_doc_ids():
     mask = torch.tensor([[1, 1, 1, 1, 1, 0, 0]])
     assert hf.packed_doc_ids(1, 7, position_ids=pos, attention_mask=mask).tolist() == [[1, 1, 1, 2, 2, 0, 0]]
     assert hf.packed_doc_ids(2, 3).tolist() == [[1, 1, 1], [2, 2, 2]]
+
+
+def test_offsets_and_restarting_positions_must_agree():
+    """cu_seq_lens_q and position_ids that restart elsewhere are refused at cp = 1 as the CP batch builder refuses
+    them (the offsets used to win silently); position ids that never restart (the model's own arange) and a
+    difference only inside the padding are no disagreement."""
+    cu = torch.tensor([0, 3, 7, 10])
+    agree = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0, 1, 2]])
+    expected = [[1, 1, 1, 2, 2, 2, 2, 3, 3, 3]]
+    assert hf.packed_doc_ids(1, 10, cu_seq_lens=cu, position_ids=agree).tolist() == expected
+    assert hf.packed_doc_ids(1, 10, cu_seq_lens=cu, position_ids=torch.arange(10)[None]).tolist() == expected
+    tail = torch.tensor([[1] * 7 + [0] * 3])
+    in_tail = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0, 0, 0]])
+    assert hf.packed_doc_ids(1, 10, cu_seq_lens=cu, position_ids=in_tail, attention_mask=tail).tolist() == [
+        [1, 1, 1, 2, 2, 2, 2, 0, 0, 0]
+    ]
+    other = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2]])
+    with pytest.raises(ValueError, match="at position 3 .* cu_seq_lens_q starts a new document, position_ids do not"):
+        hf.packed_doc_ids(1, 10, cu_seq_lens=cu, position_ids=other)
+    ours, _ = _models()
+    ids, pos, _, _ = _row(tail=0)
+    cu = torch.tensor([0, *LENS]).cumsum(0).to(torch.int32)
+    bad = torch.arange(ids.shape[1])[None] % 4  # restarts every 4 tokens, not where the documents start
+    with pytest.raises(ValueError, match="document boundaries disagree"):
+        ours(input_ids=ids, position_ids=bad, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(LENS),
+             max_length_k=max(LENS))  # fmt: skip

@@ -96,7 +96,9 @@ def packed_doc_ids(
     Documents: ``cu_seq_lens`` (flash-attention offsets over the flattened batch) when given; else
     ``position_ids`` (``[B, S]`` or mRoPE ``[3|4, B, S]``; :func:`longtrain.packing.doc_starts_from_positions`: a
     new document wherever the text position does not grow by exactly 1, Hugging Face's packed-sequence rule); else
-    one document per row. Padding: the zeros of a 2-D ``attention_mask``, in any place.
+    one document per row. Padding: the zeros of a 2-D ``attention_mask``, in any place. With both offsets and
+    position ids that restart, the two must start the same documents between real tokens (as the CP batch builder
+    requires), else a ``ValueError``; position ids that never restart (the model's own ``arange``) mark no boundary.
     """
     dev = torch.device(device) if device is not None else None
     if cu_seq_lens is not None:
@@ -109,6 +111,8 @@ def packed_doc_ids(
             )
         lengths = cu[1:] - cu[:-1]
         ids = torch.repeat_interleave(torch.arange(1, lengths.numel() + 1), lengths).view(batch_size, seq_len)
+        if position_ids is not None:
+            _check_positions_agree(ids, position_ids, attention_mask)
         ids = ids.to(dev or cu_seq_lens.device)
     elif position_ids is not None:
         if position_ids.shape[-1] != seq_len:
@@ -125,6 +129,29 @@ def packed_doc_ids(
             )
         ids = torch.where(attention_mask.to(device=ids.device, dtype=torch.bool), ids, 0)
     return ids
+
+
+def _check_positions_agree(ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    """Restarting ``position_ids`` start the same documents as the offsets' ``ids`` ``[B, S]`` (CPU) between real
+    tokens; else a ``ValueError`` naming the first position where they differ."""
+    if position_ids.shape[-1] != ids.shape[1]:
+        raise ValueError(f"position_ids cover {position_ids.shape[-1]} positions, the batch has {ids.shape[1]}")
+    by_pos = doc_starts_from_positions(position_ids).cpu().expand(ids.shape)
+    if not bool(by_pos[:, 1:].any()):
+        return
+    by_cu = torch.ones_like(by_pos)
+    by_cu[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    real = torch.ones_like(by_pos)
+    if attention_mask is not None and tuple(attention_mask.shape) == tuple(ids.shape):  # else packed_doc_ids refuses it
+        real = attention_mask.cpu() != 0
+    differ = (by_pos[:, 1:] != by_cu[:, 1:]) & real[:, 1:] & real[:, :-1]
+    if bool(differ.any()):
+        b, p = (int(x) for x in differ.nonzero()[0])
+        what = "starts a new document" if bool(by_cu[b, p + 1]) else "continues the document"
+        raise ValueError(
+            f"document boundaries disagree: at position {p + 1} (row {b}) cu_seq_lens_q {what}, position_ids do "
+            f"not; make the two agree (or pass only one of them)"
+        )
 
 
 def check_packed_offsets(batch_size: int, cu_seq_lens_q: Any, cu_seq_lens_k: Any) -> None:
