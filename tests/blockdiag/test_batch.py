@@ -166,6 +166,8 @@ def _valid():
         (lambda b: b.update(_packed_seq_ids=torch.tensor([[1, 1, 2, 2, 1, 1, 3, 3, 0, 0]])), 2, ValueError, "runs"),
         (lambda b: b.update(labels=torch.arange(9)[None]), 2, ValueError, "labels"),
         (lambda b: b.update(position_ids=torch.zeros(3, 2, 10, dtype=torch.int64)), 2, ValueError, "position_ids"),
+        # an IndexError before
+        (lambda b: b.clear() or b.update(input_ids=torch.zeros(1, 0, dtype=torch.int64)), 2, ValueError, "empty row"),
     ],
     ids=[
         "batch2",
@@ -181,6 +183,7 @@ def _valid():
         "split_document",
         "labels_len",
         "mrope_batch",
+        "empty_row",
     ],
 )
 def test_invalid_batches_raise_and_leave_the_batch_unchanged(group_world, mutate, world, exc, match):

@@ -94,3 +94,13 @@ def test_cp_attention_under_fullgraph_is_a_clear_error():
                              backend="aot_eager")  # fmt: skip
     with pytest.raises(torch._dynamo.exc.Unsupported, match="fullgraph=True supports varlen_attention"):
         compiled(*_qkv(0))
+
+
+def test_backend_none_compiles_as_in_eager():
+    """Eager takes ``backend=None`` (the default, ``auto``); the op's schema takes a str, and tracing failed with a
+    fake-tensor error before the name was normalised."""
+    torch._dynamo.reset()
+    cu = _cu([10, 14])
+    fn = lambda q, k, v: varlen_attention(q * 1.0, k, v, cu, cu, 14, 14, backend=None)  # noqa: E731
+    compiled = torch.compile(fn, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(*_qkv(0)), fn(*_qkv(0)))

@@ -68,6 +68,44 @@ def test_disagreeing_ranks_all_raise_the_same_error(gloo, world, scenario, field
     assert all(r[2] == {} for r in results), "no collective of the step was issued"
 
 
+def _bad_arguments_worker(rank, world, scenario):
+    """The last rank's first attention call of the step fails its own argument checks; the others' are fine."""
+    from longtrain.blockdiag_cp import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+
+    previous = configure_cp_varlen(step_timeout_s=20)  # a bound, so that a regression fails instead of hanging
+    start = time.monotonic()
+    try:
+        with cm.count_collectives() as counts:
+            bad = rank == world - 1
+            if scenario == "sdpa_shape":  # the SDPA drop-in's own shard check
+                batch = {"input_ids": torch.zeros(1, IDS.numel(), dtype=torch.int64), "_packed_seq_ids": IDS[None]}
+                ctx, _, layout = make_cp_blockdiag_batch_and_ctx(dist.group.WORLD, None, batch)
+                rows = layout.padded_seq_len // world - int(bad)
+                with ctx():
+                    cp_blockdiag_sdpa(*(torch.randn(1, 2, rows, 8) for _ in range(3)))
+            else:
+                step = build_cp_step(IDS, dist.group.WORLD)
+                rows, heads = step.local_len - int(bad and scenario == "rows"), 3 if bad and scenario == "heads" else 4
+                q, k = torch.randn(rows, heads, 8), torch.randn(rows, 2, 8)
+                cp_varlen_attention(q, k, k, step, dropout_p=1.0 if bad and scenario == "dropout" else 0.0)
+        return ("ok", "", dict(counts), time.monotonic() - start)
+    except Exception as exc:
+        return (type(exc).__name__, str(exc), dict(counts), time.monotonic() - start)
+    finally:
+        configure_cp_varlen(**previous)
+
+
+@pytest.mark.parametrize("scenario", ["rows", "heads", "dropout", "sdpa_shape"])
+def test_a_rank_failing_its_argument_checks_is_named_on_every_rank_at_once(gloo, scenario):
+    """Before, the failing rank raised its ValueError and the others waited for it in the step's check until
+    ``step_timeout_s`` (a CPTimeoutError) or, without the knob, the store's timeout (30 minutes by default)."""
+    *good, bad = gloo(_bad_arguments_worker, 3, scenario, timeout=60)
+    assert bad[0] == "ValueError", bad
+    for kind, message, counts, waited in good:
+        assert kind == "CPMismatchError" and "argument checks" in message and "ranks [2]: failed" in message, message
+        assert counts == {} and waited < 10.0, (counts, waited)  # no collective; no wait for the bound
+
+
 def _agree_worker(rank, world):
     with cm.count_collectives() as counts:
         for _ in range(3):  # three steps; each step's check is one store exchange, no torch.distributed collective

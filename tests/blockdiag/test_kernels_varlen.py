@@ -147,6 +147,19 @@ def test_batch_rows_segment_inline_and_ignore_meta():
     torch.testing.assert_close(out * real, ref * real, **TOL[torch.float64])
 
 
+@pytest.mark.parametrize("offset", [0, 2], ids=["chunk_holds_both_runs", "chunk_holds_the_second_run"])
+def test_inline_segmentation_refuses_an_id_in_two_runs(offset):
+    """Without ``meta`` the driver segments inline; an id in two runs is one document in the dense mask but would
+    be two segments there (a silently different result, max error 2.3 before). It now validates the layout as
+    ``precompute_blockdiag_varlen_meta`` does and returns None: the caller's dense path, the documented result."""
+    ids = torch.tensor([1, 1, 2, 2, 1, 1])
+    local = 6 - offset
+    q, k, v, _ = _inputs(4, 2, local, 6, 8, torch.float64)
+    with pytest.raises(ValueError, match="document id 1 appears in 2 separate runs"):
+        kernels.precompute_blockdiag_varlen_meta(ids, offset, local, "cpu")
+    assert kernels._cp_blockdiag_varlen(q, k, v, ids, offset, backend="reference") is None
+
+
 def test_backend_names():
     ids = ids_from_lengths([8], 0)
     q, k, v, _ = _inputs(2, 2, 8, 8, 8, torch.float64)

@@ -207,6 +207,14 @@ def test_cp_varlen_attention_checks_its_arguments():
         cp_varlen_attention(q, k[:, :0], k[:, :0], step)
     with pytest.raises(ValueError, match="head dims"):
         cp_varlen_attention(q, k[..., :4], k[..., :4], step)
+    # stock SDPA would run -0.1 as no dropout and 1.0 as an all-zero output, silently
+    for bad in (-0.1, 1.0, float("nan")):
+        with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):
+            cp_varlen_attention(q, k, k, step, dropout_p=bad)
+    with pytest.raises(TypeError, match="dropout_p must be a number"):
+        cp_varlen_attention(q, k, k, step, dropout_p=None)
+    with pytest.raises(ValueError, match="empty row"):  # an IndexError before
+        build_cp_step(torch.zeros(0, dtype=torch.int64))
 
 
 @pytest.mark.parametrize("backend", ["reference", "dense"])

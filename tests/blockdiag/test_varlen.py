@@ -226,3 +226,18 @@ def test_reference_dropout_runs_and_differs():
     torch.manual_seed(0)
     dropped = varlen_attention(q, k, v, cq, ck, mq, mk, dropout_p=0.5)
     assert not torch.allclose(base, dropped) and torch.isfinite(dropped).all()
+
+
+def test_offsets_and_maxima_of_the_wrong_type_are_clear_errors():
+    """A list of offsets was an ``AttributeError`` ('list' object has no attribute 'is_inference') and a ``None``
+    maximum a bare ``int()`` error; both name the argument now."""
+    (q, k, v, _), cu_q, cu_k, mq, mk = _case("square")
+    cq, ck = torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32)
+    with pytest.raises(TypeError, match="cu_seqlens_q must be a 1-D int32/int64 tensor"):
+        varlen_attention(q, k, v, cu_q, ck, mq, mk)
+    with pytest.raises(TypeError, match="cu_seqlens_k must be a 1-D int32/int64 tensor"):
+        varlen_attention(q, k, v, cq, cu_k, mq, mk)
+    with pytest.raises(TypeError, match="max_seqlen_k must be an int"):
+        varlen_attention(q, k, v, cq, ck, mq, None)
+    with pytest.raises(TypeError, match="dropout_p must be a number"):
+        varlen_attention(q, k, v, cq, ck, mq, mk, dropout_p=None)

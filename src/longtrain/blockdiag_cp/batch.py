@@ -363,6 +363,8 @@ def make_cp_blockdiag_batch_and_ctx(
     if not isinstance(primary, torch.Tensor) or primary.dim() < 2:
         raise TypeError(f"batch[{primary_key!r}] must be a [B, S, ...] tensor, got {type(primary).__name__}")
     bsz, seq_len = int(primary.shape[0]), int(primary.shape[1])
+    if seq_len == 0:
+        raise ValueError(f"batch[{primary_key!r}] has shape {tuple(primary.shape)}: an empty row (no token to attend)")
     device = primary.device
     if bsz != 1:
         raise ValueError(

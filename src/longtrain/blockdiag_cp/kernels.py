@@ -326,6 +326,9 @@ def _cp_blockdiag_varlen(
                 m = meta_from_dict(meta)
             else:
                 host = ids[b].detach()[: int(row_offset) + local_len].to("cpu", torch.int64)
+                # As precompute_blockdiag_varlen_meta does: an id in two runs would be split into two documents
+                # here but is one document in the dense mask (ValueError -> None: the dense path, documented result)
+                _check_packed_layout(host)
                 m = segment_rank(host, row_offset, local_len, query.device) if host.numel() else empty_meta()
             if m.n_real == 0:
                 rows.append(exchange.zero_touch(q_rows[b], k_rows[b], v_rows[b]))

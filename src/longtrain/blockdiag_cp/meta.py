@@ -451,6 +451,9 @@ def meta_from_cu_seqlens(
     offset tensors come back unmodified (every layer of a step), so later calls do no host work. Offsets that are
     inference tensors (made under ``torch.inference_mode``) are checked at every call (:func:`tensor_cache_key`).
     """
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        if not isinstance(cu, torch.Tensor):  # before the cache key, which reads tensor attributes
+            raise TypeError(f"{name} must be a 1-D int32/int64 tensor [N+1], got {type(cu).__name__}")
     tensors = tensor_cache_key(cu_q, cu_k)
     if tensors is None:
         return _plan_uncached(cu_q, cu_k, total_q, total_k, max_q, max_k, causal, device)

@@ -17,6 +17,7 @@ Collective-order safety (every rank must issue the same collectives in the same 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Any
@@ -36,12 +37,14 @@ __all__ = [
     "ALLOW_XNODE_ENV",
     "attend",
     "autocast_like_sdpa",
+    "check_dropout",
     "check_ranks_agree",
     "check_qkv",
     "check_recompute_outside_context",
     "cp_blockdiag_sdpa",
     "cp_varlen_attention",
     "current_cp_step",
+    "refuse_on_every_rank",
     "select_kv_exchange_path",
     "varlen_attention",
 ]
@@ -52,6 +55,8 @@ logger = logging.getLogger(__name__)
 ALLOW_XNODE_ENV = "LONGTRAIN_CP_ALLOW_XNODE"
 
 _NEEDED_ONLY = (state.KV_EXCHANGE_HALO, state.KV_EXCHANGE_A2A)
+#: The consensus field that says whether a rank's first attention call of the step passed its own argument checks.
+_OWN_CHECKS = "argument checks of the rank's first attention call"
 _LOGGED: set[str] = set()
 _OOM_ERRORS: tuple[type[BaseException], ...] = tuple(
     e for e in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None)) if e
@@ -160,15 +165,22 @@ def attend(
 # ----------------------------------------------------------------------------------------------------------
 
 
+def _max_seqlen(value: Any, name: str) -> int:
+    """``int(value)`` (flash-attn takes an int), or a ``TypeError`` naming the argument."""
+    try:
+        return int(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"varlen_attention: {name} must be an int (the longest document), got {value!r}") from None
+
+
 def _varlen_attention_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                            dropout_p, backend):  # fmt: skip
     check_qkv(q, k, v, "varlen_attention")
-    if not 0.0 <= float(dropout_p) < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    dropout_p = check_dropout(dropout_p, "varlen_attention")
     device = resolve_device(q.device)
     plan = meta_from_cu_seqlens(
-        cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], int(max_seqlen_q), int(max_seqlen_k),
-        causal=bool(causal), device=device,
+        cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], _max_seqlen(max_seqlen_q, "max_seqlen_q"),
+        _max_seqlen(max_seqlen_k, "max_seqlen_k"), causal=bool(causal), device=device,
     )  # fmt: skip
     name = providers.resolve_backend(backend, q.dtype, device, dropout_p=dropout_p, meta=plan.meta)
     reason = providers.unavailable_reason(name, q.dtype, device, dropout_p=dropout_p)
@@ -229,8 +241,9 @@ def varlen_attention(
     ``dropout_p > 0`` it runs eagerly at a graph break.
     """
     if torch.compiler.is_compiling() and not dropout_p:
+        name = state.normalize_attn_backend(backend)  # the op's schema takes a str (None -> "auto", as eager)
         return varlen_attention_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
-                                   softmax_scale=softmax_scale, backend=backend)  # fmt: skip
+                                   softmax_scale=softmax_scale, backend=name)  # fmt: skip
     return IMPL["varlen"](q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                            dropout_p, backend)  # fmt: skip
 
@@ -399,7 +412,8 @@ def check_ranks_agree(
     backend, FP8 indexer, top-k, indexer heads: ranks that differ there would select differently and agree with no
     single-GPU run). Block-diagonal attention is ``kind="attention"``, DSA layers ``kind="dsa"``: a model with both
     pays one exchange per kind and step. Later calls of the same kind on the step, and one-rank steps, return at
-    once."""
+    once. A rank whose first call of the kind fails its own argument checks publishes that instead
+    (:func:`refuse_on_every_rank`), so the others raise at once rather than wait for it."""
     cache_key = f"ranks_agree:{kind}"
     if step.world_size == 1 or cache_key in step.cache:
         return
@@ -407,6 +421,7 @@ def check_ranks_agree(
         f"{name}={value}"
         for name, value in (
             ("attention kind", kind),
+            (_OWN_CHECKS, "passed"),
             ("document layout (ids hash/length)", step.layout_hash),
             ("world size", step.world_size),
             ("local length", step.local_len),
@@ -421,6 +436,11 @@ def check_ranks_agree(
     )
     payloads = consensus.exchange_fingerprints(step.group, step.rank, step.world_size, payload, state.step_timeout_s())
     problem = consensus.mismatch(payloads)
+    if problem is not None and _OWN_CHECKS in problem:
+        raise consensus.CPMismatchError(
+            f"{problem}: the failed ranks raised their own ValueError/TypeError on their arguments (see their "
+            "tracebacks); no collective of the step was issued"
+        )
     if problem is not None:
         raise consensus.CPMismatchError(
             f"{problem}: every CP rank must build its step from the same packed row and run the same attention "
@@ -429,19 +449,53 @@ def check_ranks_agree(
     step.cache[cache_key] = True
 
 
-def _cp_varlen_attention_impl(q, k, v, step, softmax_scale, dropout_p):
-    if not isinstance(step, CPStep):
-        raise TypeError(
-            f"step must be a CPStep (build_cp_step or the batch builder's context), got {type(step).__name__}"
-        )
+def refuse_on_every_rank(step: CPStep, kind: str = "attention") -> None:
+    """Tell the other ranks that this rank's first attention call of ``kind`` on ``step`` failed its own argument
+    checks, before the caller raises its error: they are waiting in :func:`check_ranks_agree` and raise a
+    :class:`~.consensus.CPMismatchError` naming this rank at once, instead of waiting for ``step_timeout_s`` (or
+    the store's timeout: 30 minutes by default). Nothing to do on one rank or once the step's check has passed
+    (later calls issue no check: their failure is the caller's error alone)."""
+    if step.world_size == 1 or f"ranks_agree:{kind}" in step.cache:
+        return
+    payload = f"attention kind={kind};{_OWN_CHECKS}=failed"
+    with contextlib.suppress(Exception):  # best effort: the caller's own error is the one to raise
+        consensus.exchange_fingerprints(step.group, step.rank, step.world_size, payload, state.step_timeout_s())
+
+
+def check_dropout(dropout_p: Any, what: str) -> float:
+    """``dropout_p`` as a float in ``[0, 1)``; a ``ValueError`` naming ``what`` outside it (NaN included), a
+    ``TypeError`` for a non-number. (Stock SDPA would take a negative value as no dropout and 1.0 as an all-zero
+    output, without a word.)"""
+    try:
+        value = float(dropout_p)
+    except (TypeError, ValueError):
+        raise TypeError(f"{what}: dropout_p must be a number in [0, 1), got {dropout_p!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{what}: dropout_p must be in [0, 1), got {dropout_p}")
+    return value
+
+
+def _check_cp_args(q, k, v, step: CPStep, dropout_p) -> float:
     check_qkv(q, k, v, "cp_varlen_attention")
     if q.shape[0] != step.local_len or k.shape[0] != step.local_len:
         raise ValueError(
             f"cp_varlen_attention takes this rank's shard of {step.local_len} rows (the step's local length); got "
             f"q/k of {q.shape[0]}/{k.shape[0]} rows"
         )
+    return check_dropout(dropout_p, "cp_varlen_attention")
+
+
+def _cp_varlen_attention_impl(q, k, v, step, softmax_scale, dropout_p):
+    if not isinstance(step, CPStep):
+        raise TypeError(
+            f"step must be a CPStep (build_cp_step or the batch builder's context), got {type(step).__name__}"
+        )
+    try:
+        dropout_p = _check_cp_args(q, k, v, step, dropout_p)
+    except (TypeError, ValueError):
+        refuse_on_every_rank(step)
+        raise
     state.count_cp_attn_call()
-    dropout_p = float(dropout_p)
     backend = step.backend_for(q.dtype, dropout_p)
     deterministic = torch.are_deterministic_algorithms_enabled()
     check_ranks_agree(step, q, k)
@@ -583,7 +637,7 @@ def cp_varlen_attention(
         k, v: ``[L, Hkv, D]`` this rank's keys and values (``Hq % Hkv == 0``).
         step: the :class:`~longtrain.blockdiag_cp.step.CPStep` of the row (the same object on every layer).
         softmax_scale: ``None`` -> ``D ** -0.5``.
-        dropout_p: attention dropout.
+        dropout_p: attention dropout in ``[0, 1)`` (``ValueError`` otherwise).
 
     Returns:
         ``[L, Hq, D]``: every real row equals single-device block-causal attention over the whole row; padding rows
@@ -592,7 +646,9 @@ def cp_varlen_attention(
 
     K/V travel by the step's exchange (all-gather, halo or all-to-all-v; none when ``W == 1``), then the step's
     backend runs (``"auto"``: the fastest for the call's dtype). Zero host syncs per call on the all-gather path;
-    the needed-only paths make one all-reduce per call (the post-kernel consensus).
+    the needed-only paths make one all-reduce per call (the post-kernel consensus). Arguments that fail their checks
+    raise ``ValueError``/``TypeError``; on the step's first call with ``W > 1`` the other ranks learn it in the step's
+    check and raise :class:`~.consensus.CPMismatchError` instead of waiting for this rank.
     """
     if isinstance(step, CPStep):
         step.cache["attention_calls"] = True  # hf_cp_batch's context checks that some attention used its step
@@ -674,6 +730,7 @@ def _cp_blockdiag_sdpa_impl(query, key, value, attn_mask, dropout_p, is_causal, 
         step.cache["grad_calls"] = True
     shapes = [tuple(t.shape) for t in (query, key, value)]
     if any(len(s) != 4 or s[0] != 1 or s[2] != step.local_len for s in shapes):
+        refuse_on_every_rank(step)
         raise ValueError(
             f"inside a block-diagonal CP step, cp_blockdiag_sdpa takes this rank's shard [1, heads, {step.local_len}, "
             f"head_dim]; got q/k/v of shapes {shapes}. Attention over other tensors (e.g. a vision tower) should call "

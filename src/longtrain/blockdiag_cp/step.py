@@ -312,6 +312,8 @@ def build_cp_step(
     dev = resolve_device(device if device is not None else doc_ids.device)
     row = doc_ids.reshape(-1)
     full_len = row.numel()
+    if full_len == 0:
+        raise ValueError("doc_ids hold no position (an empty row); a CP step needs a packed row of at least one token")
     if full_len % world:
         raise ValueError(
             f"the packed row has {full_len} positions, not a multiple of the CP world size {world}; pad it with "
