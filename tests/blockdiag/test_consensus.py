@@ -106,6 +106,34 @@ def test_a_rank_failing_its_argument_checks_is_named_on_every_rank_at_once(gloo,
         assert counts == {} and waited < 10.0, (counts, waited)  # no collective; no wait for the bound
 
 
+def _dropout_worker(rank, world):
+    """Dropout on one rank only, with a provider that has no dropout (cudnn, fa4, te, flex on a GPU; simulated here)
+    and a needed-only exchange: that rank would all-gather (the dense fallback keeps dropout) while the others run
+    the preflight all-reduce, and gloo failed after the process group's timeout."""
+    from dataclasses import replace
+
+    from longtrain.blockdiag_cp import providers
+
+    real = providers.PROVIDERS["reference"]
+    providers.PROVIDERS["reference"] = replace(real, dropout=False)
+    try:
+        step = build_cp_step(IDS, dist.group.WORLD, kv_exchange="a2a", attn_backend="reference")
+        q, k = torch.randn(step.local_len, 4, 8), torch.randn(step.local_len, 2, 8)
+        with cm.count_collectives() as counts:
+            cp_varlen_attention(q, k, k, step, dropout_p=0.1 if rank == 0 else 0.0)
+        return ("ok", "", dict(counts))
+    except CPMismatchError as exc:
+        return ("mismatch", str(exc), dict(counts))
+    finally:
+        providers.PROVIDERS["reference"] = real
+
+
+def test_ranks_that_disagree_on_dropout_raise_the_same_error(gloo):
+    results = gloo(_dropout_worker, 2, timeout=60)
+    assert all(r[0] == "mismatch" and "attention dropout" in r[1] and r[2] == {} for r in results), results
+    assert len({r[1] for r in results}) == 1
+
+
 def _agree_worker(rank, world):
     with cm.count_collectives() as counts:
         for _ in range(3):  # three steps; each step's check is one store exchange, no torch.distributed collective

@@ -498,7 +498,8 @@ def _cp_varlen_attention_impl(q, k, v, step, softmax_scale, dropout_p):
     state.count_cp_attn_call()
     backend = step.backend_for(q.dtype, dropout_p)
     deterministic = torch.are_deterministic_algorithms_enabled()
-    check_ranks_agree(step, q, k)
+    # whether dropout is on decides the exchange path (select_kv_exchange_path, rule 3) and, for "auto", the backend
+    check_ranks_agree(step, q, k, knobs=(("attention dropout", "on" if dropout_p > 0 else "off"),))
     if step.world_size == 1:
         return _attend_or_dense(q, k, v, step, backend, softmax_scale, dropout_p, deterministic)
     path, _ = select_kv_exchange_path(step, backend, q.dtype, dropout_p)
