@@ -82,6 +82,12 @@ def test_shard_primary_false_keeps_primary_and_shards_mrope_positions(group_worl
     assert out["position_ids"].tolist() == [[[0, 1, 2, 3]], [[5, 6, 7, 8]], [[10, 11, 12, 13]]]
     _, out, _ = _shard({"input_ids": ids, "position_ids": pos}, 2, 1, shard_primary=False)
     assert out["position_ids"].tolist() == [[[4, 0, 0, 0]], [[9, 0, 0, 0]], [[14, 0, 0, 0]]]
+    # a model that shards its own hidden states takes one range per rank: a balanced plan of pieces is refused
+    # before the batch is touched
+    batch = {"input_ids": ids, "position_ids": pos}
+    with pytest.raises(ValueError, match="shard_primary=False .* sharding is balanced"):
+        _shard(batch, 2, 0, shard_primary=False, sharding="balanced", shard_chunk=1)
+    assert batch["input_ids"] is ids and batch["position_ids"] is pos
 
 
 def test_semantic_fills_and_loss_mask(group_world):

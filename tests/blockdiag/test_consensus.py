@@ -134,6 +134,34 @@ def test_ranks_that_disagree_on_dropout_raise_the_same_error(gloo):
     assert len({r[1] for r in results}) == 1
 
 
+def _nodes_worker(rank, world):
+    """Ranks whose environments answer "does the CP group span nodes" differently (LOCAL_WORLD_SIZE 1 on rank 0, 2
+    on rank 1): rank 0 would all-gather while rank 1 runs the needed-only preflight all-reduce."""
+    import os
+
+    before = os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ["LOCAL_WORLD_SIZE"] = "1" if rank == 0 else "2"
+    step = build_cp_step(IDS, dist.group.WORLD, kv_exchange="a2a", attn_backend="reference")
+    q, k = torch.randn(step.local_len, 4, 8), torch.randn(step.local_len, 2, 8)
+    try:
+        with cm.count_collectives() as counts:
+            cp_varlen_attention(q, k, k, step)
+        return ("ok", "", dict(counts))
+    except CPMismatchError as exc:
+        return ("mismatch", str(exc), dict(counts))
+    finally:  # the harness's worker processes run the next tests
+        if before is None:
+            os.environ.pop("LOCAL_WORLD_SIZE")
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = before
+
+
+def test_ranks_whose_environments_disagree_on_spanning_nodes_raise_the_same_error(gloo):
+    results = gloo(_nodes_worker, 2, timeout=60)
+    assert all(r[0] == "mismatch" and "CP group spans nodes" in r[1] and r[2] == {} for r in results), results
+    assert len({r[1] for r in results}) == 1
+
+
 def _agree_worker(rank, world):
     with cm.count_collectives() as counts:
         for _ in range(3):  # three steps; each step's check is one store exchange, no torch.distributed collective

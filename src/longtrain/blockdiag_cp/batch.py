@@ -338,7 +338,8 @@ def make_cp_blockdiag_batch_and_ctx(
     ``padding_token_id``, ``loss_mask`` 0, ``padding_mask`` True, floats 0.0, everything else 0) and every sequence
     tensor keeps the rows ``[r·L, (r+1)·L)``, ``L = S_full / W``; with one rank nothing is padded or sliced.
     ``shard_primary=False`` leaves the primary stream unsharded (same object) for models that embed the full
-    sequence and shard hidden states themselves. ``sharding``: ``"contiguous"`` (the split above) or
+    sequence and shard hidden states themselves, as one contiguous range per rank (with a balanced plan of several
+    pieces per rank it is a ``ValueError``). ``sharding``: ``"contiguous"`` (the split above) or
     ``"balanced"`` (every rank gets the positions :func:`~longtrain.blockdiag_cp.plan_cp_shards` plans for it, in
     ascending order, so that the ranks' causal attention work is equal; every sequence tensor is gathered with the
     same plan); default: ``configure_cp_varlen(sharding=...)``. ``shard_chunk``: the plan's smallest piece.
@@ -398,6 +399,10 @@ def make_cp_blockdiag_batch_and_ctx(
         raise ValueError(
             "sharding='balanced' does not shard _deepstack_visual_embeds (their visual tokens are sliced by one "
             "contiguous row range); use sharding='contiguous' for this batch"
+        )
+    if not shard_primary:  # the model slices its own hidden states: one contiguous range per rank
+        step.require_contiguous(
+            f"shard_primary=False (the model embeds the whole batch[{primary_key!r}], then shards its hidden states)"
         )
     deepstack = _shard_deepstack(batch, seq_len, full_len, row_offset, local_len)
 

@@ -253,15 +253,11 @@ def varlen_attention(
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _cp_group_spans_nodes(group: Any) -> bool:
-    """Heuristic: the CP group is larger than the ranks of one node (no GPU<->NIC peer-to-peer assumed).
-
-    ``LONGTRAIN_CP_ALLOW_XNODE=1`` answers False (forces needed-only across nodes, for validation). The ranks
-    per node come from ``LOCAL_WORLD_SIZE``, then ``NPROC_PER_NODE``, then the visible CUDA device count.
-    """
+def _spans_nodes(world: int) -> tuple[bool, int]:
+    """``(spans, ranks per node)`` of :func:`_cp_group_spans_nodes` for a group of ``world`` ranks, read from this
+    rank's environment."""
     if os.environ.get(ALLOW_XNODE_ENV) == "1":
-        return False
-    world = torch.distributed.get_world_size(group)
+        return False, 0
     local_ws = 0
     for var in ("LOCAL_WORLD_SIZE", "NPROC_PER_NODE"):
         try:
@@ -275,7 +271,18 @@ def _cp_group_spans_nodes(group: Any) -> bool:
             local_ws = torch.cuda.device_count()
         except Exception:
             local_ws = world
-    spans = local_ws > 0 and world > local_ws
+    return local_ws > 0 and world > local_ws, local_ws
+
+
+def _cp_group_spans_nodes(group: Any) -> bool:
+    """Heuristic: the CP group is larger than the ranks of one node (no GPU<->NIC peer-to-peer assumed).
+
+    ``LONGTRAIN_CP_ALLOW_XNODE=1`` answers False (forces needed-only across nodes, for validation). The ranks
+    per node come from ``LOCAL_WORLD_SIZE``, then ``NPROC_PER_NODE``, then the visible CUDA device count. Each rank
+    reads its own environment; the step's rank check compares the answers (:func:`cp_varlen_attention`).
+    """
+    world = torch.distributed.get_world_size(group)
+    spans, local_ws = _spans_nodes(world)
     if spans:
         _once("xnode", logging.WARNING,
               "block-diagonal CP group of %d ranks spans nodes (%d ranks per node): the needed-only K/V exchange is "
@@ -499,7 +506,12 @@ def _cp_varlen_attention_impl(q, k, v, step, softmax_scale, dropout_p):
     backend = step.backend_for(q.dtype, dropout_p)
     deterministic = torch.are_deterministic_algorithms_enabled()
     # whether dropout is on decides the exchange path (select_kv_exchange_path, rule 3) and, for "auto", the backend
-    check_ranks_agree(step, q, k, knobs=(("attention dropout", "on" if dropout_p > 0 else "off"),))
+    knobs: tuple[tuple[str, object], ...] = (("attention dropout", "on" if dropout_p > 0 else "off"),)
+    if step.world_size > 1 and "ranks_agree:attention" not in step.cache:
+        # read from each rank's environment, it decides the needed-only exchanges' path (select_kv_exchange_path)
+        knobs += ((f"CP group spans nodes (LOCAL_WORLD_SIZE / NPROC_PER_NODE / {ALLOW_XNODE_ENV})",
+                   _spans_nodes(step.world_size)[0]),)  # fmt: skip
+    check_ranks_agree(step, q, k, knobs=knobs)
     if step.world_size == 1:
         return _attend_or_dense(q, k, v, step, backend, softmax_scale, dropout_p, deterministic)
     path, _ = select_kv_exchange_path(step, backend, q.dtype, dropout_p)
