@@ -130,6 +130,18 @@ def test_sparse_mla_reference_gradients_are_finite_and_zero_for_empty_rows():
     assert sink.grad[0] == 0 and sink.grad[1] != 0
 
 
+def test_sparse_mla_reference_nan_sink_makes_its_heads_rows_nan():
+    """A NaN sink is visible, as in sparse_mla_attention: its head's rows are NaN (empty rows too), not the
+    unnormalized weighted sum; the other heads are unaffected."""
+    q, kv = torch.randn(3, 2, 4, dtype=torch.float64), torch.randn(3, 1, 4, dtype=torch.float64)
+    idx = torch.tensor([[0, -1], [0, 1], [-1, -1]])
+    sink = torch.tensor([0.5, math.nan], dtype=torch.float64)
+    out, _ = ref.sparse_mla_reference(q, kv, idx, 0.3, d_v=4, attn_sink=sink)
+    want, _ = ref.sparse_mla_reference(q[:, :1], kv, idx, 0.3, d_v=4, attn_sink=sink[:1])
+    assert torch.isnan(out[:, 1]).all()
+    assert torch.equal(out[:, :1], want)
+
+
 def test_sparse_mla_reference_all_rows_empty_is_zero_not_nan():
     q = torch.randn(3, 2, 4, dtype=torch.float64, requires_grad=True)
     kv = torch.randn(2, 1, 4, dtype=torch.float64, requires_grad=True)

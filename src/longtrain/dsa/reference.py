@@ -237,8 +237,10 @@ def sparse_mla_on_keys(
     denominator = kv_mass
     if attn_sink is not None:
         denominator = kv_mass + torch.exp(attn_sink.to(dtype)[None, :] - shift)
-    nonempty = denominator > 0
-    probs = weights / torch.where(nonempty, denominator, torch.ones_like(denominator))[..., None]
+    # Only an exact 0 (no key, no sink) is replaced: a NaN sink leaves a NaN denominator, so its head's rows are NaN
+    # (as in sparse_mla_attention) rather than the unnormalized weighted sum.
+    empty = denominator == 0
+    probs = weights / torch.where(empty, torch.ones_like(denominator), denominator)[..., None]
     out = torch.einsum("thk,tkd->thd", probs, keys[..., :d_v])
     has_keys = kv_mass > 0
     lse = torch.where(
