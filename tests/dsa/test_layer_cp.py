@@ -304,3 +304,29 @@ def test_a_check_failing_on_one_rank_fails_every_rank(gloo, case):
     field = "local_rows" if case == "uneven_rows" else "checks"
     assert first.startswith("CPMismatchError") and f"CP ranks disagree on {field}" in first, first
     assert second.startswith("ValueError") and second != "no error", second
+
+
+def _one_rank_fails_on_a_step(rank: int, world: int, case: str) -> str:
+    """With ``cp_step=``, rank 1's first DSA call fails its own checks (x of the wrong row count; a shared layer's
+    prev_topk of the wrong shape): it raises its ValueError, and rank 0, which would wait for it in the step's rank
+    check, a CPMismatchError at once."""
+    from longtrain.blockdiag_cp import CPMismatchError, build_cp_step
+    from tests.blockdiag._cp_model import FakeMesh
+
+    step = build_cp_step(torch.tensor([1] * 5 + [2] * 7), FakeMesh(world, rank, dist.group.WORLD))
+    full, shared = _stack(seed=1)
+    rows = step.local_len - 1 if case == "rows" and rank == 1 else step.local_len
+    x, pos = torch.randn(rows, 32, dtype=torch.float64), torch.arange(rows)
+    topk = torch.zeros(rows, 2 if rank == 1 else 3, dtype=torch.int32)
+    try:
+        (full if case == "rows" else shared)(x, pos, cp_step=step, prev_topk=topk)
+    except (CPMismatchError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+@pytest.mark.parametrize("case", ["rows", "prev_topk"])
+def test_a_check_failing_on_one_rank_of_a_cp_step_fails_every_rank(gloo, case):
+    first, second = gloo(_one_rank_fails_on_a_step, 2, case, timeout=60)
+    assert first.startswith("CPMismatchError") and "argument checks" in first, first
+    assert second.startswith("ValueError") and ("rows" in second or "prev_topk" in second), second

@@ -510,42 +510,9 @@ class DSAAttention(nn.Module):
             padding_mask=padding_mask,
         )
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        position_ids: torch.Tensor,
-        cu_seqlens: torch.Tensor | None = None,
-        *,
-        cu_seqlens_padded: torch.Tensor | None = None,
-        padding_mask: torch.Tensor | None = None,
-        metadata: CudnnDsaPackedMetadata | None = None,
-        prev_topk: torch.Tensor | None = None,
-        return_topk: bool = False,
-        cp_group: Any = None,
-        cp_step: Any = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Attend over packed documents.
-
-        Args:
-            x: ``[T, hidden]`` local rows (under CP: this rank's contiguous block of the padded packed sequence).
-            position_ids: ``[T]`` integer position of each row inside its document.
-            cu_seqlens: ``[N+1] int32`` global compact real-token offsets (may be omitted with ``cp_step``).
-            cu_seqlens_padded: optional ``[N+1] int32`` global storage offsets (documents padded for CP).
-            padding_mask: optional ``[T] bool`` local padding rows (True = padding).
-            metadata: optional result of :meth:`prepare_metadata` shared by all layers of the step (saves a
-                synchronization per layer, and under CP a store exchange per layer); when given, ``cu_seqlens``,
-                ``cu_seqlens_padded`` and ``padding_mask`` are not read again.
-            prev_topk: ``[T, K]`` int top-k of the previous full layer; required by shared layers, ignored by
-                full layers.
-            return_topk: also return the top-k used (to thread into following shared layers).
-            cp_group: context-parallel process group (``None`` or size 1: no CP); a shortcut for ``cp_step``.
-            cp_step: the block-diagonal :class:`~longtrain.blockdiag_cp.CPStep` of the row (the same object the
-                block-diagonal layers read): its group, rank and document runs; without ``metadata`` and
-                ``cu_seqlens`` the step's DSA metadata is used (:meth:`metadata_for_step`, built once per step).
-
-        Returns:
-            ``[T, hidden]`` in ``x.dtype``, or ``(out, topk [T, K] int)`` when ``return_topk``. Padding rows give 0.
-        """
+    def _checked_inputs(self, x, position_ids, cu_seqlens, cu_seqlens_padded, padding_mask, metadata, prev_topk,
+                        cp_group, cp_step):  # fmt: skip
+        """forward's checks of its arguments: ``(cp_group, DSAQueryParts, prev_topk, T)`` or a ValueError/TypeError."""
         c = self.config
         if x.dim() != 2 or x.shape[1] != c.hidden_size:
             raise ValueError(f"x must be [T, {c.hidden_size}] (packed THD rows), got {tuple(x.shape)}.")
@@ -593,6 +560,56 @@ class DSAAttention(nn.Module):
                 raise ValueError(
                     f"prev_topk must be [{num_tokens}, {c.index_topk}] (T, index_topk), got {tuple(prev_topk.shape)}."
                 )
+        return cp_group, parts, prev_topk, num_tokens
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        *,
+        cu_seqlens_padded: torch.Tensor | None = None,
+        padding_mask: torch.Tensor | None = None,
+        metadata: CudnnDsaPackedMetadata | None = None,
+        prev_topk: torch.Tensor | None = None,
+        return_topk: bool = False,
+        cp_group: Any = None,
+        cp_step: Any = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Attend over packed documents.
+
+        Args:
+            x: ``[T, hidden]`` local rows (under CP: this rank's contiguous block of the padded packed sequence).
+            position_ids: ``[T]`` integer position of each row inside its document.
+            cu_seqlens: ``[N+1] int32`` global compact real-token offsets (may be omitted with ``cp_step``).
+            cu_seqlens_padded: optional ``[N+1] int32`` global storage offsets (documents padded for CP).
+            padding_mask: optional ``[T] bool`` local padding rows (True = padding).
+            metadata: optional result of :meth:`prepare_metadata` shared by all layers of the step (saves a
+                synchronization per layer, and under CP a store exchange per layer); when given, ``cu_seqlens``,
+                ``cu_seqlens_padded`` and ``padding_mask`` are not read again.
+            prev_topk: ``[T, K]`` int top-k of the previous full layer; required by shared layers, ignored by
+                full layers.
+            return_topk: also return the top-k used (to thread into following shared layers).
+            cp_group: context-parallel process group (``None`` or size 1: no CP); a shortcut for ``cp_step``.
+            cp_step: the block-diagonal :class:`~longtrain.blockdiag_cp.CPStep` of the row (the same object the
+                block-diagonal layers read): its group, rank and document runs; without ``metadata`` and
+                ``cu_seqlens`` the step's DSA metadata is used (:meth:`metadata_for_step`, built once per step).
+
+        Returns:
+            ``[T, hidden]`` in ``x.dtype``, or ``(out, topk [T, K] int)`` when ``return_topk``. Padding rows give 0.
+        """
+        c = self.config
+        try:
+            cp_group, parts, prev_topk, num_tokens = self._checked_inputs(
+                x, position_ids, cu_seqlens, cu_seqlens_padded, padding_mask, metadata, prev_topk, cp_group, cp_step
+            )
+        except (ValueError, TypeError):
+            from longtrain.blockdiag_cp.runtime import refuse_on_every_rank
+            from longtrain.blockdiag_cp.step import CPStep
+
+            if isinstance(cp_step, CPStep):  # the other ranks would wait for this one in the step's rank check
+                refuse_on_every_rank(cp_step, kind="dsa")
+            raise
 
         cos, sin = rope_angles(c, position_ids, x.dtype)
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
