@@ -186,6 +186,8 @@ def test_demo_config_unknown_key(tmp_path, capsys):
         ("max_pad: true\n", "max_pad must be null or an integer >= 0, got True"),
         ("min_doc: 600\nmax_doc: 2000\n", "min_doc=600 is longer than the shortest chapters document (503 tokens)"),
         ("documents: books\nmin_doc: 7000\nmax_doc: 9000\n", "min_doc=7000 is longer than the shortest books"),
+        ("dtype: [bf16]\n", "--dtype must be one of auto, float32, bfloat16; got ['bf16']"),
+        ("model: {dsa: {topk: 4}}\n", "unknown DSAConfig key(s) ['topk']; valid keys: ["),
     ],
     ids=[
         "prewarm-true",
@@ -204,6 +206,8 @@ def test_demo_config_unknown_key(tmp_path, capsys):
         "max-pad-bool",
         "min-doc-over-a-chapter",
         "min-doc-over-a-book",
+        "dtype-list",
+        "model-dsa-bad-key",
     ],  # fmt: skip
 )
 def test_demo_config_sections_checked_before_any_rank_starts(tmp_path, capsys, yaml_text, message, monkeypatch):
@@ -276,6 +280,8 @@ def test_tiny_preset_is_the_dataclass_default():
     d = train.DemoConfig()
     assert d.preset == "tiny"
     assert {k: getattr(d, k) for k in PRESETS["tiny"].defaults()} == PRESETS["tiny"].defaults()
+    with pytest.raises(train.DemoConfigError, match="unknown preset; valid presets"):  # not "unhashable type"
+        train.DemoConfig(preset=["tiny"])
 
 
 def test_dense_baseline_backends_are_accepted_with_h200_32k():

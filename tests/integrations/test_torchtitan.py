@@ -204,6 +204,9 @@ def test_clear_errors():
         attn(q, q, q, attention_masks=tt.varlen_masks(torch.arange(4)[None]), out_transform=lambda o, lse: o)
     with pytest.raises(ValueError, match="is_causal=False"):
         attn(q, q, q, attention_masks=tt.varlen_masks(torch.arange(4)[None]), is_causal=False)
+    # FlexAttention's score_mod would be dropped silently (the scores computed without it): refused
+    with pytest.raises(ValueError, match="score_mod"):
+        attn(q, q, q, attention_masks=tt.varlen_masks(torch.arange(4)[None]), score_mod=lambda s, b, h, i, j: s)
     with pytest.raises(ValueError, match="found no torchtitan inner attention"):
         tt.apply_blockdiag(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match=r"\[B, L\]"):

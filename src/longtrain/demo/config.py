@@ -110,7 +110,7 @@ class DemoConfig:
     """Draw a progress bar on rank 0."""
 
     def __post_init__(self) -> None:
-        if self.preset not in PRESETS:
+        if not isinstance(self.preset, str) or self.preset not in PRESETS:
             raise DemoConfigError(f"--preset {self.preset!r}: unknown preset; valid presets: {', '.join(PRESETS)}")
         for name in ("steps", "seq_len", "cp"):
             value = getattr(self, name)
@@ -127,7 +127,7 @@ class DemoConfig:
             raise DemoConfigError(f"--sharding must be contiguous or balanced, got {self.sharding!r}")
         if self.device not in ("cpu", "cuda", "auto"):
             raise DemoConfigError(f"--device must be one of cpu, cuda, auto; got {self.device!r}")
-        if self.dtype != "auto" and self.dtype not in DTYPES:
+        if not isinstance(self.dtype, str) or (self.dtype != "auto" and self.dtype not in DTYPES):
             raise DemoConfigError(f"--dtype must be one of auto, float32, bfloat16; got {self.dtype!r}")
         if not (_number(self.lr) and math.isfinite(self.lr) and self.lr > 0):
             raise DemoConfigError(f"--lr must be a positive number, got {self.lr!r}")

@@ -139,9 +139,16 @@ class BlockdiagAttention(torch.nn.Module):
         enable_gqa: bool = False,
         out_transform: Callable | None = None,
         is_causal: bool = True,
+        score_mod: Callable | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
         """``q_BLNH [B, L, Hq, D]``, ``k_BLNH/v_BLNH [B, L, Hkv, D]`` -> ``[B, L, Hq, D]`` in q's dtype."""
+        if score_mod is not None:  # FlexAttention's keyword: dropping it would silently change the scores
+            raise ValueError(
+                "BlockdiagAttention computes plain per-document causal attention and cannot apply a FlexAttention "
+                "score_mod; keep torchtitan's FlexAttention on the layers that need one "
+                "(apply_blockdiag(model, skip=...))"
+            )
         if out_transform is not None:
             raise ValueError(
                 "BlockdiagAttention returns no log-sum-exp for an out_transform epilogue; keep torchtitan's "

@@ -14,6 +14,7 @@ Every block is pre-norm: ``x + mixer(RMSNorm(x))`` then ``x + SwiGLU(RMSNorm(x))
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,6 +134,10 @@ class TinyLMConfig:
             rope_theta=self.rope_theta,
             max_position_embeddings=1 << 20,
         )
+        valid = sorted(f.name for f in dataclasses.fields(DSAConfig))
+        unknown = sorted(str(key) for key in self.dsa if key not in valid)
+        if unknown:
+            raise ValueError(f"TinyLMConfig.dsa: unknown DSAConfig key(s) {unknown}; valid keys: {valid}")
         base.update(self.dsa)
         return DSAConfig(**base)
 
