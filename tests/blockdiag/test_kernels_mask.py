@@ -21,6 +21,19 @@ def test_worked_example_two_documents_and_padding():
 
 
 @pytest.mark.parametrize(
+    "row_offset,local_len,full_len,match",
+    [(11, 6, 12, "query rows"), (-2, 6, 12, "query rows"), (0, 6, 14, "full_len"), (0, -1, 12, "query rows")],
+    ids=["chunk-past-end", "negative-offset", "too-many-keys", "negative-length"],
+)
+def test_mask_refuses_rows_or_keys_outside_the_ids(row_offset, local_len, full_len, match):
+    ids = torch.tensor([1, 1, 1, 2, 2, 3, 3, 3, 3, 3, 3, 3])
+    with pytest.raises(ValueError, match=match):
+        kernels._cp_blockdiag_mask(ids, row_offset, local_len, full_len, 1)
+    with pytest.raises(ValueError, match="doc_ids must be"):
+        kernels._cp_blockdiag_mask(ids[None, None], 0, 6, 12, 1)
+
+
+@pytest.mark.parametrize(
     "lengths,pad",
     [([5, 1, 1, 9], 8), ([24], 0), ([1] * 12, 12), ([3, 17], 4), ([7, 8, 9], 0)],
     ids=["mixed", "one_doc", "one_token_docs", "straddle", "no_pad"],

@@ -38,6 +38,19 @@ def blockdiag_mask(
     ``doc[p] == doc[c] > 0 and p >= c`` with ``p = row_offset + i``, or ``p == c``: the diagonal is always
     allowed, so no row is fully masked (a padding row attends to itself; its output is dropped by the labels).
     """
+    if doc_ids.dim() not in (1, 2):
+        raise ValueError(f"doc_ids must be a [B, S] or [S] tensor, got shape {tuple(doc_ids.shape)}")
+    seq_len = doc_ids.shape[-1]
+    # Plain ints only (a tensor offset would sync the host); a chunk past the end would otherwise broadcast a
+    # one-row slice over every query row and return a wrong mask without an error.
+    if isinstance(row_offset, int) and isinstance(local_len, int) and isinstance(full_len, int):
+        if row_offset < 0 or local_len < 0 or row_offset + local_len > seq_len:
+            raise ValueError(
+                f"query rows [{row_offset}, {row_offset + local_len}) must lie inside the doc_ids row of length "
+                f"{seq_len}; pass the full padded row's ids and this rank's row_offset/local_len"
+            )
+        if not 0 <= full_len <= seq_len:
+            raise ValueError(f"full_len={full_len} key columns must be in [0, {seq_len}] (the doc_ids row length)")
     if doc_ids.dim() == 1:
         doc_ids = doc_ids.unsqueeze(0).expand(batch_size, -1)
     device = doc_ids.device
