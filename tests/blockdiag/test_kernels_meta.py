@@ -122,6 +122,20 @@ def test_guard_accepts_valid_meta_and_caches():
     assert kernels._varlen_metadata_unavailable_reason(meta, 4, 12, "cpu") is None  # positional form
 
 
+def test_guard_cache_never_reuses_a_verdict_for_another_tensor():
+    meta = _valid_meta()
+    assert _reason(meta) is None
+    for _ in range(50):  # shallow copies share the cache; a freed cu_q's id is often reused by the next tensor
+        good = dict(meta, cu_q=torch.tensor([0, 2, 4], dtype=torch.int32))
+        assert _reason(good) is None
+        del good
+        bad = dict(meta, cu_q=torch.tensor([0, 1, 4], dtype=torch.int32))
+        assert _reason(bad) is not None
+        del bad
+    meta["cu_q"][1] = 1  # an in-place change is judged again
+    assert _reason(meta) is not None
+
+
 def test_guard_all_padding_returns_none_without_cache():
     meta = {"n_real": 0}
     assert _reason(meta) is None and "_validation_cache" not in meta

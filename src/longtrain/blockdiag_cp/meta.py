@@ -280,7 +280,8 @@ def validate_meta_dict(meta: Any, query_len: int, key_len: int, device: Any) -> 
 
     Never raises. The first full check of a dict copies ``cu_q``/``cu_k`` to the host (one sync); the result is
     cached in ``meta["_validation_cache"]`` (shared by shallow copies made after it exists) under
-    ``(n_real, query_len, key_len, s_first, real_end, max_q, max_k, device, id(cu_q), id(cu_k))``.
+    ``(n_real, query_len, key_len, s_first, real_end, max_q, max_k, device)`` and the identity and version of
+    ``cu_q``/``cu_k`` (the entry keeps the tensors it judged, so a reused id never hits a stale verdict).
     """
     if not isinstance(meta, dict):
         return "missing varlen metadata"
@@ -304,13 +305,25 @@ def validate_meta_dict(meta: Any, query_len: int, key_len: int, device: Any) -> 
         dev = resolve_device(device)
     except (RuntimeError, TypeError, ValueError) as exc:
         return f"invalid device {device!r} ({type(exc).__name__})"
-    sig = (n_real, query_len, key_len, s_first, real_end, max_q, max_k, str(dev), id(meta["cu_q"]), id(meta["cu_k"]))
+    cu_q, cu_k = meta["cu_q"], meta["cu_k"]
+    sig = (n_real, query_len, key_len, s_first, real_end, max_q, max_k, str(dev), *_identity(cu_q), *_identity(cu_k))
     cache = meta.setdefault("_validation_cache", {})
-    if sig in cache:
-        return cache[sig]
+    hit = cache.get(sig)
+    # The entry holds the tensors it judged: an id is only unique while its object lives, and a freed cu_q's id
+    # can be reused by a different tensor in a shallow copy sharing this cache.
+    if hit is not None and hit[0] is cu_q and hit[1] is cu_k:
+        return hit[2]
     reason = _validate_uncached(meta, n_real, query_len, key_len, s_first, real_end, max_q, max_k, dev)
-    cache[sig] = reason
+    cache[sig] = (cu_q, cu_k, reason)
     return reason
+
+
+def _identity(cu: Any) -> tuple:
+    """``(id, version)`` of a cu_seqlens object: an in-place change is a new version (an inference tensor tracks
+    none, so it is keyed by id only)."""
+    if isinstance(cu, torch.Tensor) and not cu.is_inference():
+        return id(cu), cu._version
+    return id(cu), None
 
 
 def _validate_uncached(meta, n_real, query_len, key_len, s_first, real_end, max_q, max_k, dev) -> str | None:
