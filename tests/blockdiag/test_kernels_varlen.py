@@ -214,6 +214,14 @@ def test_unsafe_meta_falls_back():
     assert kernels._cp_blockdiag_varlen(q, k, v, ids, 0, backend="reference", meta=meta) is None
 
 
+def test_meta_of_another_chunk_falls_back_instead_of_attending_wrong_rows():
+    ids = torch.tensor([1, 1, 1, 2, 2, 3, 3, 3, 3, 0, 0, 0])
+    q, k, v, _ = _inputs(2, 2, 6, 12, 4, torch.float64)
+    meta = kernels.precompute_blockdiag_varlen_meta(ids, 0, 6, "cpu")  # built for rows [0, 6)
+    assert kernels._cp_blockdiag_varlen(q, k, v, ids, 0, backend="reference", meta=meta) is not None
+    assert kernels._cp_blockdiag_varlen(q, k, v, ids, 6, backend="reference", meta=meta) is None
+
+
 def test_reference_dropout_changes_output_grads_finite():
     ids = ids_from_lengths([12, 4], 0)
     q, k, v, _ = _inputs(4, 2, 16, 16, 16, torch.float64)

@@ -17,7 +17,10 @@ Differences from the documented behaviour, all deliberate:
   ``flex``, ``reference``, ``auto``); an unknown name is a ``ValueError`` (not "treated as flash"),
   ``"dense"``/``"sdpa"`` return None at once.
 - Metadata validation compares devices with the CUDA index resolved (``cuda`` == ``cuda:0``), also checks
-  ``first_q``/``first_k``/``max_tail`` when present, and keys its cache on the ``cu_q``/``cu_k`` objects too.
+  ``first_q``/``first_k``/``max_tail`` when present, and keys its cache on the ``cu_q``/``cu_k`` objects (and
+  their in-place versions) too; a ``meta`` whose real rows do not end at ``row_offset + n_real`` over a full-sequence
+  K/V (built for another chunk) is unsafe: None.
+- ``_cp_blockdiag_mask`` raises ``ValueError`` for query rows or key columns outside the ``doc_ids`` row.
 - The dense fallback :func:`dense_blockdiag_sdpa` infers GQA whenever ``Hq != Hkv``.
 - ``_CP_FLASH_DETERMINISTIC`` is honoured by every backend with a deterministic mode, and so is
   ``torch.use_deterministic_algorithms(True)``.
@@ -324,6 +327,13 @@ def _cp_blockdiag_varlen(
                 if reason is not None:
                     raise ValueError(f"unsafe varlen metadata: {reason}")
                 m = meta_from_dict(meta)
+                # Real rows are a prefix of the chunk, so a meta over the full sequence ends at row_offset + n_real;
+                # one precomputed for another row_offset would attend other rows' documents (host ints, no sync).
+                if m.n_real and key_len == ids.shape[-1] and m.real_end != int(row_offset) + m.n_real:
+                    raise ValueError(
+                        f"varlen metadata was built for another chunk: its real rows end at {m.real_end}, but "
+                        f"row_offset={int(row_offset)} with n_real={m.n_real} ends at {int(row_offset) + m.n_real}"
+                    )
             else:
                 host = ids[b].detach()[: int(row_offset) + local_len].to("cpu", torch.int64)
                 # As precompute_blockdiag_varlen_meta does: an id in two runs would be split into two documents
