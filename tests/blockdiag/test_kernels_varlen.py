@@ -220,6 +220,11 @@ def test_meta_of_another_chunk_falls_back_instead_of_attending_wrong_rows():
     meta = kernels.precompute_blockdiag_varlen_meta(ids, 0, 6, "cpu")  # built for rows [0, 6)
     assert kernels._cp_blockdiag_varlen(q, k, v, ids, 0, backend="reference", meta=meta) is not None
     assert kernels._cp_blockdiag_varlen(q, k, v, ids, 6, backend="reference", meta=meta) is None
+    # without meta, a chunk running past the ids is refused too (it used to give zeros past the end), and so is the
+    # dense path it falls back to
+    assert kernels._cp_blockdiag_varlen(q, k, v, ids, 8, backend="reference") is None
+    with pytest.raises(ValueError, match="must lie inside the doc_ids row"):
+        kernels.dense_blockdiag_sdpa(q, k, v, ids, 8)
 
 
 def test_reference_dropout_changes_output_grads_finite():

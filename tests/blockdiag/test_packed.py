@@ -94,6 +94,8 @@ def test_hooked_forward_matches_reference_and_patch_is_scoped(ckpt, backend):
     model = Model(ckpt=ckpt)
     assert attach_cp1_packed_varlen_hooks(model) == 1
     assert attach_cp1_packed_varlen_hooks(model) == 0  # no duplicate hooks
+    with pytest.warns(UserWarning, match="nothing was hooked"):  # arming would change nothing: said, not silent
+        assert attach_cp1_packed_varlen_hooks(torch.nn.Sequential(torch.nn.Linear(2, 2))) == 0
     x64, g = cm.make_inputs(ids.numel())
     x = x64.float().requires_grad_()
     enable_cp1_packed_varlen(ids, backend)

@@ -335,6 +335,11 @@ def _cp_blockdiag_varlen(
                         f"row_offset={int(row_offset)} with n_real={m.n_real} ends at {int(row_offset) + m.n_real}"
                     )
             else:
+                if int(row_offset) + local_len > ids.shape[-1]:  # else the slice below would silently stop short
+                    raise ValueError(
+                        f"query rows [{int(row_offset)}, {int(row_offset) + local_len}) run past the doc_ids row of "
+                        f"length {ids.shape[-1]}"
+                    )
                 host = ids[b].detach()[: int(row_offset) + local_len].to("cpu", torch.int64)
                 # As precompute_blockdiag_varlen_meta does: an id in two runs would be split into two documents
                 # here but is one document in the dense mask (ValueError -> None: the dense path, documented result)

@@ -12,6 +12,7 @@ ids are armed is a ``RuntimeError``: its attention would silently cross document
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -178,12 +179,14 @@ def attach_cp1_packed_varlen_hooks(model: torch.nn.Module) -> int:
     A forward pre-hook enters the packed SDPA function mode; a forward post-hook (``always_call=True``: also when
     the forward raises) leaves it. For a ``CheckpointWrapper`` the wrapped module is hooked, so
     activation-checkpoint recompute (which re-runs the inner forward) is covered too. Attaching twice does not
-    add duplicate hooks.
+    add duplicate hooks. A model with no such submodule gets a ``UserWarning``: arming the path would then change
+    nothing, and its attention would cross the documents.
     """
-    hooked = 0
+    hooked = found = 0
     for name, module in model.named_modules():
         if not name.endswith("self_attn"):
             continue
+        found += 1
         target = getattr(module, "_checkpoint_wrapped_module", module)
         if getattr(target, "_longtrain_cp1_hooked", False):
             continue
@@ -191,4 +194,12 @@ def attach_cp1_packed_varlen_hooks(model: torch.nn.Module) -> int:
         target.register_forward_hook(_post_hook, with_kwargs=True, always_call=True)
         target._longtrain_cp1_hooked = True
         hooked += 1
+    if not found:
+        warnings.warn(
+            f"attach_cp1_packed_varlen_hooks: {type(model).__name__} has no submodule whose name ends in 'self_attn', "
+            "so nothing was hooked and enable_cp1_packed_varlen will not make its attention block-diagonal (it would "
+            "cross the documents). Call cp_varlen_attention / varlen_attention from the attention module instead, or "
+            "use the batch builder's step with cp_blockdiag_sdpa",
+            stacklevel=2,
+        )
     return hooked
