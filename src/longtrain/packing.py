@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 __all__ = ["BENCH_LAYOUTS", "doc_lengths", "doc_starts_from_positions", "ids_from_lengths", "positions_from_lengths"]
@@ -21,22 +23,54 @@ BENCH_LAYOUTS = {"long": (512, 8192, 1), "short": (64, 2048, 2)}
 
 def doc_lengths(total: int, lo: int, hi: int, seed: int) -> list[int]:
     """Document lengths from ``U[lo, hi]`` (torch generator ``seed``) filling exactly ``total`` tokens."""
+    if any(_index(x) is None for x in (total, lo, hi)) or total < 0 or not 0 <= lo <= hi or hi < 1:
+        raise ValueError(
+            "doc_lengths needs ints total >= 0 and 0 <= lo <= hi with hi >= 1, "
+            f"got total={total!r}, lo={lo!r}, hi={hi!r}"
+        )
     gen = torch.Generator().manual_seed(seed)
     lengths: list[int] = []
-    while sum(lengths) < total:
+    filled = 0  # a running sum: re-summing the list per draw made many short documents quadratic
+    while filled < total:
         lengths.append(int(torch.randint(lo, hi + 1, (1,), generator=gen)))
-    lengths[-1] -= sum(lengths) - total
+        filled += lengths[-1]
+    if lengths:
+        lengths[-1] -= filled - total
     return [n for n in lengths if n > 0]
+
+
+def _index(value) -> int | None:
+    """``value`` as an int when it is an integer (Python, NumPy or a 0-d integer tensor; not a bool), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _checked(lengths, pad: int) -> list[int]:
+    """``lengths`` as non-negative ints, ``pad`` a non-negative int; else a ``ValueError`` (a float length would be
+    truncated by one helper and rounded up by the other, giving ids and positions of different rows)."""
+    values = lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths
+    out = [] if isinstance(values, (str, bytes)) else [_index(n) for n in values]
+    if isinstance(values, (str, bytes)) or any(n is None or n < 0 for n in out):
+        raise ValueError(f"lengths must be non-negative ints (document lengths in tokens), got {lengths!r}")
+    if _index(pad) is None or pad < 0:
+        raise ValueError(f"pad must be a non-negative int (padding positions after the documents), got {pad!r}")
+    return out
 
 
 def ids_from_lengths(lengths: list[int], pad: int = 0) -> torch.Tensor:
     """``[sum(lengths) + pad] int64``: document ``i + 1`` repeated ``lengths[i]`` times, then ``pad`` zeros."""
+    lengths = _checked(lengths, pad)
     ids = torch.repeat_interleave(torch.arange(1, len(lengths) + 1), torch.tensor(lengths, dtype=torch.long))
     return torch.cat([ids, torch.zeros(pad, dtype=torch.long)])
 
 
 def positions_from_lengths(lengths: list[int], pad: int = 0) -> torch.Tensor:
     """``[sum(lengths) + pad] int64`` positions restarting at 0 per document (the padding tail counts from 0)."""
+    lengths = _checked(lengths, pad)
     parts = [torch.arange(n) for n in lengths] + [torch.arange(pad)]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
@@ -69,6 +103,8 @@ def doc_starts_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
     else:
         plane = pos[0] if pos.dim() == 3 else pos
         plane = plane.reshape(1, -1) if plane.dim() == 1 else plane
+        if not plane.dtype.is_floating_point:  # unsigned differences wrap: uint8 255 -> 0 would read as "+1"
+            plane = plane.long()
         starts = torch.ones_like(plane, dtype=torch.bool)
         starts[:, 1:] = plane[:, 1:] - plane[:, :-1] != 1
     starts[:, :1] = True

@@ -211,3 +211,33 @@ def test_errors_and_padding():
         plan_cp_shards([8, -1], 1)
     with pytest.raises(ValueError, match="world_size must be a positive int"):
         plan_cp_shards([8], 0)
+
+
+@pytest.mark.parametrize(
+    "doc_lens",
+    [[1.5, 2], torch.tensor([3.7, 1.2]), "123", [True, 3], [[1, 2]], torch.tensor([[2, 2]]), None],
+    ids=["float", "float-tensor", "str", "bool", "nested", "2d-tensor", "none"],
+)
+def test_non_integer_doc_lens_are_refused(doc_lens):
+    """A length int() would truncate (1.5 -> 1) planned a row of a different length; now a ValueError naming it."""
+    with pytest.raises(ValueError, match="doc_lens must be document lengths"):
+        plan_cp_shards(doc_lens, 2)
+
+
+def test_integer_doc_lens_of_any_container():
+    for doc_lens in ([3, 4], (3, 4), torch.tensor([3, 4], dtype=torch.int32)):
+        assert plan_cp_shards(doc_lens, 2).doc_lens == (3, 4)
+    assert plan_cp_shards(torch.tensor([]), 2, pad=2).seq_len == 2
+
+
+def test_gather_and_unshard_refuse_wrong_lengths():
+    """Parts of the wrong length that still sum to the row, and a row of the wrong length, are errors, not rows
+    silently assigned to the wrong positions."""
+    plan = plan_cp_shards([5, 300, 7], 2, chunk=2)
+    row = torch.arange(float(plan.seq_len))
+    parts = [plan.gather(row, r, dim=0) for r in range(2)]
+    with pytest.raises(ValueError, match="local rows along dim 0, got 157 for rank 0"):
+        plan.unshard([torch.cat([parts[0], parts[1][:1]]), parts[1][1:]], dim=0)
+    for wrong in (row[:-1], torch.cat([row, row[:1]])):
+        with pytest.raises(ValueError, match="whole padded row"):
+            plan.gather(wrong, 1, dim=0)

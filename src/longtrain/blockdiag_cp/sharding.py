@@ -20,6 +20,7 @@ listed in ascending order; :attr:`CPShardPlan.pieces` gives them as ranges.
 from __future__ import annotations
 
 import bisect
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,7 +91,13 @@ class CPShardPlan:
 
     def gather(self, tensor: torch.Tensor, rank: int, dim: int = 1) -> torch.Tensor:
         """``tensor``'s rows of ``rank`` along ``dim`` (the full row -> this rank's local tensor, in local order);
-        a view when the rank's positions are one range."""
+        a view when the rank's positions are one range. ``tensor`` must hold the padded row's ``seq_len`` positions
+        along ``dim``."""
+        if tensor.shape[dim] != self.seq_len:
+            raise ValueError(
+                f"gather takes the whole padded row ({self.seq_len} positions) along dim {dim}, got a tensor of shape "
+                f"{tuple(tensor.shape)}; pad the row to plan.seq_len first (plan.pad positions after the documents)"
+            )
         ranges = self.pieces[rank]
         if len(ranges) == 1:
             a, b = ranges[0]
@@ -102,6 +109,12 @@ class CPShardPlan:
         """Every rank's local tensor (in rank order, local order along ``dim``) -> the tensor in row order."""
         if len(parts) != self.world_size:
             raise ValueError(f"unshard takes one tensor per rank ({self.world_size}), got {len(parts)}")
+        for r, part in enumerate(parts):
+            if part.shape[dim] != self.local_len:
+                raise ValueError(
+                    f"unshard takes every rank's {self.local_len} local rows along dim {dim}, got {part.shape[dim]} "
+                    f"for rank {r} (shape {tuple(part.shape)})"
+                )
         joined = torch.cat(list(parts), dim=dim)
         if joined.shape[dim] != self.seq_len:
             raise ValueError(f"the parts hold {joined.shape[dim]} positions along dim {dim}, the row {self.seq_len}")
@@ -130,6 +143,28 @@ def causal_work_of(doc_lens: list[int], ranges) -> int:
     return total
 
 
+def _doc_lens(doc_lens) -> list[int]:
+    """``doc_lens`` as a list of ints; a float, bool, string or nested length is a ``ValueError`` (``int()`` would
+    truncate ``1.5`` to a plan of a different row)."""
+    what = "doc_lens must be document lengths in tokens (a list or 1-D tensor of ints)"
+    if isinstance(doc_lens, torch.Tensor):
+        integer = not (doc_lens.dtype.is_floating_point or doc_lens.dtype.is_complex or doc_lens.dtype == torch.bool)
+        if doc_lens.dim() != 1 or not (integer or doc_lens.numel() == 0):
+            raise ValueError(f"{what}, got a {doc_lens.dim()}-D {doc_lens.dtype} tensor")
+        return [int(n) for n in doc_lens.reshape(-1).tolist()]
+    if isinstance(doc_lens, (str, bytes)) or not hasattr(doc_lens, "__iter__"):
+        raise ValueError(f"{what}, got {type(doc_lens).__name__} {doc_lens!r}")
+    lens = []
+    for n in doc_lens:
+        try:
+            if isinstance(n, bool):
+                raise TypeError
+            lens.append(operator.index(n))
+        except TypeError:
+            raise ValueError(f"{what}, got {n!r} among them") from None
+    return lens
+
+
 def _check(doc_lens, world_size: int, sharding: str, chunk: int, pad: int) -> list[int]:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -139,7 +174,7 @@ def _check(doc_lens, world_size: int, sharding: str, chunk: int, pad: int) -> li
         raise ValueError(f"chunk must be a positive int (tokens), got {chunk!r}")
     if isinstance(pad, bool) or not isinstance(pad, int) or pad < 0:
         raise ValueError(f"pad must be a non-negative int (padding positions after the documents), got {pad!r}")
-    lens = [int(n) for n in (doc_lens.tolist() if isinstance(doc_lens, torch.Tensor) else doc_lens)]
+    lens = _doc_lens(doc_lens)
     if any(n < 0 for n in lens):
         raise ValueError(f"doc_lens must be non-negative, got {lens}")
     return lens
@@ -163,7 +198,9 @@ def plan_cp_shards(
         sharding: ``"contiguous"`` (rank ``r`` owns ``[r L, (r+1) L)``: the seed's split) or ``"balanced"`` (module
             docstring).
         chunk: the smallest piece, in tokens, a balanced plan cuts a document into (documents shorter than
-            ``2 W chunk`` stay whole); kernels stay efficient on pieces of 128 tokens and more.
+            ``4 chunk`` stay whole, shorter than ``2 W chunk`` go over fewer ranks; a document no rank has room for is
+            split at the ranks' room, which can leave smaller pieces); kernels stay efficient on pieces of 128 tokens
+            and more.
         pad: padding positions after the last document (at least; grown to make ``S`` a multiple of ``W``).
 
     Returns:
