@@ -140,6 +140,16 @@ def test_demo_bad_options_fail_fast(args, message, capsys):
     assert message in out.err and "parity:" not in out.out
 
 
+def test_demo_unreadable_config_fails_fast(tmp_path, capsys):
+    """A folder or a non-UTF-8 file as --config raised IsADirectoryError / UnicodeDecodeError tracebacks."""
+    binary = tmp_path / "demo.yaml"
+    binary.write_bytes(b"\xff\xfe\x00steps: 1")
+    for path, message in ((tmp_path, "is a folder"), (binary, "not UTF-8 text")):
+        assert _cli(["demo", "--config", str(path)]) == 2
+        out = capsys.readouterr()
+        assert message in out.err and "parity:" not in out.out
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error messages")
 @pytest.mark.parametrize(
     "args, message",

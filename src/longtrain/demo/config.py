@@ -192,6 +192,12 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
         data = yaml.safe_load(Path(path).read_text()) or {}
     except FileNotFoundError:
         raise DemoConfigError(f"--config {path}: no such file") from None
+    except IsADirectoryError:
+        raise DemoConfigError(f"--config {path}: is a folder; pass a YAML file") from None
+    except OSError as exc:
+        raise DemoConfigError(f"--config {path}: cannot be read ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise DemoConfigError(f"--config {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except yaml.YAMLError as exc:
         raise DemoConfigError(f"--config {path}: not valid YAML ({exc})") from None
     if not isinstance(data, dict):
