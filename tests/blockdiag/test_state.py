@@ -117,6 +117,17 @@ def test_invalid_configure_changes_nothing():
     assert state.cp_varlen_runtime_config() == before
 
 
+@pytest.mark.parametrize(
+    "timeout", [-1, 0, float("nan"), "5", True, 10**400], ids=["neg", "zero", "nan", "str", "bool", "huge-int"]
+)
+def test_bad_step_timeout_is_a_value_error(timeout):
+    """10**400 raised a bare OverflowError from float()."""
+    before = state.cp_varlen_runtime_config()
+    with pytest.raises(ValueError, match="step_timeout_s must be a positive number"):
+        state.configure_cp_varlen(step_timeout_s=timeout)
+    assert state.cp_varlen_runtime_config() == before
+
+
 def test_known_but_unprovided_backend_is_refused(monkeypatch):
     monkeypatch.setattr(providers, "PROVIDERS", {n: providers.PROVIDERS[n] for n in ("flash", "reference")})
     with pytest.raises(ValueError, match="does not provide"):

@@ -208,7 +208,11 @@ def step_timeout_s() -> float | None:
 def _check_timeout(value: Any) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value != value:
+    try:  # float(): an int past the float range (10**400) raised OverflowError here
+        ok = not isinstance(value, bool) and isinstance(value, (int, float)) and float(value) > 0
+    except OverflowError:
+        ok = False
+    if not ok:
         raise ValueError(f"step_timeout_s must be a positive number of seconds or None, got {value!r}")
     return float(value)
 
