@@ -555,7 +555,8 @@ def _cp_varlen_attention_impl(q, k, v, step, softmax_scale, dropout_p):
     raise consensus.CPStepError(
         f"needed-only CP {path} exchange completed, but the {backend} varlen kernel failed on at least one CP rank; "
         "all ranks are refusing an unsafe post-exchange full-allgather fallback (the all-gather exchange, "
-        "configure_cp_varlen(kv_exchange='allgather'), can fall back to the dense mask per rank)"
+        "configure_cp_varlen(**{**cp_varlen_runtime_config(), 'kv_exchange': 'allgather'}), can fall back to the "
+        "dense mask per rank)"
     )
 
 
@@ -629,8 +630,8 @@ def _cp_pieces_attention(q, k, v, step: CPStep, path: str, backend: str, scale, 
         return out
     raise consensus.CPStepError(
         f"balanced CP {path} exchange completed, but the {backend} varlen kernel failed on at least one CP rank; "
-        "every rank raises this error (the all-gather exchange, configure_cp_varlen(kv_exchange='allgather'), lets "
-        "each rank fall back on its own)"
+        "every rank raises this error (the all-gather exchange, configure_cp_varlen(**{**cp_varlen_runtime_config(), "
+        "'kv_exchange': 'allgather'}), lets each rank fall back on its own)"
     )
 
 

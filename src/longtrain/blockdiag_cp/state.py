@@ -240,7 +240,8 @@ def configure_cp_varlen(
     ``shard_chunk`` its smallest piece. Every value is validated before anything changes, so an invalid value leaves
     the knobs untouched. Returns the previous settings:
     ``configure_cp_varlen(**previous)`` restores them exactly. A step already built keeps the snapshot taken when it
-    was built.
+    was built. Every call sets every knob (one it does not name takes its default, as in the documented module); to
+    change one and keep the others: ``configure_cp_varlen(**{**cp_varlen_runtime_config(), "kv_exchange": ...})``.
     """
     global _ATTN_BACKEND, _KV_EXCHANGE
     backend = require_provided(normalize_attn_backend(attn_backend))
