@@ -118,8 +118,8 @@ class DemoConfig:
                 raise DemoConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
         if self.seq_len % (2 * self.cp):
             raise DemoConfigError(
-                f"--seq-len {self.seq_len} is not divisible by 2 * cp = {2 * self.cp}: contiguous CP sharding splits "
-                f"the row into 2 * cp equal chunks; use e.g. --seq-len {self.seq_len + (-self.seq_len) % (2 * self.cp)}"
+                f"--seq-len {self.seq_len} is not divisible by 2 * cp = {2 * self.cp}: the demo's rows are split into "
+                f"2 * cp equal chunks (both shardings); e.g. --seq-len {self.seq_len + (-self.seq_len) % (2 * self.cp)}"
             )
         if self.seq_len < 16:
             raise DemoConfigError(f"--seq-len must be at least 16, got {self.seq_len}")
