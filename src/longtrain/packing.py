@@ -15,7 +15,14 @@ import operator
 
 import torch
 
-__all__ = ["BENCH_LAYOUTS", "doc_lengths", "doc_starts_from_positions", "ids_from_lengths", "positions_from_lengths"]
+__all__ = [
+    "BENCH_LAYOUTS",
+    "as_index",
+    "doc_lengths",
+    "doc_starts_from_positions",
+    "ids_from_lengths",
+    "positions_from_lengths",
+]
 
 #: The documented benchmark layouts: name -> (lo, hi, seed) of :func:`doc_lengths`.
 BENCH_LAYOUTS = {"long": (512, 8192, 1), "short": (64, 2048, 2)}
@@ -23,7 +30,7 @@ BENCH_LAYOUTS = {"long": (512, 8192, 1), "short": (64, 2048, 2)}
 
 def doc_lengths(total: int, lo: int, hi: int, seed: int) -> list[int]:
     """Document lengths from ``U[lo, hi]`` (torch generator ``seed``) filling exactly ``total`` tokens."""
-    if any(_index(x) is None for x in (total, lo, hi)) or total < 0 or not 0 <= lo <= hi or hi < 1:
+    if any(as_index(x) is None for x in (total, lo, hi)) or total < 0 or not 0 <= lo <= hi or hi < 1:
         raise ValueError(
             "doc_lengths needs ints total >= 0 and 0 <= lo <= hi with hi >= 1, "
             f"got total={total!r}, lo={lo!r}, hi={hi!r}"
@@ -39,7 +46,7 @@ def doc_lengths(total: int, lo: int, hi: int, seed: int) -> list[int]:
     return [n for n in lengths if n > 0]
 
 
-def _index(value) -> int | None:
+def as_index(value: object) -> int | None:
     """``value`` as an int when it is an integer (Python, NumPy or a 0-d integer tensor; not a bool), else None."""
     if isinstance(value, bool):
         return None
@@ -53,10 +60,10 @@ def _checked(lengths, pad: int) -> list[int]:
     """``lengths`` as non-negative ints, ``pad`` a non-negative int; else a ``ValueError`` (a float length would be
     truncated by one helper and rounded up by the other, giving ids and positions of different rows)."""
     values = lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths
-    out = [] if isinstance(values, (str, bytes)) else [_index(n) for n in values]
+    out = [] if isinstance(values, (str, bytes)) else [as_index(n) for n in values]
     if isinstance(values, (str, bytes)) or any(n is None or n < 0 for n in out):
         raise ValueError(f"lengths must be non-negative ints (document lengths in tokens), got {lengths!r}")
-    if _index(pad) is None or pad < 0:
+    if as_index(pad) is None or pad < 0:
         raise ValueError(f"pad must be a non-negative int (padding positions after the documents), got {pad!r}")
     return out
 

@@ -20,11 +20,12 @@ listed in ascending order; :attr:`CPShardPlan.pieces` gives them as ranges.
 from __future__ import annotations
 
 import bisect
-import operator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from longtrain.packing import as_index
 
 __all__ = ["CPShardPlan", "RankPass", "RankPieces", "SHARDING_MODES", "causal_work_of", "plan_cp_shards", "rank_pieces"]
 
@@ -154,14 +155,10 @@ def _doc_lens(doc_lens) -> list[int]:
         return [int(n) for n in doc_lens.reshape(-1).tolist()]
     if isinstance(doc_lens, (str, bytes)) or not hasattr(doc_lens, "__iter__"):
         raise ValueError(f"{what}, got {type(doc_lens).__name__} {doc_lens!r}")
-    lens = []
-    for n in doc_lens:
-        try:
-            if isinstance(n, bool):
-                raise TypeError
-            lens.append(operator.index(n))
-        except TypeError:
-            raise ValueError(f"{what}, got {n!r} among them") from None
+    items = list(doc_lens)
+    lens = [as_index(n) for n in items]
+    if None in lens:
+        raise ValueError(f"{what}, got {items[lens.index(None)]!r} among them")
     return lens
 
 
